@@ -1,0 +1,30 @@
+# Everything sets itself up: a virtual environment in .venv with the package installed
+# in editable mode (which compiles the C parts) and the test dependencies.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+C_SOURCES := $(shell find csrc shim -name '*.[ch]' 2>/dev/null)
+
+.PHONY: venv build test demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py tools/build_c.py src/vgpu/_region_build.py $(C_SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel cffi
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[test]'
+	touch $@
+
+build: venv
+
+test: venv
+	$(BIN)/python -m pytest tests -q
+
+demo: venv
+	$(BIN)/python examples/demo.py
+
+bench: venv
+	$(BIN)/python -m pytest bench -q --benchmark-only -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build src/vgpu/_lib src/vgpu/_region*.so src/*.egg-info

@@ -1,0 +1,127 @@
+/* nvml_abi.h — the slice of the NVML ABI that vgpu's C parts use.
+ *
+ * Written from the public nvml.h documentation and checked against the ctypes layouts
+ * of NVIDIA's nvidia-ml-py (pynvml), so that simgpu and the shim build without the
+ * driver's headers.  Types are the C types nvml.h uses (unsigned int, unsigned long
+ * long), so a hook declared with them matches the real prototype exactly.
+ */
+#ifndef VGPU_NVML_ABI_H
+#define VGPU_NVML_ABI_H
+
+/* === return codes === */
+typedef enum nvmlReturn_enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
+    NVML_ERROR_ALREADY_INITIALIZED = 5,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
+    NVML_ERROR_OPERATING_SYSTEM = 17,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+    NVML_ERROR_IN_USE = 19,
+    NVML_ERROR_MEMORY = 20,
+    NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_DEPRECATED = 26,
+    NVML_ERROR_NOT_READY = 27,
+    NVML_ERROR_GPU_NOT_FOUND = 28,
+    NVML_ERROR_INVALID_STATE = 29,
+    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30,
+    NVML_ERROR_UNKNOWN = 999,
+} nvmlReturn_t;
+
+/* === handles and constants === */
+typedef struct nvmlDevice_st *nvmlDevice_t;
+
+#define NVML_INIT_FLAG_NO_GPUS 1u
+#define NVML_INIT_FLAG_NO_ATTACH 2u
+
+#define NVML_DEVICE_UUID_BUFFER_SIZE 80
+#define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96
+#define NVML_DEVICE_NAME_BUFFER_SIZE 64
+#define NVML_DEVICE_NAME_V2_BUFFER_SIZE 96
+#define NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE 80
+#define NVML_SYSTEM_NVML_VERSION_BUFFER_SIZE 80
+
+/* usedGpuMemory when the driver cannot tell (nvml.h writes it as (-1)) */
+#define NVML_VALUE_NOT_AVAILABLE (-1)
+#define NVML_VALUE_NOT_AVAILABLE_ULL ((unsigned long long)NVML_VALUE_NOT_AVAILABLE)
+#define NVML_VALUE_NOT_AVAILABLE_UINT ((unsigned int)NVML_VALUE_NOT_AVAILABLE)
+
+/* Versioned structs carry sizeof(struct) | version << 24 in their first field. */
+#define NVML_STRUCT_VERSION(data, ver) \
+    (unsigned int)(sizeof(nvml##data##_v##ver##_t) | ((unsigned int)(ver) << 24))
+
+/* === memory === */
+typedef struct nvmlMemory_st {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct nvmlMemory_v2_st {
+    unsigned int version;          /* nvmlMemory_v2 */
+    unsigned long long total;
+    unsigned long long reserved;   /* held by the driver and firmware */
+    unsigned long long free;
+    unsigned long long used;       /* excludes reserved */
+} nvmlMemory_v2_t;
+
+#define nvmlMemory_v2 NVML_STRUCT_VERSION(Memory, 2)   /* 0x02000028 */
+
+/* === utilization === */
+typedef struct nvmlUtilization_st {
+    unsigned int gpu;      /* percent of the sample period a kernel was running */
+    unsigned int memory;   /* percent of it device memory was read or written */
+} nvmlUtilization_t;
+
+typedef struct nvmlProcessUtilizationSample_st {
+    unsigned int pid;
+    unsigned long long timeStamp;   /* CPU timestamp, microseconds */
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+/* === running processes === */
+/* nvmlDeviceGet*RunningProcesses (unsuffixed) */
+typedef struct nvmlProcessInfo_v1_st {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+/* _v2 and _v3 both take this layout.  The R535 headers briefly gave _v3 a struct with
+ * usedGpuCcProtectedMemory appended; later headers moved that one to
+ * nvmlProcessDetail_v1_t (nvmlDeviceGetRunningProcessDetailList) and put _v3 back on
+ * this layout, which is what nvidia-ml-py passes to _v3. */
+typedef struct nvmlProcessInfo_v2_st {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;       /* NVML_VALUE_NOT_AVAILABLE_UINT outside MIG */
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_v2_t, nvmlProcessInfo_t;
+
+typedef struct nvmlProcessDetail_v1_st {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+
+#endif

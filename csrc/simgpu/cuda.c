@@ -1,0 +1,2461 @@
+/* simgpu libcuda.so.1: a stand-in CUDA driver for machines without a GPU.
+ *
+ * Device memory is ordinary host memory (lazily touched anonymous mappings), accounted
+ * node-wide in the shared node file, so CUdeviceptr values are host addresses and copies
+ * round-trip.  Kernels take simulated time on each device's serial timeline (node.c):
+ * a function named sim_<N>us runs N microseconds per wave of blocks, a wave being as many
+ * blocks as the device has SMs; other names take SIMGPU_DEFAULT_KERNEL_US.  Launches
+ * return at once; synchronisation sleeps until the timeline says the work is done.
+ *
+ * Entry points follow the public ABI: exported names with their _v2/_ptds/_ptsz suffixes,
+ * and cuGetProcAddress(_v2) resolving (name, cudaVersion, flags) over the full list of
+ * known ABIs (cuda_entry_points.h).  Known entry points that simgpu does not implement
+ * resolve to a function that returns CUDA_ERROR_NOT_SUPPORTED; unknown names are not found.
+ */
+#define _GNU_SOURCE
+#include "cuda_abi.h"
+#include "cuda_entry_points.h"
+#include "simgpu/node.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define DRIVER_VERSION 13000
+#define VMM_GRANULARITY (2u << 20)
+#define PITCH_ALIGNMENT 512
+
+/* === handles ===
+ * Every handle the driver gives out is a slot of one arena, so a handle can be checked
+ * (in range, slot aligned, right kind, alive) without ever dereferencing a wild pointer. */
+
+enum kind { K_FREE = 0, K_CTX, K_STREAM, K_EVENT, K_MODULE, K_FUNCTION, K_LIBRARY, K_POOL,
+            K_ARRAY, K_GRAPH, K_GRAPH_NODE, K_GRAPH_EXEC, K_VMM };
+
+#define ARENA_SLOT 256
+#define ARENA_SLOTS 65536
+
+struct hdr { uint32_t kind; uint32_t magic; };
+#define HANDLE_MAGIC 0x53494d47u
+
+struct vgpu_ctx {
+    struct hdr h;
+    int dev;
+    int primary;
+    unsigned flags;
+    int refs;
+    uint64_t last_end;          /* end of the latest work this context queued */
+    struct vgpu_stream *null_stream;
+};
+
+struct vgpu_stream {
+    struct hdr h;
+    struct vgpu_ctx *ctx;
+    unsigned flags;
+    int priority;
+    pthread_mutex_t lock;
+    uint64_t last_end;
+    uint64_t *pending;          /* ring of end times: the bounded launch queue */
+    unsigned pending_head, pending_count;
+    struct vgpu_graph *capture; /* non-NULL while capturing */
+};
+
+struct vgpu_event {
+    struct hdr h;
+    unsigned flags;
+    int recorded;
+    uint64_t t;
+};
+
+struct vgpu_function {
+    struct hdr h;
+    uint64_t us_per_wave;
+    struct vgpu_function *next;   /* module's list */
+    char name[160];
+};
+
+struct vgpu_module {
+    struct hdr h;
+    struct vgpu_function *functions;
+};
+struct vgpu_library {
+    struct hdr h;
+    struct vgpu_module *module;
+};
+
+struct vgpu_mempool { struct hdr h; int dev; };
+
+struct vgpu_array {
+    struct hdr h;
+    int dev;
+    uint64_t size;
+    void *data;
+};
+
+struct kernel_node { struct vgpu_function *fn; uint64_t blocks; };
+struct vgpu_graph {
+    struct hdr h;
+    struct kernel_node *nodes;
+    size_t count, cap;
+};
+struct vgpu_graph_node { struct hdr h; struct vgpu_graph *graph; };
+struct vgpu_graph_exec {
+    struct hdr h;
+    int dev;
+    uint64_t duration_ns;
+    size_t kernels;
+};
+
+struct vgpu_vmm {               /* a cuMemCreate allocation */
+    struct hdr h;
+    int dev;
+    int fd;                     /* memfd: every mapping of the handle shares its pages */
+    uint64_t size;
+    int released;
+    int mappings;
+};
+
+_Static_assert(sizeof(struct vgpu_ctx) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_stream) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_function) <= ARENA_SLOT, "arena slot");
+
+static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *arena;
+static size_t arena_used;
+static void *arena_free_list;
+
+static void *handle_new(enum kind k)
+{
+    pthread_mutex_lock(&arena_lock);
+    if (!arena) {
+        void *m = mmap(NULL, (size_t)ARENA_SLOT * ARENA_SLOTS, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        arena = m == MAP_FAILED ? NULL : m;
+    }
+    void *p = NULL;
+    if (arena_free_list) {
+        p = arena_free_list;
+        arena_free_list = *(void **)((char *)p + sizeof(struct hdr));
+    } else if (arena && arena_used < ARENA_SLOTS) {
+        p = arena + ARENA_SLOT * arena_used++;
+    }
+    if (p) {
+        memset(p, 0, ARENA_SLOT);
+        ((struct hdr *)p)->kind = k;
+        ((struct hdr *)p)->magic = HANDLE_MAGIC;
+    }
+    pthread_mutex_unlock(&arena_lock);
+    return p;
+}
+
+static void handle_free(void *p)
+{
+    pthread_mutex_lock(&arena_lock);
+    ((struct hdr *)p)->kind = K_FREE;
+    ((struct hdr *)p)->magic = 0;
+    *(void **)((char *)p + sizeof(struct hdr)) = arena_free_list;
+    arena_free_list = p;
+    pthread_mutex_unlock(&arena_lock);
+}
+
+static int handle_ok(const void *p, enum kind k)
+{
+    const char *c = p;
+    if (!arena || c < arena || c >= arena + (size_t)ARENA_SLOT * ARENA_SLOTS ||
+        (size_t)(c - arena) % ARENA_SLOT)
+        return 0;
+    const struct hdr *h = p;
+    return h->magic == HANDLE_MAGIC && h->kind == (uint32_t)k;
+}
+
+/* === init, driver, devices === */
+
+static int initialized;
+static __thread int tls_per_thread;   /* set by _ptds/_ptsz entry points */
+
+#define REQUIRE_INIT()                                                        \
+    do {                                                                      \
+        if (!__atomic_load_n(&initialized, __ATOMIC_ACQUIRE))                 \
+            return CUDA_ERROR_NOT_INITIALIZED;                                \
+    } while (0)
+
+static int ndevices(void) { return (int)simgpu_node()->device_count; }
+static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
+
+/* Run `call` as the per-thread-default-stream variant of an entry point. */
+#define PER_THREAD(call)          \
+    do {                          \
+        tls_per_thread = 1;       \
+        CUresult r_ = (call);     \
+        tls_per_thread = 0;       \
+        return r_;                \
+    } while (0)
+
+SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
+{
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (simgpu_attach())
+        return CUDA_ERROR_NO_DEVICE;   /* simgpu printed why (profile, state dir) */
+    __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDriverGetVersion(int *version)
+{
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    *version = DRIVER_VERSION;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    REQUIRE_INIT();
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = ndevices();
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    REQUIRE_INIT();
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "%s", simgpu_profile()->model);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    memcpy(uuid->bytes, simgpu_node()->devices[dev].uuid, 16);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    return cuDeviceGetUuid(uuid, dev);
+}
+
+SIMGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = simgpu_profile()->memory;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!major || !minor)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *major = simgpu_profile()->cc_major;
+    *minor = simgpu_profile()->cc_minor;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!pi || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    const struct simgpu_profile *p = simgpu_profile();
+    int v;
+    switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_PITCH: v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = p->clock_khz; break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: v = 512; break;
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = p->sm_count; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = 0x10 + dev; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: v = 0; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = p->mem_clock_khz; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = p->bus_width; break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = p->l2_bytes; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = p->cc_major >= 9 ? 2048 : 1536; break;
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 2; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = p->cc_major; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = p->cc_minor; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: v = 228 * 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: v = 227 * 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_GPU_OVERLAP:
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
+    case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS:
+    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
+    default: v = 0; break;   /* features simgpu does not simulate */
+    }
+    *pi = v;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!pciBusId || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(pciBusId, (size_t)len, "00000000:%02X:00.0", 0x10 + dev);
+    return CUDA_SUCCESS;
+}
+
+/* === errors === */
+
+static const struct { CUresult code; const char *name, *text; } errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static int error_index(CUresult e)
+{
+    for (size_t i = 0; i < sizeof errors / sizeof errors[0]; i++)
+        if (errors[i].code == e)
+            return (int)i;
+    return -1;
+}
+
+SIMGPU_EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
+{
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    int i = error_index(error);
+    *pStr = i < 0 ? NULL : errors[i].name;
+    return i < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    int i = error_index(error);
+    *pStr = i < 0 ? NULL : errors[i].text;
+    return i < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+/* === contexts === */
+
+#define CTX_STACK 16
+static __thread struct vgpu_ctx *tls_ctx[CTX_STACK];
+static __thread int tls_depth;
+static struct vgpu_ctx *primary[SIMGPU_MAX_DEVICES];
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority);
+
+static struct vgpu_ctx *current_ctx(void)
+{
+    struct vgpu_ctx *c = tls_depth ? tls_ctx[tls_depth - 1] : NULL;
+    return c && handle_ok(c, K_CTX) ? c : NULL;
+}
+
+static struct vgpu_ctx *ctx_new(int dev, unsigned flags, int is_primary)
+{
+    if (simgpu_my_slot() < 0)   /* a context makes this process visible to NVML */
+        return NULL;
+    struct vgpu_ctx *c = handle_new(K_CTX);
+    if (!c)
+        return NULL;
+    c->dev = dev;
+    c->flags = flags;
+    c->primary = is_primary;
+    c->refs = 1;
+    c->null_stream = stream_new(c, 0, 0);
+    return c;
+}
+
+static void ctx_push(struct vgpu_ctx *c)
+{
+    if (tls_depth < CTX_STACK)
+        tls_ctx[tls_depth++] = c;
+}
+
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    if (!primary[dev])
+        primary[dev] = ctx_new(dev, 0, 1);
+    else
+        primary[dev]->refs++;
+    *pctx = primary[dev];
+    pthread_mutex_unlock(&ctx_lock);
+    return *pctx ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!primary[dev] || primary[dev]->refs <= 0)
+        r = CUDA_ERROR_INVALID_CONTEXT;
+    else
+        primary[dev]->refs--;   /* the object stays valid: the primary context is reused */
+    pthread_mutex_unlock(&ctx_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    if (primary[dev])
+        primary[dev]->refs = 0;
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
+{
+    REQUIRE_INIT();
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    *flags = primary[dev] ? primary[dev]->flags : 0;
+    *active = primary[dev] && primary[dev]->refs > 0;
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    if (primary[dev])
+        primary[dev]->flags = flags;
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct vgpu_ctx *c = ctx_new(dev, flags, 0);
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    ctx_push(c);
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    return ctx_create(pctx, flags, dev);
+}
+
+SIMGPU_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numParams,
+                                      unsigned int flags, CUdevice dev)
+{
+    (void)paramsArray;   /* execution affinity: every context gets the whole device */
+    (void)numParams;
+    return ctx_create(pctx, flags, dev);
+}
+
+SIMGPU_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags,
+                                      CUdevice dev)
+{
+    (void)ctxCreateParams;
+    return ctx_create(pctx, flags, dev);
+}
+
+SIMGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(ctx, K_CTX) || ctx->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < tls_depth; i++)
+        if (tls_ctx[i] == ctx) {
+            memmove(&tls_ctx[i], &tls_ctx[i + 1], sizeof(tls_ctx[0]) * (size_t)(tls_depth - i - 1));
+            tls_depth--;
+            i--;
+        }
+    handle_free(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    REQUIRE_INIT();
+    if (ctx && !handle_ok(ctx, K_CTX))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!ctx) {
+        if (tls_depth)
+            tls_depth--;
+    } else if (tls_depth) {
+        tls_ctx[tls_depth - 1] = ctx;
+    } else {
+        ctx_push(ctx);
+    }
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    REQUIRE_INIT();
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = current_ctx();
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(ctx, K_CTX))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_push(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    REQUIRE_INIT();
+    if (!tls_depth)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct vgpu_ctx *c = tls_ctx[--tls_depth];
+    if (pctx)
+        *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    REQUIRE_INIT();
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_ctx *c = current_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = c->dev;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
+{
+    REQUIRE_INIT();
+    struct vgpu_ctx *c = current_ctx();
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *flags = c->flags;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
+{
+    REQUIRE_INIT();
+    if (!version)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ctx ? !handle_ok(ctx, K_CTX) : !current_ctx())
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *version = 3020;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority)
+{
+    REQUIRE_INIT();
+    if (leastPriority)
+        *leastPriority = 0;
+    if (greatestPriority)
+        *greatestPriority = -5;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxGetLimit(size_t *pvalue, int limit)
+{
+    REQUIRE_INIT();
+    static const size_t defaults[] = {1024, 1 << 20, 8 << 20, 2, 2048, 0, 0};
+    if (!pvalue || limit < 0 || limit >= (int)(sizeof defaults / sizeof defaults[0]))
+        return CUDA_ERROR_INVALID_VALUE;
+    *pvalue = defaults[limit];
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    REQUIRE_INIT();
+    (void)value;
+    return limit >= 0 && limit < 7 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* === memory: allocation table ===
+ * Sorted by address, so device pointers inside an allocation are recognised (copies
+ * check them; frees find their size).  Reserved VMM ranges are entries too. */
+
+enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED };
+
+struct alloc {
+    uint64_t base, size;
+    int dev;
+    enum alloc_kind kind;
+};
+
+static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc *allocs;
+static size_t nallocs, allocs_cap;
+
+static size_t alloc_lower_bound(uint64_t addr)
+{
+    size_t lo = 0, hi = nallocs;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (allocs[mid].base < addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static int alloc_insert(struct alloc a)
+{
+    pthread_mutex_lock(&alloc_lock);
+    if (nallocs == allocs_cap) {
+        size_t cap = allocs_cap ? allocs_cap * 2 : 256;
+        struct alloc *n = realloc(allocs, cap * sizeof *n);
+        if (!n) {
+            pthread_mutex_unlock(&alloc_lock);
+            return -1;
+        }
+        allocs = n;
+        allocs_cap = cap;
+    }
+    size_t i = alloc_lower_bound(a.base);
+    memmove(&allocs[i + 1], &allocs[i], (nallocs - i) * sizeof *allocs);
+    allocs[i] = a;
+    nallocs++;
+    pthread_mutex_unlock(&alloc_lock);
+    return 0;
+}
+
+/* Remove the entry starting exactly at `base` of one of `kinds` (bitmask); 0 if found. */
+static int alloc_remove(uint64_t base, unsigned kinds, struct alloc *out)
+{
+    pthread_mutex_lock(&alloc_lock);
+    size_t i = alloc_lower_bound(base);
+    int found = i < nallocs && allocs[i].base == base && (kinds & (1u << allocs[i].kind));
+    if (found) {
+        *out = allocs[i];
+        memmove(&allocs[i], &allocs[i + 1], (nallocs - i - 1) * sizeof *allocs);
+        nallocs--;
+    }
+    pthread_mutex_unlock(&alloc_lock);
+    return found ? 0 : -1;
+}
+
+/* The allocation containing [addr, addr+len), if any. */
+static int alloc_find(uint64_t addr, uint64_t len, struct alloc *out)
+{
+    pthread_mutex_lock(&alloc_lock);
+    size_t i = alloc_lower_bound(addr + 1);
+    int found = 0;
+    if (i > 0) {
+        struct alloc *a = &allocs[i - 1];
+        found = addr >= a->base && addr - a->base + len <= a->size;
+        if (found && out)
+            *out = *a;
+    }
+    pthread_mutex_unlock(&alloc_lock);
+    return found;
+}
+
+static void *map_lazy(uint64_t size)
+{
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+/* Reserve device memory node-wide, then back it with lazily touched host pages. */
+static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, int dev, enum alloc_kind kind)
+{
+    if (!dptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (simgpu_mem_reserve(dev, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    void *p = map_lazy(size);
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind})) {
+        if (p)
+            munmap(p, size);
+        simgpu_mem_release(dev, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+static CUresult dev_free(CUdeviceptr ptr)
+{
+    struct alloc a;
+    if (ptr == 0)
+        return CUDA_SUCCESS;
+    if (alloc_remove(ptr, (1u << A_DEVICE) | (1u << A_MANAGED), &a))
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap((void *)(uintptr_t)a.base, a.size);
+    simgpu_mem_release(a.dev, a.size);
+    return CUDA_SUCCESS;
+}
+
+#define REQUIRE_CTX(c)                          \
+    REQUIRE_INIT();                             \
+    struct vgpu_ctx *c = current_ctx();         \
+    if (!c)                                     \
+        return CUDA_ERROR_INVALID_CONTEXT
+
+SIMGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    REQUIRE_CTX(c);
+    return dev_alloc(dptr, bytesize, c->dev, A_DEVICE);
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                          size_t Height, unsigned int ElementSizeBytes)
+{
+    REQUIRE_CTX(c);
+    if (!pPitch || !WidthInBytes || !Height ||
+        (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t pitch = (WidthInBytes + PITCH_ALIGNMENT - 1) / PITCH_ALIGNMENT * PITCH_ALIGNMENT;
+    CUresult r = dev_alloc(dptr, (uint64_t)pitch * Height, c->dev, A_DEVICE);
+    if (r == CUDA_SUCCESS)
+        *pPitch = pitch;
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    REQUIRE_CTX(c);
+    if (flags != 1 && flags != 2)   /* CU_MEM_ATTACH_GLOBAL / CU_MEM_ATTACH_HOST */
+        return CUDA_ERROR_INVALID_VALUE;
+    return dev_alloc(dptr, bytesize, c->dev, A_MANAGED);
+}
+
+SIMGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    REQUIRE_INIT();
+    return dev_free(dptr);
+}
+
+SIMGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
+{
+    REQUIRE_CTX(c);
+    if (!free || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    simgpu_reap_dead();
+    uint64_t cap = simgpu_profile()->memory, used = simgpu_mem_used(c->dev);
+    *total = cap;
+    *free = used < cap ? cap - used : 0;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
+    REQUIRE_INIT();
+    struct alloc a;
+    if (!alloc_find(dptr, 1, &a) || a.kind == A_RESERVED)
+        return CUDA_ERROR_NOT_FOUND;
+    if (pbase)
+        *pbase = a.base;
+    if (psize)
+        *psize = a.size;
+    return CUDA_SUCCESS;
+}
+
+/* Page-locked host memory is plain host memory here; it does not count on the device. */
+SIMGPU_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags)
+{
+    REQUIRE_CTX(c);
+    (void)Flags;
+    if (!pp || !bytesize)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *p = map_lazy(bytesize);
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST})) {
+        if (p)
+            munmap(p, bytesize);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t bytesize)
+{
+    return cuMemHostAlloc(pp, bytesize, 0);
+}
+
+SIMGPU_EXPORT CUresult cuMemFreeHost(void *p)
+{
+    REQUIRE_INIT();
+    struct alloc a;
+    if (alloc_remove((uint64_t)(uintptr_t)p, 1u << A_HOST, &a))
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap(p, a.size);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags)
+{
+    REQUIRE_INIT();
+    if (!pdptr || Flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pdptr = (CUdeviceptr)(uintptr_t)p;   /* unified addressing: same address */
+    return CUDA_SUCCESS;
+}
+
+/* === memory: pools and stream-ordered allocation ===
+ * Frees return memory at once (no pool caching), so usage is what is allocated. */
+
+static struct vgpu_mempool *default_pool[SIMGPU_MAX_DEVICES];
+static struct vgpu_mempool *current_pool[SIMGPU_MAX_DEVICES];
+
+static struct vgpu_stream *resolve_stream(CUstream s, CUresult *err);
+
+SIMGPU_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!pool)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    if (!default_pool[dev] && (default_pool[dev] = handle_new(K_POOL)))
+        default_pool[dev]->dev = dev;
+    *pool = default_pool[dev];
+    pthread_mutex_unlock(&ctx_lock);
+    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (pool && dev_ok(dev) && current_pool[dev]) {
+        *pool = current_pool[dev];
+        return CUDA_SUCCESS;
+    }
+    return cuDeviceGetDefaultMemPool(pool, dev);
+}
+
+SIMGPU_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!handle_ok(pool, K_POOL) || pool->dev != dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    current_pool[dev] = pool;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    REQUIRE_INIT();
+    if (!pool || !props)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(props->location.id))
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct vgpu_mempool *p = handle_new(K_POOL);
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    p->dev = props->location.id;
+    *pool = p;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(pool, K_POOL) || pool == default_pool[pool->dev])
+        return CUDA_ERROR_INVALID_VALUE;
+    if (current_pool[pool->dev] == pool)
+        current_pool[pool->dev] = NULL;
+    handle_free(pool);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    REQUIRE_INIT();
+    (void)minBytesToKeep;
+    return handle_ok(pool, K_POOL) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIMGPU_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    REQUIRE_INIT();
+    (void)attr;
+    return handle_ok(pool, K_POOL) && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIMGPU_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(pool, K_POOL) || !value)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (attr >= 1 && attr <= 3)
+        *(int *)value = 0;   /* reuse policies */
+    else
+        *(cuuint64_t *)value = 0;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                               CUstream hStream)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    if (!resolve_stream(hStream, &err))
+        return err;
+    if (!handle_ok(pool, K_POOL))
+        return CUDA_ERROR_INVALID_VALUE;
+    return dev_alloc(dptr, bytesize, pool->dev, A_DEVICE);
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
+                                                    CUmemoryPool pool, CUstream hStream)
+{
+    PER_THREAD(cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream));
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(hStream, &err);
+    if (!s)
+        return err;
+    return dev_alloc(dptr, bytesize, s->ctx->dev, A_DEVICE);
+}
+
+SIMGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    PER_THREAD(cuMemAllocAsync(dptr, bytesize, hStream));
+}
+
+SIMGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    if (!resolve_stream(hStream, &err))
+        return err;
+    return dev_free(dptr);
+}
+
+SIMGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    PER_THREAD(cuMemFreeAsync(dptr, hStream));
+}
+
+/* === memory: virtual memory management (cuMemCreate / map) === */
+
+SIMGPU_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                                     int option)
+{
+    REQUIRE_INIT();
+    (void)option;
+    if (!granularity || !prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    *granularity = VMM_GRANULARITY;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                                   const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    REQUIRE_INIT();
+    if (!handle || !prop || flags || size == 0 || size % VMM_GRANULARITY)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev = prop->location.id;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (simgpu_mem_reserve(dev, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct vgpu_vmm *v = handle_new(K_VMM);
+    int fd = v ? memfd_create("simgpu-vmm", MFD_CLOEXEC) : -1;
+    if (fd < 0 || ftruncate(fd, (off_t)size)) {
+        if (fd >= 0)
+            close(fd);
+        if (v)
+            handle_free(v);
+        simgpu_mem_release(dev, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    v->dev = dev;
+    v->fd = fd;
+    v->size = size;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)v;
+    return CUDA_SUCCESS;
+}
+
+static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void vmm_drop_if_unused(struct vgpu_vmm *v)
+{
+    /* Like the driver: memory goes back once released and no longer mapped. */
+    if (v->released && v->mappings == 0) {
+        close(v->fd);
+        simgpu_mem_release(v->dev, v->size);
+        handle_free(v);
+    }
+}
+
+SIMGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    REQUIRE_INIT();
+    struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
+    pthread_mutex_lock(&vmm_lock);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (handle_ok(v, K_VMM) && !v->released) {
+        v->released = 1;
+        vmm_drop_if_unused(v);
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                           CUdeviceptr addr, unsigned long long flags)
+{
+    REQUIRE_INIT();
+    (void)flags;
+    if (!ptr || size == 0 || size % VMM_GRANULARITY)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t align = alignment > VMM_GRANULARITY ? alignment : VMM_GRANULARITY;
+    /* over-reserve, then trim to the alignment asked for */
+    char *p = mmap((void *)(uintptr_t)addr, size + align, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    char *aligned = (char *)(((uintptr_t)p + align - 1) / align * align);
+    if (aligned > p)
+        munmap(p, (size_t)(aligned - p));
+    munmap(aligned + size, (size_t)(p + size + align - (aligned + size)));
+    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED})) {
+        munmap(aligned, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ptr = (CUdeviceptr)(uintptr_t)aligned;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    REQUIRE_INIT();
+    struct alloc a;
+    if (alloc_remove(ptr, 1u << A_RESERVED, &a))
+        return CUDA_ERROR_INVALID_VALUE;
+    munmap((void *)(uintptr_t)ptr, size ? size : a.size);
+    return CUDA_SUCCESS;
+}
+
+/* Which handle backs each mapped range, so unmap can drop the handle's reference. */
+struct vmm_map { uint64_t ptr, size; struct vgpu_vmm *v; };
+static struct vmm_map *vmm_maps;
+static size_t nvmm_maps, vmm_maps_cap;
+
+SIMGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                                CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    REQUIRE_INIT();
+    struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
+    struct alloc a;
+    if (flags || !size || !alloc_find(ptr, size, &a) || a.kind != A_RESERVED)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!handle_ok(v, K_VMM) || v->released || offset + size > v->size) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    } else if (nvmm_maps == vmm_maps_cap &&
+               !(vmm_maps = realloc(vmm_maps, (vmm_maps_cap = vmm_maps_cap ? vmm_maps_cap * 2 : 64) *
+                                                  sizeof *vmm_maps))) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, v->fd,
+                    (off_t)offset) == MAP_FAILED) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        vmm_maps[nvmm_maps++] = (struct vmm_map){ptr, size, v};
+        v->mappings++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                                      size_t count)
+{
+    REQUIRE_INIT();
+    if (!desc || !count || !alloc_find(ptr, size, NULL))
+        return CUDA_ERROR_INVALID_VALUE;
+    int prot = desc[0].flags == 3 ? PROT_READ | PROT_WRITE : desc[0].flags == 1 ? PROT_READ : PROT_NONE;
+    return mprotect((void *)(uintptr_t)ptr, size, prot) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    REQUIRE_INIT();
+    pthread_mutex_lock(&vmm_lock);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < nvmm_maps; i++) {
+        if (vmm_maps[i].ptr != ptr || vmm_maps[i].size != size)
+            continue;
+        /* put the reservation back in place of the mapping */
+        mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+             -1, 0);
+        struct vgpu_vmm *v = vmm_maps[i].v;
+        vmm_maps[i] = vmm_maps[--nvmm_maps];
+        v->mappings--;
+        vmm_drop_if_unused(v);
+        r = CUDA_SUCCESS;
+        break;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* === memory: arrays === */
+
+static uint64_t format_bytes(int format)
+{
+    switch (format) {
+    case 0x01: case 0x08: return 1;   /* (un)signed int8 */
+    case 0x02: case 0x09: case 0x10: return 2;   /* int16, half */
+    case 0x03: case 0x0a: case 0x20: return 4;   /* int32, float */
+    default: return 0;
+    }
+}
+
+static CUresult array_new(CUarray *out, uint64_t size)
+{
+    REQUIRE_CTX(c);
+    if (!out || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (simgpu_mem_reserve(c->dev, size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct vgpu_array *a = handle_new(K_ARRAY);
+    void *data = a ? map_lazy(size) : NULL;
+    if (!data) {
+        if (a)
+            handle_free(a);
+        simgpu_mem_release(c->dev, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->dev = c->dev;
+    a->size = size;
+    a->data = data;
+    *out = a;
+    return CUDA_SUCCESS;
+}
+
+static CUresult array_destroy(CUarray a)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(a, K_ARRAY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    munmap(a->data, a->size);
+    simgpu_mem_release(a->dev, a->size);
+    handle_free(a);
+    return CUDA_SUCCESS;
+}
+
+static uint64_t array3d_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    uint64_t elem = format_bytes(d->Format) * d->NumChannels, total = 0;
+    uint64_t w = d->Width, h = d->Height ? d->Height : 1, z = d->Depth ? d->Depth : 1;
+    for (unsigned l = 0; l < levels; l++) {
+        total += w * h * z * elem;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : 1;
+        z = z > 1 ? z / 2 : 1;
+    }
+    return total;
+}
+
+SIMGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR d3 = {d->Width, d->Height, 0, d->Format, d->NumChannels, 0};
+    return array_new(pHandle, array3d_bytes(&d3, 1));
+}
+
+SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
+        return CUDA_ERROR_INVALID_VALUE;
+    return array_new(pHandle, array3d_bytes(d, 1));
+}
+
+SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                              unsigned int numMipmapLevels)
+{
+    if (!d || !d->Width || !numMipmapLevels ||
+        (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
+        return CUDA_ERROR_INVALID_VALUE;
+    return array_new(pHandle, array3d_bytes(d, numMipmapLevels));
+}
+
+SIMGPU_EXPORT CUresult cuArrayDestroy(CUarray a) { return array_destroy(a); }
+SIMGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { return array_destroy(a); }
+
+/* === streams === */
+
+static __thread struct vgpu_stream *tls_pt_stream[SIMGPU_MAX_DEVICES];
+
+static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority)
+{
+    struct vgpu_stream *s = handle_new(K_STREAM);
+    if (!s)
+        return NULL;
+    s->pending = calloc(SIMGPU_QUEUE_DEPTH, sizeof *s->pending);
+    if (!s->pending) {
+        handle_free(s);
+        return NULL;
+    }
+    s->ctx = ctx;
+    s->flags = flags;
+    s->priority = priority;
+    pthread_mutex_init(&s->lock, NULL);
+    return s;
+}
+
+/* NULL and CU_STREAM_LEGACY name the context's default stream; CU_STREAM_PER_THREAD (and
+ * NULL in a _ptds/_ptsz entry point) this thread's own default stream. */
+static struct vgpu_stream *resolve_stream(CUstream h, CUresult *err)
+{
+    *err = CUDA_ERROR_INVALID_HANDLE;
+    if (h == NULL || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD) {
+        struct vgpu_ctx *c = current_ctx();
+        if (!c) {
+            *err = CUDA_ERROR_INVALID_CONTEXT;
+            return NULL;
+        }
+        if (h == CU_STREAM_PER_THREAD || (h == NULL && tls_per_thread)) {
+            struct vgpu_stream **pt = &tls_pt_stream[c->dev];
+            if (!*pt || !handle_ok(*pt, K_STREAM) || (*pt)->ctx != c)
+                *pt = stream_new(c, 0, 0);
+            return *pt;
+        }
+        return c->null_stream;
+    }
+    return handle_ok(h, K_STREAM) ? h : NULL;
+}
+
+SIMGPU_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    REQUIRE_CTX(c);
+    if (!phStream || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_stream *s = stream_new(c, flags, priority);
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *phStream = s;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int flags)
+{
+    return cuStreamCreateWithPriority(phStream, flags, 0);
+}
+
+SIMGPU_EXPORT CUresult cuStreamDestroy_v2(CUstream h)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(h, K_STREAM) || h == h->ctx->null_stream)
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(h->pending);
+    handle_free(h);   /* pending work still completes on the device timeline */
+    return CUDA_SUCCESS;
+}
+
+static uint64_t stream_last_end(struct vgpu_stream *s)
+{
+    return __atomic_load_n(&s->last_end, __ATOMIC_ACQUIRE);
+}
+
+SIMGPU_EXPORT CUresult cuStreamSynchronize(CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (s->capture)
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    simgpu_sleep_until(stream_last_end(s));
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream h) { PER_THREAD(cuStreamSynchronize(h)); }
+
+SIMGPU_EXPORT CUresult cuStreamQuery(CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    return simgpu_now_ns() >= stream_last_end(s) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+SIMGPU_EXPORT CUresult cuStreamQuery_ptsz(CUstream h) { PER_THREAD(cuStreamQuery(h)); }
+
+SIMGPU_EXPORT CUresult cuStreamWaitEvent(CUstream h, CUevent ev, unsigned int flags)
+{
+    REQUIRE_INIT();
+    (void)flags;
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!handle_ok(ev, K_EVENT))
+        return CUDA_ERROR_INVALID_HANDLE;
+    /* later work on s starts after the event: the device timeline is serial already,
+     * so only the stream's notion of "done" moves */
+    pthread_mutex_lock(&s->lock);
+    if (ev->recorded && ev->t > s->last_end)
+        __atomic_store_n(&s->last_end, ev->t, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&s->lock);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream h, CUevent ev, unsigned int flags)
+{
+    PER_THREAD(cuStreamWaitEvent(h, ev, flags));
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetPriority(CUstream h, int *priority)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!priority)
+        return CUDA_ERROR_INVALID_VALUE;
+    *priority = s->priority;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetPriority_ptsz(CUstream h, int *priority)
+{
+    PER_THREAD(cuStreamGetPriority(h, priority));
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetFlags(CUstream h, unsigned int *flags)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    *flags = s->flags;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetFlags_ptsz(CUstream h, unsigned int *flags)
+{
+    PER_THREAD(cuStreamGetFlags(h, flags));
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCtx(CUstream h, CUcontext *pctx)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = s->ctx;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream h, CUcontext *pctx) { PER_THREAD(cuStreamGetCtx(h, pctx)); }
+
+typedef void (*host_fn)(void *);
+
+SIMGPU_EXPORT CUresult cuLaunchHostFunc(CUstream h, host_fn fn, void *userData)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!fn)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* runs once the stream's earlier work is done; simgpu runs it on the caller's thread */
+    simgpu_sleep_until(stream_last_end(s));
+    fn(userData);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream h, host_fn fn, void *userData)
+{
+    PER_THREAD(cuLaunchHostFunc(h, fn, userData));
+}
+
+SIMGPU_EXPORT CUresult cuCtxSynchronize(void)
+{
+    REQUIRE_CTX(c);
+    simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
+    return CUDA_SUCCESS;
+}
+
+/* === events === */
+
+#define CU_EVENT_DISABLE_TIMING 0x2
+
+SIMGPU_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    if (!phEvent || Flags > 0xf)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_event *e = handle_new(K_EVENT);
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    e->flags = Flags;
+    *phEvent = e;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuEventDestroy_v2(CUevent e)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(e, K_EVENT))
+        return CUDA_ERROR_INVALID_HANDLE;
+    handle_free(e);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuEventRecord(CUevent e, CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!handle_ok(e, K_EVENT))
+        return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t now = simgpu_now_ns(), end = stream_last_end(s);
+    e->t = end > now ? end : now;   /* completes when the stream's earlier work has */
+    e->recorded = 1;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuEventRecord_ptsz(CUevent e, CUstream h) { PER_THREAD(cuEventRecord(e, h)); }
+
+SIMGPU_EXPORT CUresult cuEventRecordWithFlags(CUevent e, CUstream h, unsigned int flags)
+{
+    (void)flags;
+    return cuEventRecord(e, h);
+}
+
+SIMGPU_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream h, unsigned int flags)
+{
+    PER_THREAD(cuEventRecordWithFlags(e, h, flags));
+}
+
+SIMGPU_EXPORT CUresult cuEventQuery(CUevent e)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(e, K_EVENT))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return !e->recorded || simgpu_now_ns() >= e->t ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+SIMGPU_EXPORT CUresult cuEventSynchronize(CUevent e)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(e, K_EVENT))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (e->recorded)
+        simgpu_sleep_until(e->t);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent end)
+{
+    REQUIRE_INIT();
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(start, K_EVENT) || !handle_ok(end, K_EVENT) || !start->recorded || !end->recorded ||
+        ((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING))
+        return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t now = simgpu_now_ns();
+    if (now < start->t || now < end->t)
+        return CUDA_ERROR_NOT_READY;
+    *ms = (float)(((double)end->t - (double)start->t) / 1e6);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end)
+{
+    return cuEventElapsedTime_v2(ms, start, end);
+}
+
+/* === memcpy / memset ===
+ * Synchronous copies wait for the context's queued work, as copies on the legacy stream
+ * do; asynchronous ones are done at once (simulated kernels never touch data). */
+
+static int device_range_ok(CUdeviceptr p, size_t n)
+{
+    struct alloc a;
+    return alloc_find(p, n ? n : 1, &a) && a.kind != A_HOST;
+}
+
+static CUresult copy(void *dst, const void *src, size_t n, int sync)
+{
+    REQUIRE_CTX(c);
+    if (n && (!dst || !src))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sync)
+        simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
+    memmove(dst, src, n);
+    return CUDA_SUCCESS;
+}
+
+#define DPTR(p) ((void *)(uintptr_t)(p))
+#define CHECK_DEV(p, n) \
+    if (!device_range_ok((p), (n))) return CUDA_ERROR_INVALID_VALUE
+
+SIMGPU_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
+{
+    CHECK_DEV(dst, n);
+    return copy(DPTR(dst), src, n, 1);
+}
+SIMGPU_EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
+{
+    CHECK_DEV(src, n);
+    return copy(dst, DPTR(src), n, 1);
+}
+SIMGPU_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    CHECK_DEV(dst, n);
+    CHECK_DEV(src, n);
+    return copy(DPTR(dst), DPTR(src), n, 1);
+}
+SIMGPU_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    return copy(DPTR(dst), DPTR(src), n, 1);   /* unified addressing: either side may be host */
+}
+
+static CUresult copy_async(void *dst, const void *src, size_t n, CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    if (!resolve_stream(h, &err))
+        return err;
+    return copy(dst, src, n, 0);
+}
+
+SIMGPU_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream h)
+{
+    CHECK_DEV(dst, n);
+    return copy_async(DPTR(dst), src, n, h);
+}
+SIMGPU_EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream h)
+{
+    CHECK_DEV(src, n);
+    return copy_async(dst, DPTR(src), n, h);
+}
+SIMGPU_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h)
+{
+    CHECK_DEV(dst, n);
+    CHECK_DEV(src, n);
+    return copy_async(DPTR(dst), DPTR(src), n, h);
+}
+SIMGPU_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h)
+{
+    return copy_async(DPTR(dst), DPTR(src), n, h);
+}
+
+SIMGPU_EXPORT CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *s, size_t n) { PER_THREAD(cuMemcpyHtoD_v2(d, s, n)); }
+SIMGPU_EXPORT CUresult cuMemcpyDtoH_v2_ptds(void *d, CUdeviceptr s, size_t n) { PER_THREAD(cuMemcpyDtoH_v2(d, s, n)); }
+SIMGPU_EXPORT CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { PER_THREAD(cuMemcpyDtoD_v2(d, s, n)); }
+SIMGPU_EXPORT CUresult cuMemcpy_ptds(CUdeviceptr d, CUdeviceptr s, size_t n) { PER_THREAD(cuMemcpy(d, s, n)); }
+SIMGPU_EXPORT CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr d, const void *s, size_t n, CUstream h) { PER_THREAD(cuMemcpyHtoDAsync_v2(d, s, n, h)); }
+SIMGPU_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *d, CUdeviceptr s, size_t n, CUstream h) { PER_THREAD(cuMemcpyDtoHAsync_v2(d, s, n, h)); }
+SIMGPU_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { PER_THREAD(cuMemcpyDtoDAsync_v2(d, s, n, h)); }
+SIMGPU_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { PER_THREAD(cuMemcpyAsync(d, s, n, h)); }
+
+static CUresult fill(CUdeviceptr dst, uint32_t value, unsigned width, size_t count, int sync, CUstream h)
+{
+    REQUIRE_CTX(c);
+    CUresult err;
+    if (!sync && !resolve_stream(h, &err))
+        return err;
+    if (!device_range_ok(dst, count * width))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sync)
+        simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
+    unsigned char *p = DPTR(dst);
+    if (width == 1) {
+        memset(p, (int)value, count);
+    } else if (width == 2) {
+        uint16_t v = (uint16_t)value;
+        for (size_t i = 0; i < count; i++)
+            memcpy(p + 2 * i, &v, 2);
+    } else {
+        for (size_t i = 0; i < count; i++)
+            memcpy(p + 4 * i, &value, 4);
+    }
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { return fill(d, v, 1, n, 1, NULL); }
+SIMGPU_EXPORT CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { return fill(d, v, 2, n, 1, NULL); }
+SIMGPU_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned int v, size_t n) { return fill(d, v, 4, n, 1, NULL); }
+SIMGPU_EXPORT CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream h) { return fill(d, v, 1, n, 0, h); }
+SIMGPU_EXPORT CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream h) { return fill(d, v, 2, n, 0, h); }
+SIMGPU_EXPORT CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { return fill(d, v, 4, n, 0, h); }
+SIMGPU_EXPORT CUresult cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n) { PER_THREAD(cuMemsetD8_v2(d, v, n)); }
+SIMGPU_EXPORT CUresult cuMemsetD16_v2_ptds(CUdeviceptr d, unsigned short v, size_t n) { PER_THREAD(cuMemsetD16_v2(d, v, n)); }
+SIMGPU_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t n) { PER_THREAD(cuMemsetD32_v2(d, v, n)); }
+SIMGPU_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n, CUstream h) { PER_THREAD(cuMemsetD8Async(d, v, n, h)); }
+SIMGPU_EXPORT CUresult cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n, CUstream h) { PER_THREAD(cuMemsetD16Async(d, v, n, h)); }
+SIMGPU_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { PER_THREAD(cuMemsetD32Async(d, v, n, h)); }
+
+/* === modules, libraries, functions === */
+
+static struct vgpu_function *function_get(struct vgpu_module *m, const char *name)
+{
+    for (struct vgpu_function *f = m->functions; f; f = f->next)
+        if (strcmp(f->name, name) == 0)
+            return f;
+    struct vgpu_function *f = handle_new(K_FUNCTION);
+    if (!f)
+        return NULL;
+    snprintf(f->name, sizeof f->name, "%s", name);
+    /* the simulation convention: sim_<N>us runs N microseconds per wave */
+    unsigned long long us;
+    char tail[4];
+    if (sscanf(name, "sim_%lluus%3s", &us, tail) == 1 && us > 0)
+        f->us_per_wave = us;
+    else
+        f->us_per_wave = SIMGPU_DEFAULT_KERNEL_US;
+    f->next = m->functions;
+    m->functions = f;
+    return f;
+}
+
+static CUresult module_new(CUmodule *out)
+{
+    REQUIRE_INIT();
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_module *m = handle_new(K_MODULE);
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *out = m;
+    return CUDA_SUCCESS;
+}
+
+/* Any image is accepted: simgpu runs functions by name, not by code. */
+SIMGPU_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    if (!image)
+        return CUDA_ERROR_INVALID_VALUE;
+    return module_new(module);
+}
+
+SIMGPU_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                                          void *options, void **optionValues)
+{
+    (void)numOptions, (void)options, (void)optionValues;
+    return cuModuleLoadData(module, image);
+}
+
+SIMGPU_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
+{
+    return cuModuleLoadData(module, fatCubin);
+}
+
+SIMGPU_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
+{
+    if (!fname)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (access(fname, R_OK))
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    return module_new(module);
+}
+
+SIMGPU_EXPORT CUresult cuModuleUnload(CUmodule m)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(m, K_MODULE))
+        return CUDA_ERROR_INVALID_HANDLE;
+    for (struct vgpu_function *f = m->functions, *next; f; f = next) {
+        next = f->next;
+        handle_free(f);
+    }
+    handle_free(m);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule m, const char *name)
+{
+    REQUIRE_INIT();
+    if (!hfunc || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(m, K_MODULE))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *hfunc = function_get(m, name);
+    return *hfunc ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, void *jitOptions,
+                                         void **jitOptionsValues, unsigned int numJitOptions,
+                                         void *libraryOptions, void **libraryOptionValues,
+                                         unsigned int numLibraryOptions)
+{
+    (void)jitOptions, (void)jitOptionsValues, (void)numJitOptions;
+    (void)libraryOptions, (void)libraryOptionValues, (void)numLibraryOptions;
+    REQUIRE_INIT();
+    if (!library || !code)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_library *l = handle_new(K_LIBRARY);
+    if (!l || module_new(&l->module) != CUDA_SUCCESS) {
+        if (l)
+            handle_free(l);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *library = l;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, void *jitOptions,
+                                             void **jitOptionsValues, unsigned int numJitOptions,
+                                             void *libraryOptions, void **libraryOptionValues,
+                                             unsigned int numLibraryOptions)
+{
+    if (!fileName)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (access(fileName, R_OK))
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    return cuLibraryLoadData(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                             libraryOptions, libraryOptionValues, numLibraryOptions);
+}
+
+SIMGPU_EXPORT CUresult cuLibraryUnload(CUlibrary l)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LIBRARY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    cuModuleUnload(l->module);
+    handle_free(l);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary l, const char *name)
+{
+    REQUIRE_INIT();
+    if (!pKernel || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(l, K_LIBRARY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pKernel = function_get(l->module, name);
+    return *pKernel ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary l)
+{
+    REQUIRE_INIT();
+    if (!pMod)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(l, K_LIBRARY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pMod = l->module;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel k)
+{
+    REQUIRE_INIT();
+    if (!pFunc)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(k, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pFunc = k;   /* one object serves as kernel and function */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncGetName(const char **name, CUfunction f)
+{
+    REQUIRE_INIT();
+    if (!name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *name = f->name;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncGetAttribute(int *pi, int attrib, CUfunction f)
+{
+    REQUIRE_INIT();
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pi = attrib == 0 ? 1024 : 0;   /* MAX_THREADS_PER_BLOCK; other resources: none used */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncSetAttribute(CUfunction f, int attrib, int value)
+{
+    REQUIRE_INIT();
+    (void)attrib, (void)value;
+    return handle_ok(f, K_FUNCTION) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIMGPU_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, int config)
+{
+    REQUIRE_INIT();
+    (void)config;
+    return handle_ok(f, K_FUNCTION) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIMGPU_EXPORT CUresult cuKernelGetAttribute(int *pi, int attrib, CUkernel k, CUdevice dev)
+{
+    (void)dev;
+    return cuFuncGetAttribute(pi, attrib, k);
+}
+
+SIMGPU_EXPORT CUresult cuKernelSetAttribute(int attrib, int val, CUkernel k, CUdevice dev)
+{
+    (void)dev;
+    return cuFuncSetAttribute(k, attrib, val);
+}
+
+/* === launch === */
+
+static uint64_t kernel_ns(const struct vgpu_function *f, uint64_t blocks)
+{
+    uint64_t sms = (uint64_t)simgpu_profile()->sm_count;
+    uint64_t waves = (blocks + sms - 1) / sms;
+    return waves * f->us_per_wave * 1000ull;
+}
+
+static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, uint64_t blocks);
+
+/* Queue `dur_ns` on the stream's device, blocking while the stream's queue is full. */
+static void stream_enqueue(struct vgpu_stream *s, uint64_t dur_ns)
+{
+    pthread_mutex_lock(&s->lock);
+    if (s->pending_count == SIMGPU_QUEUE_DEPTH) {
+        uint64_t oldest = s->pending[s->pending_head];
+        if (oldest > simgpu_now_ns())
+            simgpu_sleep_until(oldest);   /* a full queue blocks like a real one */
+        s->pending_head = (s->pending_head + 1) % SIMGPU_QUEUE_DEPTH;
+        s->pending_count--;
+    }
+    uint64_t end = simgpu_enqueue(s->ctx->dev, dur_ns);
+    s->pending[(s->pending_head + s->pending_count++) % SIMGPU_QUEUE_DEPTH] = end;
+    __atomic_store_n(&s->last_end, end, __ATOMIC_RELEASE);
+    struct vgpu_ctx *c = s->ctx;
+    uint64_t prev = __atomic_load_n(&c->last_end, __ATOMIC_RELAXED);
+    while (prev < end && !__atomic_compare_exchange_n(&c->last_end, &prev, end, 1, __ATOMIC_RELEASE,
+                                                      __ATOMIC_RELAXED))
+        ;
+    pthread_mutex_unlock(&s->lock);
+}
+
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                       unsigned bz, CUstream h)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    uint64_t blocks = (uint64_t)gx * gy * gz;
+    if (s->capture)
+        return graph_add_kernel(s->capture, f, blocks);
+    stream_enqueue(s, kernel_ns(f, blocks));
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                      unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                      unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                      void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes, (void)kernelParams, (void)extra;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+SIMGPU_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                           unsigned int gridDimZ, unsigned int blockDimX,
+                                           unsigned int blockDimY, unsigned int blockDimZ,
+                                           unsigned int sharedMemBytes, CUstream hStream,
+                                           void **kernelParams, void **extra)
+{
+    PER_THREAD(cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                              sharedMemBytes, hStream, kernelParams, extra));
+}
+
+SIMGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                        void **extra)
+{
+    (void)kernelParams, (void)extra;
+    if (!config)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
+                  config->blockDimY, config->blockDimZ, config->hStream);
+}
+
+SIMGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                                             void **kernelParams, void **extra)
+{
+    PER_THREAD(cuLaunchKernelEx(config, f, kernelParams, extra));
+}
+
+SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                 unsigned int gridDimZ, unsigned int blockDimX,
+                                                 unsigned int blockDimY, unsigned int blockDimZ,
+                                                 unsigned int sharedMemBytes, CUstream hStream,
+                                                 void **kernelParams)
+{
+    (void)sharedMemBytes, (void)kernelParams;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
+                                                      unsigned int gridDimY, unsigned int gridDimZ,
+                                                      unsigned int blockDimX, unsigned int blockDimY,
+                                                      unsigned int blockDimZ, unsigned int sharedMemBytes,
+                                                      CUstream hStream, void **kernelParams)
+{
+    PER_THREAD(cuLaunchCooperativeKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                         sharedMemBytes, hStream, kernelParams));
+}
+
+/* === graphs and stream capture ===
+ * A graph is a list of kernels; on the serial timeline it costs their summed time. */
+
+static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, uint64_t blocks)
+{
+    if (g->count == g->cap) {
+        size_t cap = g->cap ? g->cap * 2 : 16;
+        struct kernel_node *n = realloc(g->nodes, cap * sizeof *n);
+        if (!n)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        g->nodes = n;
+        g->cap = cap;
+    }
+    g->nodes[g->count++] = (struct kernel_node){f, blocks};
+    return CUDA_SUCCESS;
+}
+
+static void graph_free(struct vgpu_graph *g)
+{
+    free(g->nodes);
+    handle_free(g);
+}
+
+SIMGPU_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
+{
+    REQUIRE_INIT();
+    if (!phGraph || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    *phGraph = handle_new(K_GRAPH);
+    return *phGraph ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuGraphDestroy(CUgraph g)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    graph_free(g);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phNode, CUgraph g, const CUgraphNode *deps,
+                                               size_t ndeps, const CUDA_KERNEL_NODE_PARAMS *p)
+{
+    REQUIRE_INIT();
+    (void)deps, (void)ndeps;   /* dependencies do not matter on a serial timeline */
+    if (!phNode || !p || !handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_function *f = p->func ? p->func : p->kern;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!p->gridDimX || !p->gridDimY || !p->gridDimZ)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = graph_add_kernel(g, f, (uint64_t)p->gridDimX * p->gridDimY * p->gridDimZ);
+    if (r != CUDA_SUCCESS) {
+        handle_free(n);
+        return r;
+    }
+    n->graph = g;
+    *phNode = n;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phExec, CUgraph g, unsigned long long flags)
+{
+    REQUIRE_CTX(c);
+    (void)flags;
+    if (!phExec || !handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_graph_exec *e = handle_new(K_GRAPH_EXEC);
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    e->dev = c->dev;
+    for (size_t i = 0; i < g->count; i++)
+        e->duration_ns += kernel_ns(g->nodes[i].fn, g->nodes[i].blocks);
+    e->kernels = g->count;
+    *phExec = e;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phExec, CUgraph g, CUgraphNode *errNode,
+                                             char *logBuffer, size_t bufferSize)
+{
+    if (errNode)
+        *errNode = NULL;
+    if (logBuffer && bufferSize)
+        logBuffer[0] = 0;
+    return cuGraphInstantiateWithFlags(phExec, g, 0);
+}
+
+SIMGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(e, K_GRAPH_EXEC))
+        return CUDA_ERROR_INVALID_VALUE;
+    handle_free(e);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream h)
+{
+    REQUIRE_INIT();
+    (void)h;
+    return handle_ok(e, K_GRAPH_EXEC) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIMGPU_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream h) { PER_THREAD(cuGraphUpload(e, h)); }
+
+SIMGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(e, K_GRAPH_EXEC))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (e->kernels)
+        stream_enqueue(s, e->duration_ns);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream h) { PER_THREAD(cuGraphLaunch(e, h)); }
+
+SIMGPU_EXPORT CUresult cuStreamBeginCapture_v2(CUstream h, int mode)
+{
+    REQUIRE_INIT();
+    (void)mode;
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (s == s->ctx->null_stream)
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;   /* the legacy stream cannot capture */
+    if (s->capture)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    s->capture = handle_new(K_GRAPH);
+    return s->capture ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIMGPU_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream h, int mode)
+{
+    PER_THREAD(cuStreamBeginCapture_v2(h, mode));
+}
+
+SIMGPU_EXPORT CUresult cuStreamEndCapture(CUstream h, CUgraph *phGraph)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!phGraph)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!s->capture)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    *phGraph = s->capture;
+    s->capture = NULL;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream h, CUgraph *phGraph)
+{
+    PER_THREAD(cuStreamEndCapture(h, phGraph));
+}
+
+SIMGPU_EXPORT CUresult cuStreamIsCapturing(CUstream h, int *status)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!status)
+        return CUDA_ERROR_INVALID_VALUE;
+    *status = s->capture ? 1 : 0;   /* CU_STREAM_CAPTURE_STATUS_ACTIVE / NONE */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream h, int *status)
+{
+    PER_THREAD(cuStreamIsCapturing(h, status));
+}
+
+/* === cuGetProcAddress ===
+ * IMPLEMENTED lists each (base name, ABI version, per-thread variant, function) simgpu
+ * provides.  A request resolves against every known ABI (cuda_entry_points.h) so that the
+ * ABI chosen is the one the real driver would choose; if simgpu lacks that exact ABI the
+ * caller gets not_supported() rather than a function with the wrong signature. */
+
+SIMGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
+                                        cuuint64_t flags);
+SIMGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                           cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus);
+SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *pExportTableId);
+
+#define IMPLEMENTED(X)                                                         \
+    X(cuInit, 2000, 0, cuInit)                                                 \
+    X(cuDriverGetVersion, 2020, 0, cuDriverGetVersion)                         \
+    X(cuGetProcAddress, 11030, 0, cuGetProcAddress)                            \
+    X(cuGetProcAddress, 12000, 0, cuGetProcAddress_v2)                         \
+    X(cuGetExportTable, 3000, 0, cuGetExportTable)                             \
+    X(cuGetErrorName, 6000, 0, cuGetErrorName)                                 \
+    X(cuGetErrorString, 6000, 0, cuGetErrorString)                             \
+    X(cuDeviceGet, 2000, 0, cuDeviceGet)                                       \
+    X(cuDeviceGetCount, 2000, 0, cuDeviceGetCount)                             \
+    X(cuDeviceGetName, 2000, 0, cuDeviceGetName)                               \
+    X(cuDeviceGetUuid, 9020, 0, cuDeviceGetUuid)                               \
+    X(cuDeviceGetUuid, 11040, 0, cuDeviceGetUuid_v2)                           \
+    X(cuDeviceTotalMem, 3020, 0, cuDeviceTotalMem_v2)                          \
+    X(cuDeviceComputeCapability, 2000, 0, cuDeviceComputeCapability)           \
+    X(cuDeviceGetAttribute, 2000, 0, cuDeviceGetAttribute)                     \
+    X(cuDeviceGetPCIBusId, 4010, 0, cuDeviceGetPCIBusId)                       \
+    X(cuDeviceGetDefaultMemPool, 11020, 0, cuDeviceGetDefaultMemPool)          \
+    X(cuDeviceGetMemPool, 11020, 0, cuDeviceGetMemPool)                        \
+    X(cuDeviceSetMemPool, 11020, 0, cuDeviceSetMemPool)                        \
+    X(cuDevicePrimaryCtxRetain, 7000, 0, cuDevicePrimaryCtxRetain)             \
+    X(cuDevicePrimaryCtxRelease, 11000, 0, cuDevicePrimaryCtxRelease_v2)       \
+    X(cuDevicePrimaryCtxReset, 11000, 0, cuDevicePrimaryCtxReset_v2)           \
+    X(cuDevicePrimaryCtxGetState, 7000, 0, cuDevicePrimaryCtxGetState)         \
+    X(cuDevicePrimaryCtxSetFlags, 11000, 0, cuDevicePrimaryCtxSetFlags_v2)     \
+    X(cuCtxCreate, 3020, 0, cuCtxCreate_v2)                                    \
+    X(cuCtxCreate, 11040, 0, cuCtxCreate_v3)                                   \
+    X(cuCtxCreate, 12050, 0, cuCtxCreate_v4)                                   \
+    X(cuCtxDestroy, 4000, 0, cuCtxDestroy_v2)                                  \
+    X(cuCtxSetCurrent, 4000, 0, cuCtxSetCurrent)                               \
+    X(cuCtxGetCurrent, 4000, 0, cuCtxGetCurrent)                               \
+    X(cuCtxPushCurrent, 4000, 0, cuCtxPushCurrent_v2)                          \
+    X(cuCtxPopCurrent, 4000, 0, cuCtxPopCurrent_v2)                            \
+    X(cuCtxGetDevice, 2000, 0, cuCtxGetDevice)                                 \
+    X(cuCtxGetFlags, 7000, 0, cuCtxGetFlags)                                   \
+    X(cuCtxGetApiVersion, 3020, 0, cuCtxGetApiVersion)                         \
+    X(cuCtxGetStreamPriorityRange, 5050, 0, cuCtxGetStreamPriorityRange)       \
+    X(cuCtxGetLimit, 3010, 0, cuCtxGetLimit)                                   \
+    X(cuCtxSetLimit, 3010, 0, cuCtxSetLimit)                                   \
+    X(cuCtxSynchronize, 2000, 0, cuCtxSynchronize)                             \
+    X(cuMemAlloc, 3020, 0, cuMemAlloc_v2)                                      \
+    X(cuMemAllocPitch, 3020, 0, cuMemAllocPitch_v2)                            \
+    X(cuMemAllocManaged, 6000, 0, cuMemAllocManaged)                           \
+    X(cuMemFree, 3020, 0, cuMemFree_v2)                                        \
+    X(cuMemGetInfo, 3020, 0, cuMemGetInfo_v2)                                  \
+    X(cuMemGetAddressRange, 3020, 0, cuMemGetAddressRange_v2)                  \
+    X(cuMemHostAlloc, 2020, 0, cuMemHostAlloc)                                 \
+    X(cuMemAllocHost, 3020, 0, cuMemAllocHost_v2)                              \
+    X(cuMemFreeHost, 2000, 0, cuMemFreeHost)                                   \
+    X(cuMemHostGetDevicePointer, 3020, 0, cuMemHostGetDevicePointer_v2)        \
+    X(cuMemPoolCreate, 11020, 0, cuMemPoolCreate)                              \
+    X(cuMemPoolDestroy, 11020, 0, cuMemPoolDestroy)                            \
+    X(cuMemPoolTrimTo, 11020, 0, cuMemPoolTrimTo)                              \
+    X(cuMemPoolSetAttribute, 11020, 0, cuMemPoolSetAttribute)                  \
+    X(cuMemPoolGetAttribute, 11020, 0, cuMemPoolGetAttribute)                  \
+    X(cuMemAllocAsync, 11020, 0, cuMemAllocAsync)                              \
+    X(cuMemAllocAsync, 11020, 1, cuMemAllocAsync_ptsz)                         \
+    X(cuMemAllocFromPoolAsync, 11020, 0, cuMemAllocFromPoolAsync)              \
+    X(cuMemAllocFromPoolAsync, 11020, 1, cuMemAllocFromPoolAsync_ptsz)         \
+    X(cuMemFreeAsync, 11020, 0, cuMemFreeAsync)                                \
+    X(cuMemFreeAsync, 11020, 1, cuMemFreeAsync_ptsz)                           \
+    X(cuMemGetAllocationGranularity, 10020, 0, cuMemGetAllocationGranularity)  \
+    X(cuMemCreate, 10020, 0, cuMemCreate)                                      \
+    X(cuMemRelease, 10020, 0, cuMemRelease)                                    \
+    X(cuMemAddressReserve, 10020, 0, cuMemAddressReserve)                      \
+    X(cuMemAddressFree, 10020, 0, cuMemAddressFree)                            \
+    X(cuMemMap, 10020, 0, cuMemMap)                                            \
+    X(cuMemUnmap, 10020, 0, cuMemUnmap)                                        \
+    X(cuMemSetAccess, 10020, 0, cuMemSetAccess)                                \
+    X(cuArrayCreate, 3020, 0, cuArrayCreate_v2)                                \
+    X(cuArray3DCreate, 3020, 0, cuArray3DCreate_v2)                            \
+    X(cuArrayDestroy, 2000, 0, cuArrayDestroy)                                 \
+    X(cuMipmappedArrayCreate, 5000, 0, cuMipmappedArrayCreate)                 \
+    X(cuMipmappedArrayDestroy, 5000, 0, cuMipmappedArrayDestroy)               \
+    X(cuMemcpy, 4000, 0, cuMemcpy)                                             \
+    X(cuMemcpy, 7000, 1, cuMemcpy_ptds)                                        \
+    X(cuMemcpyAsync, 4000, 0, cuMemcpyAsync)                                   \
+    X(cuMemcpyAsync, 7000, 1, cuMemcpyAsync_ptsz)                              \
+    X(cuMemcpyHtoD, 3020, 0, cuMemcpyHtoD_v2)                                  \
+    X(cuMemcpyHtoD, 7000, 1, cuMemcpyHtoD_v2_ptds)                             \
+    X(cuMemcpyDtoH, 3020, 0, cuMemcpyDtoH_v2)                                  \
+    X(cuMemcpyDtoH, 7000, 1, cuMemcpyDtoH_v2_ptds)                             \
+    X(cuMemcpyDtoD, 3020, 0, cuMemcpyDtoD_v2)                                  \
+    X(cuMemcpyDtoD, 7000, 1, cuMemcpyDtoD_v2_ptds)                             \
+    X(cuMemcpyHtoDAsync, 3020, 0, cuMemcpyHtoDAsync_v2)                        \
+    X(cuMemcpyHtoDAsync, 7000, 1, cuMemcpyHtoDAsync_v2_ptsz)                   \
+    X(cuMemcpyDtoHAsync, 3020, 0, cuMemcpyDtoHAsync_v2)                        \
+    X(cuMemcpyDtoHAsync, 7000, 1, cuMemcpyDtoHAsync_v2_ptsz)                   \
+    X(cuMemcpyDtoDAsync, 3020, 0, cuMemcpyDtoDAsync_v2)                        \
+    X(cuMemcpyDtoDAsync, 7000, 1, cuMemcpyDtoDAsync_v2_ptsz)                   \
+    X(cuMemsetD8, 3020, 0, cuMemsetD8_v2)                                      \
+    X(cuMemsetD8, 7000, 1, cuMemsetD8_v2_ptds)                                 \
+    X(cuMemsetD16, 3020, 0, cuMemsetD16_v2)                                    \
+    X(cuMemsetD16, 7000, 1, cuMemsetD16_v2_ptds)                               \
+    X(cuMemsetD32, 3020, 0, cuMemsetD32_v2)                                    \
+    X(cuMemsetD32, 7000, 1, cuMemsetD32_v2_ptds)                               \
+    X(cuMemsetD8Async, 3020, 0, cuMemsetD8Async)                               \
+    X(cuMemsetD8Async, 7000, 1, cuMemsetD8Async_ptsz)                          \
+    X(cuMemsetD16Async, 3020, 0, cuMemsetD16Async)                             \
+    X(cuMemsetD16Async, 7000, 1, cuMemsetD16Async_ptsz)                        \
+    X(cuMemsetD32Async, 3020, 0, cuMemsetD32Async)                             \
+    X(cuMemsetD32Async, 7000, 1, cuMemsetD32Async_ptsz)                        \
+    X(cuStreamCreate, 2000, 0, cuStreamCreate)                                 \
+    X(cuStreamCreateWithPriority, 5050, 0, cuStreamCreateWithPriority)         \
+    X(cuStreamDestroy, 4000, 0, cuStreamDestroy_v2)                            \
+    X(cuStreamSynchronize, 2000, 0, cuStreamSynchronize)                       \
+    X(cuStreamSynchronize, 7000, 1, cuStreamSynchronize_ptsz)                  \
+    X(cuStreamQuery, 2000, 0, cuStreamQuery)                                   \
+    X(cuStreamQuery, 7000, 1, cuStreamQuery_ptsz)                              \
+    X(cuStreamWaitEvent, 3020, 0, cuStreamWaitEvent)                           \
+    X(cuStreamWaitEvent, 7000, 1, cuStreamWaitEvent_ptsz)                      \
+    X(cuStreamGetPriority, 5050, 0, cuStreamGetPriority)                       \
+    X(cuStreamGetPriority, 7000, 1, cuStreamGetPriority_ptsz)                  \
+    X(cuStreamGetFlags, 5050, 0, cuStreamGetFlags)                             \
+    X(cuStreamGetFlags, 7000, 1, cuStreamGetFlags_ptsz)                        \
+    X(cuStreamGetCtx, 9020, 0, cuStreamGetCtx)                                 \
+    X(cuStreamGetCtx, 9020, 1, cuStreamGetCtx_ptsz)                            \
+    X(cuStreamBeginCapture, 10010, 0, cuStreamBeginCapture_v2)                 \
+    X(cuStreamBeginCapture, 10010, 1, cuStreamBeginCapture_v2_ptsz)            \
+    X(cuStreamEndCapture, 10000, 0, cuStreamEndCapture)                        \
+    X(cuStreamEndCapture, 10000, 1, cuStreamEndCapture_ptsz)                   \
+    X(cuStreamIsCapturing, 10000, 0, cuStreamIsCapturing)                      \
+    X(cuStreamIsCapturing, 10000, 1, cuStreamIsCapturing_ptsz)                 \
+    X(cuLaunchHostFunc, 10000, 0, cuLaunchHostFunc)                            \
+    X(cuLaunchHostFunc, 10000, 1, cuLaunchHostFunc_ptsz)                       \
+    X(cuEventCreate, 2000, 0, cuEventCreate)                                   \
+    X(cuEventDestroy, 4000, 0, cuEventDestroy_v2)                              \
+    X(cuEventRecord, 2000, 0, cuEventRecord)                                   \
+    X(cuEventRecord, 7000, 1, cuEventRecord_ptsz)                              \
+    X(cuEventRecordWithFlags, 11010, 0, cuEventRecordWithFlags)                \
+    X(cuEventRecordWithFlags, 11010, 1, cuEventRecordWithFlags_ptsz)           \
+    X(cuEventQuery, 2000, 0, cuEventQuery)                                     \
+    X(cuEventSynchronize, 2000, 0, cuEventSynchronize)                         \
+    X(cuEventElapsedTime, 2000, 0, cuEventElapsedTime)                         \
+    X(cuEventElapsedTime, 12080, 0, cuEventElapsedTime_v2)                     \
+    X(cuModuleLoad, 2000, 0, cuModuleLoad)                                     \
+    X(cuModuleLoadData, 2000, 0, cuModuleLoadData)                             \
+    X(cuModuleLoadDataEx, 2010, 0, cuModuleLoadDataEx)                         \
+    X(cuModuleLoadFatBinary, 2000, 0, cuModuleLoadFatBinary)                   \
+    X(cuModuleUnload, 2000, 0, cuModuleUnload)                                 \
+    X(cuModuleGetFunction, 2000, 0, cuModuleGetFunction)                       \
+    X(cuLibraryLoadData, 12000, 0, cuLibraryLoadData)                          \
+    X(cuLibraryLoadFromFile, 12000, 0, cuLibraryLoadFromFile)                  \
+    X(cuLibraryUnload, 12000, 0, cuLibraryUnload)                              \
+    X(cuLibraryGetKernel, 12000, 0, cuLibraryGetKernel)                        \
+    X(cuLibraryGetModule, 12000, 0, cuLibraryGetModule)                        \
+    X(cuKernelGetFunction, 12000, 0, cuKernelGetFunction)                      \
+    X(cuKernelGetAttribute, 12000, 0, cuKernelGetAttribute)                    \
+    X(cuKernelSetAttribute, 12000, 0, cuKernelSetAttribute)                    \
+    X(cuFuncGetName, 12030, 0, cuFuncGetName)                                  \
+    X(cuFuncGetAttribute, 2020, 0, cuFuncGetAttribute)                         \
+    X(cuFuncSetAttribute, 9000, 0, cuFuncSetAttribute)                         \
+    X(cuFuncSetCacheConfig, 3000, 0, cuFuncSetCacheConfig)                     \
+    X(cuLaunchKernel, 4000, 0, cuLaunchKernel)                                 \
+    X(cuLaunchKernel, 7000, 1, cuLaunchKernel_ptsz)                            \
+    X(cuLaunchKernelEx, 11060, 0, cuLaunchKernelEx)                            \
+    X(cuLaunchKernelEx, 11060, 1, cuLaunchKernelEx_ptsz)                       \
+    X(cuLaunchCooperativeKernel, 9000, 0, cuLaunchCooperativeKernel)           \
+    X(cuLaunchCooperativeKernel, 9000, 1, cuLaunchCooperativeKernel_ptsz)      \
+    X(cuGraphCreate, 10000, 0, cuGraphCreate)                                  \
+    X(cuGraphDestroy, 10000, 0, cuGraphDestroy)                                \
+    X(cuGraphAddKernelNode, 12000, 0, cuGraphAddKernelNode_v2)                 \
+    X(cuGraphInstantiate, 11000, 0, cuGraphInstantiate_v2)                     \
+    X(cuGraphInstantiateWithFlags, 11040, 0, cuGraphInstantiateWithFlags)      \
+    X(cuGraphExecDestroy, 10000, 0, cuGraphExecDestroy)                        \
+    X(cuGraphUpload, 11010, 0, cuGraphUpload)                                  \
+    X(cuGraphUpload, 11010, 1, cuGraphUpload_ptsz)                             \
+    X(cuGraphLaunch, 10000, 0, cuGraphLaunch)                                  \
+    X(cuGraphLaunch, 10000, 1, cuGraphLaunch_ptsz)
+
+struct entry { const char *name; int version, per_thread; void *fn; };
+
+#define AS_IMPLEMENTED(name, ver, pt, fn) {#name, ver, pt, (void *)fn},
+static const struct entry implemented[] = {IMPLEMENTED(AS_IMPLEMENTED)};
+#define AS_KNOWN(name, ver, pt) {#name, ver, pt, NULL},
+static const struct entry known[] = {VGPU_CUDA_ENTRY_POINTS(AS_KNOWN)};
+
+static CUresult not_supported(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+
+/* The ABI the driver hands out for (symbol, cudaVersion, flags): the newest version not
+ * above cudaVersion, of the per-thread variant when asked for and one exists. */
+static CUdriverProcAddressQueryResult resolve(const char *symbol, int cudaVersion, cuuint64_t flags, void **pfn)
+{
+    int want_pt = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct entry *best = NULL;
+    int seen = 0;
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
+        const struct entry *e = &known[i];
+        if (strcmp(e->name, symbol))
+            continue;
+        seen = 1;
+        if (e->version > cudaVersion || (e->per_thread && !want_pt))
+            continue;
+        if (!best || e->per_thread > best->per_thread ||
+            (e->per_thread == best->per_thread && e->version > best->version))
+            best = e;
+    }
+    *pfn = NULL;
+    if (!best)
+        return seen ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    /* the per-thread variant is the one for the newest default ABI below it */
+    *pfn = (void *)not_supported;
+    for (size_t i = 0; i < sizeof implemented / sizeof implemented[0]; i++) {
+        const struct entry *e = &implemented[i];
+        if (!strcmp(e->name, symbol) && e->per_thread == best->per_thread &&
+            (best->per_thread ? e->version <= best->version : e->version == best->version)) {
+            *pfn = e->fn;
+            if (!best->per_thread)
+                break;
+        }
+    }
+    simgpu_log("cuGetProcAddress(%s, %d, %llu) -> v%d%s%s", symbol, cudaVersion, (unsigned long long)flags,
+               best->version, best->per_thread ? " per-thread" : "",
+               *pfn == (void *)not_supported ? " (not implemented)" : "");
+    return CU_GET_PROC_ADDRESS_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                           cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus)
+{
+    if (!symbol || !pfn || flags > 2)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUdriverProcAddressQueryResult st = resolve(symbol, cudaVersion, flags, pfn);
+    if (symbolStatus)
+        *symbolStatus = st;
+    return st == CU_GET_PROC_ADDRESS_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+SIMGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, NULL);
+}
+
+/* NVIDIA's private tables (used by the CUDA runtime) are not part of the public ABI. */
+SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *pExportTableId)
+{
+    if (!ppExportTable || !pExportTableId)
+        return CUDA_ERROR_INVALID_VALUE;
+    *ppExportTable = NULL;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}

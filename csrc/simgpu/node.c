@@ -1,0 +1,437 @@
+/* simgpu node state shared by all processes: see node.h. */
+#define _GNU_SOURCE
+#include "simgpu/node.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* === profiles === */
+
+#define GiB (1ull << 30)
+static const struct simgpu_profile profiles[] = {
+    {"a10", "NVIDIA A10", 24 * GiB, 72, 8, 6, 1695000, 6251000, 384, 6 << 20},
+    {"a100-40g", "NVIDIA A100-SXM4-40GB", 40 * GiB, 108, 8, 0, 1410000, 1215000, 5120, 40 << 20},
+    {"h100-80g", "NVIDIA H100 80GB HBM3", 80 * GiB, 132, 9, 0, 1980000, 2619000, 5120, 50 << 20},
+    {"h200", "NVIDIA H200", 141 * GiB, 132, 9, 0, 1980000, 3201000, 6144, 60 << 20},
+};
+#define NPROFILES (sizeof profiles / sizeof profiles[0])
+
+static const struct simgpu_profile *find_profile(const char *id)
+{
+    for (size_t i = 0; i < NPROFILES; i++)
+        if (strcmp(profiles[i].id, id) == 0)
+            return &profiles[i];
+    return NULL;
+}
+
+/* === process-local attachment === */
+
+#define LOCK_BASE (1ll << 40)   /* slot i is owned by an OFD lock on byte LOCK_BASE + i */
+
+static struct {
+    pthread_mutex_t lock;       /* guards attach and reaping within this process */
+    int attached;
+    int fd;
+    char path[4096];
+    struct simgpu_node *node;
+    size_t map_size;
+    const struct simgpu_profile *profile;
+    int slot;
+    char error[512];
+    int log;                    /* 0 unknown, 1 on, -1 off (SIMGPU_LOG) */
+} g = {.lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1, .slot = -1};
+
+void simgpu_log(const char *fmt, ...)
+{
+    if (g.log == 0) {   /* decided once, on the first message */
+        const char *e = getenv("SIMGPU_LOG");
+        g.log = e && *e && strcmp(e, "0") ? 1 : -1;
+    }
+    if (g.log < 0)
+        return;
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "simgpu[%d]: %s\n", (int)getpid(), buf);
+}
+
+static int fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g.error, sizeof g.error, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "simgpu: %s\n", g.error);
+    return -1;
+}
+
+const char *simgpu_error(void) { return g.error; }
+struct simgpu_node *simgpu_node(void) { return g.node; }
+const struct simgpu_profile *simgpu_profile(void) { return g.profile; }
+
+static size_t header_size(void)
+{
+    size_t page = 4096;
+    return (sizeof(struct simgpu_node) + page - 1) / page * page;
+}
+
+struct simgpu_interval *simgpu_ring(int dev)
+{
+    char *base = (char *)g.node + header_size();
+    return (struct simgpu_interval *)(base + (size_t)dev * SIMGPU_RING_SIZE *
+                                                 sizeof(struct simgpu_interval));
+}
+
+static void init_node(struct simgpu_node *n, const struct simgpu_profile *p, int ndev)
+{
+    memset(n, 0, sizeof *n);
+    n->version = SIMGPU_VERSION;
+    n->device_count = (uint32_t)ndev;
+    snprintf(n->profile_id, sizeof n->profile_id, "%s", p->id);
+    unsigned char seed[16] = {0};
+    int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (r >= 0) {
+        if (read(r, seed, sizeof seed) != (ssize_t)sizeof seed)
+            memset(seed, 0x5a, sizeof seed);
+        close(r);
+    }
+    for (int d = 0; d < SIMGPU_MAX_DEVICES; d++) {
+        struct simgpu_device *dev = &n->devices[d];
+        pthread_mutexattr_t a;
+        pthread_mutexattr_init(&a);
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+        pthread_mutex_init(&dev->lock, &a);
+        pthread_mutexattr_destroy(&a);
+        memcpy(dev->uuid, seed, 16);
+        dev->uuid[15] = (unsigned char)(seed[15] + d);
+        dev->uuid[6] = (unsigned char)((dev->uuid[6] & 0x0f) | 0x40);   /* version 4 */
+        dev->uuid[8] = (unsigned char)((dev->uuid[8] & 0x3f) | 0x80);
+    }
+    /* magic last: a reader that sees it sees an initialised node */
+    __atomic_store_n(&n->magic, SIMGPU_MAGIC, __ATOMIC_RELEASE);
+}
+
+static int parse_devices(const char *s, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < 1 || v > SIMGPU_MAX_DEVICES)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int attach_locked(void)
+{
+    const char *want_profile = getenv("SIMGPU_PROFILE");
+    const char *want_devices = getenv("SIMGPU_DEVICES");
+    const struct simgpu_profile *p = find_profile(want_profile && *want_profile ? want_profile : "a10");
+    if (!p) {
+        char known[256] = "";
+        for (size_t i = 0; i < NPROFILES; i++) {
+            strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
+            strncat(known, profiles[i].id, sizeof known - strlen(known) - 1);
+        }
+        return fail("SIMGPU_PROFILE=%s is not a known profile (known: %s)", want_profile, known);
+    }
+    int ndev = 1;
+    if (want_devices && *want_devices && parse_devices(want_devices, &ndev))
+        return fail("SIMGPU_DEVICES=%s is not a device count between 1 and %d", want_devices,
+                    SIMGPU_MAX_DEVICES);
+
+    const char *dir = getenv("SIMGPU_STATE_DIR");
+    char defdir[256];
+    if (!dir || !*dir) {
+        snprintf(defdir, sizeof defdir, "/tmp/simgpu-%u", (unsigned)getuid());
+        dir = defdir;
+    }
+    if (mkdir(dir, 0700) && errno != EEXIST)
+        return fail("cannot create state directory %s: %s (set SIMGPU_STATE_DIR to a writable "
+                    "directory)", dir, strerror(errno));
+    if ((size_t)snprintf(g.path, sizeof g.path, "%s/node", dir) >= sizeof g.path)
+        return fail("state directory path too long: %s", dir);
+    int fd = open(g.path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+        return fail("cannot open %s: %s (set SIMGPU_STATE_DIR to a writable directory)", g.path,
+                    strerror(errno));
+
+    size_t size = header_size() + (size_t)SIMGPU_MAX_DEVICES * SIMGPU_RING_SIZE *
+                                      sizeof(struct simgpu_interval);
+    flock(fd, LOCK_EX);   /* serialises creation between processes starting together */
+    struct stat st;
+    int fresh = fstat(fd, &st) == 0 && (size_t)st.st_size < size;
+    if (!fresh) {
+        struct simgpu_node hdr;
+        fresh = pread(fd, &hdr, sizeof hdr, 0) != (ssize_t)sizeof hdr || hdr.magic != SIMGPU_MAGIC ||
+                hdr.version != SIMGPU_VERSION;
+    }
+    if (fresh && (ftruncate(fd, 0) || ftruncate(fd, (off_t)size))) {
+        int e = errno;
+        flock(fd, LOCK_UN);
+        close(fd);
+        return fail("cannot size %s: %s", g.path, strerror(e));
+    }
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        int e = errno;
+        flock(fd, LOCK_UN);
+        close(fd);
+        return fail("cannot map %s: %s", g.path, strerror(e));
+    }
+    struct simgpu_node *n = m;
+    if (fresh)
+        init_node(n, p, ndev);
+    flock(fd, LOCK_UN);
+
+    /* A node outlives the processes that made it; an explicit request must match it. */
+    if ((want_profile && *want_profile && strcmp(n->profile_id, p->id)) ||
+        (want_devices && *want_devices && (int)n->device_count != ndev)) {
+        char have[64];
+        snprintf(have, sizeof have, "%s x%u", n->profile_id, n->device_count);
+        munmap(m, size);
+        close(fd);
+        return fail("%s already simulates %s; it does not match SIMGPU_PROFILE/SIMGPU_DEVICES "
+                    "(use another SIMGPU_STATE_DIR)", g.path, have);
+    }
+    g.profile = find_profile(n->profile_id);
+    if (!g.profile) {
+        munmap(m, size);
+        close(fd);
+        return fail("%s names unknown profile %.32s", g.path, n->profile_id);
+    }
+    g.fd = fd;
+    g.node = n;
+    g.map_size = size;
+    simgpu_log("attached %s (%s x%u)", g.path, n->profile_id, n->device_count);
+    return 0;
+}
+
+static void atfork_child(void)
+{
+    /* The child shares the parent's open file description, and with it the parent's
+     * slot lock: it takes a fresh description and claims its own slot when it needs one. */
+    pthread_mutex_init(&g.lock, NULL);
+    if (g.fd >= 0) {
+        close(g.fd);
+        g.fd = open(g.path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    }
+    g.slot = -1;
+}
+
+int simgpu_attach(void)
+{
+    if (__atomic_load_n(&g.attached, __ATOMIC_ACQUIRE) == 1)
+        return 0;
+    pthread_mutex_lock(&g.lock);
+    int rc = 0;
+    if (g.attached == 0) {
+        rc = attach_locked();
+        if (rc == 0)
+            pthread_atfork(NULL, NULL, atfork_child);
+        __atomic_store_n(&g.attached, rc == 0 ? 1 : -1, __ATOMIC_RELEASE);
+    } else if (g.attached < 0) {
+        rc = -1;
+    }
+    pthread_mutex_unlock(&g.lock);
+    return rc;
+}
+
+/* === process slots === */
+
+static int slot_lock(int slot, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = LOCK_BASE + slot, .l_len = 1};
+    return fcntl(g.fd, F_OFD_SETLK, &fl);
+}
+
+static void clear_slot(struct simgpu_proc *p)
+{
+    for (int d = 0; d < SIMGPU_MAX_DEVICES; d++)
+        atomic_store(&p->mem[d], 0);
+    atomic_store(&p->pid, 0);
+}
+
+int simgpu_slot_alive(int slot)
+{
+    if (slot == g.slot)
+        return 1;
+    struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = LOCK_BASE + slot, .l_len = 1};
+    if (fcntl(g.fd, F_OFD_GETLK, &fl))
+        return 1;   /* cannot tell: assume alive (never free memory in use) */
+    return fl.l_type != F_UNLCK;
+}
+
+int simgpu_my_slot(void)
+{
+    if (g.slot >= 0)
+        return g.slot;
+    if (simgpu_attach())
+        return -1;
+    pthread_mutex_lock(&g.lock);
+    for (int i = 0; i < SIMGPU_MAX_PROCS && g.slot < 0; i++) {
+        struct simgpu_proc *p = &g.node->procs[i];
+        if (slot_lock(i, F_WRLCK))
+            continue;                /* owned by a live process */
+        clear_slot(p);               /* a dead owner's memory goes back to the device */
+        FILE *f = fopen("/proc/self/comm", "re");
+        p->comm[0] = 0;
+        if (f) {
+            if (fgets(p->comm, sizeof p->comm, f))
+                p->comm[strcspn(p->comm, "\n")] = 0;
+            fclose(f);
+        }
+        atomic_store(&p->pid, (int32_t)getpid());
+        g.slot = i;
+    }
+    pthread_mutex_unlock(&g.lock);
+    if (g.slot < 0)
+        fail("all %d process slots of %s are in use", SIMGPU_MAX_PROCS, g.path);
+    return g.slot;
+}
+
+/* At exit (or unload) our memory goes back at once; a crash leaves it to simgpu_reap_dead. */
+__attribute__((destructor)) static void release_slot(void)
+{
+    if (g.slot < 0 || !g.node)
+        return;
+    clear_slot(&g.node->procs[g.slot]);
+    slot_lock(g.slot, F_UNLCK);
+    g.slot = -1;
+}
+
+void simgpu_reap_dead(void)
+{
+    if (simgpu_attach())
+        return;
+    pthread_mutex_lock(&g.lock);   /* our own OFD would re-grant a lock we already hold */
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        struct simgpu_proc *p = &g.node->procs[i];
+        if (i == g.slot || atomic_load(&p->pid) == 0)
+            continue;
+        if (slot_lock(i, F_WRLCK) == 0) {
+            simgpu_log("reaping slot %d of dead pid %d", i, (int)atomic_load(&p->pid));
+            clear_slot(p);
+            slot_lock(i, F_UNLCK);
+        }
+    }
+    pthread_mutex_unlock(&g.lock);
+}
+
+/* === memory === */
+
+static void dev_lock(struct simgpu_device *d)
+{
+    if (pthread_mutex_lock(&d->lock) == EOWNERDEAD)
+        pthread_mutex_consistent(&d->lock);   /* every update under it is a single store */
+}
+
+uint64_t simgpu_mem_used(int dev)
+{
+    uint64_t used = 0;
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++)
+        if (atomic_load(&g.node->procs[i].pid))
+            used += atomic_load(&g.node->procs[i].mem[dev]);
+    return used;
+}
+
+int simgpu_mem_reserve(int dev, uint64_t bytes)
+{
+    int slot = simgpu_my_slot();
+    if (slot < 0)
+        return -1;
+    struct simgpu_device *d = &g.node->devices[dev];
+    for (int attempt = 0; attempt < 2; attempt++) {
+        dev_lock(d);
+        uint64_t used = simgpu_mem_used(dev);
+        int ok = bytes <= g.profile->memory && used <= g.profile->memory - bytes;
+        if (ok)
+            atomic_fetch_add(&g.node->procs[slot].mem[dev], bytes);
+        pthread_mutex_unlock(&d->lock);
+        if (ok)
+            return 0;
+        simgpu_reap_dead();   /* maybe a dead process still holds memory */
+    }
+    return -1;
+}
+
+void simgpu_mem_release(int dev, uint64_t bytes)
+{
+    if (g.slot < 0)
+        return;
+    _Atomic uint64_t *m = &g.node->procs[g.slot].mem[dev];
+    uint64_t cur = atomic_load(m);
+    while (!atomic_compare_exchange_weak(m, &cur, cur >= bytes ? cur - bytes : 0))
+        ;
+}
+
+/* === timeline === */
+
+uint64_t simgpu_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void simgpu_sleep_until(uint64_t t_ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t_ns / 1000000000ull), .tv_nsec = (long)(t_ns % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+uint64_t simgpu_enqueue(int dev, uint64_t dur_ns)
+{
+    struct simgpu_device *d = &g.node->devices[dev];
+    int slot = simgpu_my_slot();
+    uint64_t now = simgpu_now_ns();
+    dev_lock(d);
+    uint64_t start = d->free_at_ns > now ? d->free_at_ns : now;
+    uint64_t end = start + dur_ns;
+    d->free_at_ns = end;
+    d->launches++;
+    uint64_t h = atomic_load_explicit(&d->ring_head, memory_order_relaxed);
+    struct simgpu_interval *e = &simgpu_ring(dev)[h % SIMGPU_RING_SIZE];
+    e->start_ns = start;
+    e->end_ns = end;
+    e->pid = (int32_t)getpid();
+    e->slot = slot;
+    atomic_store_explicit(&d->ring_head, h + 1, memory_order_release);
+    pthread_mutex_unlock(&d->lock);
+    return end;
+}
+
+uint64_t simgpu_busy_ns(int dev, int32_t pid, uint64_t from_ns, uint64_t to_ns)
+{
+    struct simgpu_interval *ring = simgpu_ring(dev);
+    uint64_t head = atomic_load_explicit(&g.node->devices[dev].ring_head, memory_order_acquire);
+    uint64_t busy = 0;
+    /* Intervals are appended in time order (each starts at or after the previous end),
+     * so walking back stops at the first one that ended before the window. */
+    for (uint64_t i = head; i > 0 && head - i < SIMGPU_RING_SIZE; i--) {
+        const struct simgpu_interval *e = &ring[(i - 1) % SIMGPU_RING_SIZE];
+        if (e->end_ns <= from_ns)
+            break;
+        if (pid && e->pid != pid)
+            continue;
+        uint64_t s = e->start_ns > from_ns ? e->start_ns : from_ns;
+        uint64_t t = e->end_ns < to_ns ? e->end_ns : to_ns;
+        if (t > s)
+            busy += t - s;
+    }
+    return busy;
+}

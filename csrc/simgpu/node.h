@@ -1,0 +1,98 @@
+/* simgpu node state: the part of a simulated GPU node that all processes share.
+ *
+ * One file, <state dir>/node, mapped MAP_SHARED by every process that uses simgpu
+ * (both libcuda.so.1 and libnvidia-ml.so.1 link this code).  It holds:
+ *   - the profile (model, memory, SMs) and device count, fixed when the file is created;
+ *   - a table of process slots: who holds how much memory on each device.  A slot is
+ *     owned through an OFD lock on one byte of the file, which the kernel drops when the
+ *     process dies, so a kill -9'ed process's memory returns without trusting PIDs;
+ *   - per device, one serial timeline (when the device is next free) and a ring of the
+ *     kernel intervals it ran, from which NVML derives utilization.
+ */
+#ifndef SIMGPU_NODE_H
+#define SIMGPU_NODE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
+#define SIMGPU_VERSION 1u
+#define SIMGPU_MAX_DEVICES 8
+#define SIMGPU_MAX_PROCS 256
+#define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
+#define SIMGPU_DEFAULT_KERNEL_US 5           /* kernels not named sim_<N>us */
+#define SIMGPU_QUEUE_DEPTH 1024              /* launches pending per stream before blocking */
+
+struct simgpu_profile {
+    const char *id;          /* what SIMGPU_PROFILE names */
+    const char *model;       /* what cuDeviceGetName / nvmlDeviceGetName report */
+    uint64_t memory;         /* bytes */
+    int sm_count;
+    int cc_major, cc_minor;
+    int clock_khz, mem_clock_khz, bus_width, l2_bytes;
+};
+
+struct simgpu_proc {
+    _Atomic int32_t pid;                       /* 0: free */
+    int32_t reserved;
+    _Atomic uint64_t mem[SIMGPU_MAX_DEVICES];  /* bytes held on each device */
+    char comm[32];
+};
+
+struct simgpu_interval {
+    uint64_t start_ns, end_ns;                 /* CLOCK_MONOTONIC */
+    int32_t pid;
+    int32_t slot;
+};
+
+struct simgpu_device {
+    pthread_mutex_t lock;                      /* robust, process-shared */
+    uint64_t free_at_ns;                       /* end of the last queued kernel */
+    _Atomic uint64_t ring_head;                /* intervals ever appended */
+    unsigned char uuid[16];
+    uint64_t launches;
+};
+
+struct simgpu_node {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t device_count;
+    char profile_id[32];
+    struct simgpu_proc procs[SIMGPU_MAX_PROCS];
+    struct simgpu_device devices[SIMGPU_MAX_DEVICES];
+    /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
+};
+
+/* Attach to the node named by SIMGPU_STATE_DIR / SIMGPU_PROFILE / SIMGPU_DEVICES.
+ * Thread-safe, idempotent.  Returns 0, or -1 with simgpu_error() saying why. */
+int simgpu_attach(void);
+const char *simgpu_error(void);
+struct simgpu_node *simgpu_node(void);
+const struct simgpu_profile *simgpu_profile(void);
+struct simgpu_interval *simgpu_ring(int dev);
+
+/* This process's slot, claimed on first call (-1 if the table is full). */
+int simgpu_my_slot(void);
+/* Return dead processes' slots (and their memory) to the pool. */
+void simgpu_reap_dead(void);
+/* Is the process in `slot` alive (its lock is held by someone else)? */
+int simgpu_slot_alive(int slot);
+
+/* Memory: reserve is check-and-add against the device's capacity across all processes. */
+int simgpu_mem_reserve(int dev, uint64_t bytes);   /* 0 ok, -1 out of memory / no slot */
+void simgpu_mem_release(int dev, uint64_t bytes);
+uint64_t simgpu_mem_used(int dev);                  /* all live processes */
+
+/* Timeline: queue `dur_ns` of work on the device; returns when it will end. */
+uint64_t simgpu_enqueue(int dev, uint64_t dur_ns);
+/* Device busy time in [from, to), for one pid (pid > 0) or all (pid == 0). */
+uint64_t simgpu_busy_ns(int dev, int32_t pid, uint64_t from_ns, uint64_t to_ns);
+
+uint64_t simgpu_now_ns(void);
+void simgpu_sleep_until(uint64_t t_ns);
+void simgpu_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#define SIMGPU_EXPORT __attribute__((visibility("default")))
+
+#endif

@@ -1,0 +1,87 @@
+/* vgpu_region.h — the files the controller and the shim share: the single source of
+ * truth for their layout.
+ *
+ *   <dir>/<container>/quota  written by the controller, mapped read-only by the shim
+ *   <dir>/<container>/usage  written by the shim processes of the container, read by the
+ *                            controller
+ *
+ * Both are fixed-layout, little-endian, naturally aligned, and start with a magic and an
+ * ABI version; a reader refuses a file whose magic or version it does not know.  Fields
+ * that change while mapped are read and written with __atomic builtins (the cffi
+ * binding cannot express _Atomic, so the types here are plain integers).
+ *
+ * The region between the cffi markers is read by src/vgpu/_region_build.py to generate
+ * the Python binding; keep it to what cffi's cdef understands (no macros with arguments,
+ * no expressions in #defines).
+ */
+#ifndef VGPU_REGION_H
+#define VGPU_REGION_H
+
+#include <stdint.h>
+
+/* cffi:begin */
+#define VGPU_QUOTA_MAGIC 0x41544f5155504756
+#define VGPU_USAGE_MAGIC 0x4547415355504756
+#define VGPU_ABI_VERSION 1
+#define VGPU_MAX_DEVICES 16
+#define VGPU_MAX_PROCS 64
+#define VGPU_NAME_MAX 64
+
+/* memory_max == VGPU_UNLIMITED: no cap on that device */
+#define VGPU_UNLIMITED 0xffffffffffffffff
+
+struct vgpu_quota_device {
+    uint64_t memory_max;        /* bytes the container may hold on the device */
+    uint64_t memory_request;    /* guaranteed bytes (autoscale floor) */
+    uint64_t memory_limit;      /* autoscale ceiling */
+    uint32_t sm_max;            /* share of SM time, in 1/100 percent (10000 = 100%) */
+    uint32_t sm_request;
+    uint32_t sm_limit;
+    uint32_t reserved0;
+    uint64_t reserved[4];
+};
+
+struct vgpu_quota {
+    uint64_t magic;
+    uint32_t abi_version;
+    uint32_t size;              /* sizeof(struct vgpu_quota) as written */
+    uint64_t generation;        /* bumped after every change: the shim re-reads on change */
+    uint32_t device_count;      /* entries of devices[] in use */
+    uint32_t flags;
+    char name[VGPU_NAME_MAX];
+    struct vgpu_quota_device devices[VGPU_MAX_DEVICES];
+    uint64_t reserved[32];
+};
+
+struct vgpu_usage_device {
+    uint64_t memory_current;    /* bytes held by all processes of the container */
+    uint64_t memory_peak;
+    uint64_t oom_refusals;      /* allocations refused by the cap */
+    uint64_t launches;
+    uint64_t gpu_time_ns;       /* estimated GPU time of launched work */
+    uint64_t throttled_ns;      /* time launches waited for their share */
+    int64_t sm_tokens_ns;       /* token bucket: GPU nanoseconds available */
+    uint64_t sm_refill_at_ns;   /* when the bucket was last refilled (CLOCK_MONOTONIC) */
+    uint64_t reserved[8];
+};
+
+struct vgpu_usage_proc {
+    int32_t pid;                /* as the process sees itself; 0 = free slot */
+    uint32_t state;
+    uint64_t started_ns;
+    uint64_t memory[VGPU_MAX_DEVICES];   /* bytes this process holds, per device */
+    char comm[32];
+    uint64_t reserved[4];
+};
+
+struct vgpu_usage {
+    uint64_t magic;
+    uint32_t abi_version;
+    uint32_t size;
+    struct vgpu_usage_device devices[VGPU_MAX_DEVICES];
+    struct vgpu_usage_proc procs[VGPU_MAX_PROCS];
+    uint64_t reserved[32];
+};
+/* cffi:end */
+
+#endif

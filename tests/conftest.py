@@ -1,0 +1,74 @@
+"""Shared fixtures: every test talks to simgpu from real child processes.
+
+A process binds to one simgpu node (state directory) the first time it loads the
+libraries, so tests never load libcuda / libnvidia-ml into the pytest process itself:
+they run small programs (Python or C) with an environment pointing at a fresh node.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vgpu.paths import simgpu_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def make_sim_env(state_dir, profile="a10", devices=1, **extra):
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_")):
+            del env[k]
+    lib = str(simgpu_dir())
+    env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    env["SIMGPU_STATE_DIR"] = str(state_dir)
+    env["SIMGPU_PROFILE"] = profile
+    env["SIMGPU_DEVICES"] = str(devices)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture
+def sim_env(tmp_path):
+    """Environment for a child process on a fresh one-device A10 simgpu node."""
+    return make_sim_env(tmp_path / "node")
+
+
+def run_python(code, env, timeout=120, check=True, args=()):
+    """Run `code` in a fresh interpreter; return the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\nstdout:\n{proc.stdout}\n"
+                             f"stderr:\n{proc.stderr}")
+    return proc
+
+
+def start_python(code, env, args=()):
+    """Start `code` in a fresh interpreter without waiting (stdin/stdout are pipes)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="session")
+def c_program(tmp_path_factory):
+    """Compile tests/programs/<name>.c (against csrc/ headers only) and return its path."""
+    out_dir = tmp_path_factory.mktemp("programs")
+    built = {}
+
+    def build(name, extra_flags=()):
+        if name not in built:
+            exe = out_dir / name
+            subprocess.run(["cc", "-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror",
+                            "-I", str(CSRC), str(PROGRAMS / f"{name}.c"), "-o", str(exe),
+                            *extra_flags, "-ldl", "-pthread"], check=True)
+            built[name] = exe
+        return built[name]
+
+    return build
