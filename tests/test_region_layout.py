@@ -1,0 +1,36 @@
+"""The quota/usage file layout is the same in C and in the generated Python binding."""
+import subprocess
+
+from vgpu._region import ffi, lib
+
+from conftest import CSRC
+
+STRUCTS = ["struct vgpu_quota", "struct vgpu_quota_device", "struct vgpu_usage",
+           "struct vgpu_usage_device", "struct vgpu_usage_proc"]
+
+
+def test_every_field_offset_and_struct_size_match_what_c_compiles(tmp_path):
+    lines, expected = [], []
+    for s in STRUCTS:
+        lines.append(f'printf("%zu\\n", sizeof({s}));')
+        expected.append(ffi.sizeof(s))
+        for name, _ in ffi.typeof(s).fields:
+            lines.append(f'printf("%zu\\n", offsetof({s}, {name}));')
+            expected.append(ffi.offsetof(s, name))
+    src = tmp_path / "layout.c"
+    src.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "vgpu_region.h"\n'
+                   "int main(void) {\n" + "\n".join(lines) + "\nreturn 0;\n}\n")
+    exe = tmp_path / "layout"
+    subprocess.run(["cc", "-std=gnu11", "-Wall", "-Werror", "-I", str(CSRC), str(src), "-o", str(exe)],
+                   check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(x) for x in out] == expected
+    assert len(expected) > 40
+
+
+def test_files_carry_magic_and_abi_version_constants():
+    assert lib.VGPU_ABI_VERSION == 1
+    assert lib.VGPU_QUOTA_MAGIC != lib.VGPU_USAGE_MAGIC
+    # reserved space at the end lets later versions grow without moving fields
+    assert ffi.offsetof("struct vgpu_quota", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_quota")
+    assert ffi.offsetof("struct vgpu_usage", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_usage")
