@@ -415,8 +415,9 @@ static struct vgpu_ctx *current_ctx(void)
 
 static struct vgpu_ctx *ctx_new(int dev, unsigned flags, int is_primary)
 {
-    if (simgpu_my_slot() < 0)   /* a context makes this process visible to NVML */
+    if (simgpu_my_slot() < 0)
         return NULL;
+    simgpu_note_context(dev);   /* a context makes this process visible to NVML */
     struct vgpu_ctx *c = handle_new(K_CTX);
     if (!c)
         return NULL;

@@ -262,6 +262,7 @@ static void clear_slot(struct simgpu_proc *p)
 {
     for (int d = 0; d < SIMGPU_MAX_DEVICES; d++)
         atomic_store(&p->mem[d], 0);
+    atomic_store(&p->context_devices, 0);
     atomic_store(&p->pid, 0);
 }
 
@@ -301,6 +302,13 @@ int simgpu_my_slot(void)
     if (g.slot < 0)
         fail("all %d process slots of %s are in use", SIMGPU_MAX_PROCS, g.path);
     return g.slot;
+}
+
+void simgpu_note_context(int dev)
+{
+    int slot = simgpu_my_slot();
+    if (slot >= 0)
+        atomic_fetch_or(&g.node->procs[slot].context_devices, 1u << dev);
 }
 
 /* At exit (or unload) our memory goes back at once; a crash leaves it to simgpu_reap_dead. */

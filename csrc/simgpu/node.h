@@ -35,7 +35,7 @@ struct simgpu_profile {
 
 struct simgpu_proc {
     _Atomic int32_t pid;                       /* 0: free */
-    int32_t reserved;
+    _Atomic uint32_t context_devices;          /* bit d: has a context on device d */
     _Atomic uint64_t mem[SIMGPU_MAX_DEVICES];  /* bytes held on each device */
     char comm[32];
 };
@@ -74,6 +74,8 @@ struct simgpu_interval *simgpu_ring(int dev);
 
 /* This process's slot, claimed on first call (-1 if the table is full). */
 int simgpu_my_slot(void);
+/* Record that this process has a context on `dev` (NVML lists it from then on). */
+void simgpu_note_context(int dev);
 /* Return dead processes' slots (and their memory) to the pool. */
 void simgpu_reap_dead(void);
 /* Is the process in `slot` alive (its lock is held by someone else)? */

@@ -433,9 +433,7 @@ nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSampl
 
 /* === running processes === */
 
-/* A compute process is a live slot holding memory on the device: the slot table records
- * memory per device but not which devices a process has a context on, so a process with
- * a context and no allocation on a device is not listed for it. */
+/* A compute process is a live slot with a context or memory on the device. */
 enum proc_abi { GRAPHICS_NONE, PROC_V1, PROC_V2 };
 
 static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos,
@@ -455,7 +453,8 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
         for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
             int32_t pid = atomic_load(&n->procs[i].pid);
             uint64_t mem = atomic_load(&n->procs[i].mem[d]);
-            if (pid > 0 && mem > 0)
+            int has_ctx = (atomic_load(&n->procs[i].context_devices) >> d) & 1;
+            if (pid > 0 && (mem > 0 || has_ctx))
                 found[count++] = (nvmlProcessInfo_v2_t){
                     .pid = (unsigned int)pid, .usedGpuMemory = mem,
                     .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,   /* not MIG */
