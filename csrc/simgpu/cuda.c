@@ -14,7 +14,7 @@
  */
 #define _GNU_SOURCE
 #include "cuda_abi.h"
-#include "cuda_entry_points.h"
+#include "abi_resolve.h"
 #include "simgpu/node.h"
 
 #include <errno.h>
@@ -2209,8 +2209,8 @@ SIMGPU_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream h, int *status)
 
 /* === cuGetProcAddress ===
  * IMPLEMENTED lists each (base name, ABI version, per-thread variant, function) simgpu
- * provides.  A request resolves against every known ABI (cuda_entry_points.h) so that the
- * ABI chosen is the one the real driver would choose; if simgpu lacks that exact ABI the
+ * provides.  A request resolves against every known ABI (abi_resolve.h) so that the ABI
+ * chosen is the one the real driver would choose; if simgpu lacks that exact ABI the
  * caller gets not_supported() rather than a function with the wrong signature. */
 
 SIMGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
@@ -2393,47 +2393,28 @@ struct entry { const char *name; int version, per_thread; void *fn; };
 
 #define AS_IMPLEMENTED(name, ver, pt, fn) {#name, ver, pt, (void *)fn},
 static const struct entry implemented[] = {IMPLEMENTED(AS_IMPLEMENTED)};
-#define AS_KNOWN(name, ver, pt) {#name, ver, pt, NULL},
-static const struct entry known[] = {VGPU_CUDA_ENTRY_POINTS(AS_KNOWN)};
 
 static CUresult not_supported(void) { return CUDA_ERROR_NOT_SUPPORTED; }
 
-/* The ABI the driver hands out for (symbol, cudaVersion, flags): the newest version not
- * above cudaVersion, of the per-thread variant when asked for and one exists. */
 static CUdriverProcAddressQueryResult resolve(const char *symbol, int cudaVersion, cuuint64_t flags, void **pfn)
 {
-    int want_pt = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
-    const struct entry *best = NULL;
-    int seen = 0;
-    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
-        const struct entry *e = &known[i];
-        if (strcmp(e->name, symbol))
-            continue;
-        seen = 1;
-        if (e->version > cudaVersion || (e->per_thread && !want_pt))
-            continue;
-        if (!best || e->per_thread > best->per_thread ||
-            (e->per_thread == best->per_thread && e->version > best->version))
-            best = e;
-    }
+    struct vgpu_abi abi;
     *pfn = NULL;
-    if (!best)
-        return seen ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-    /* the per-thread variant is the one for the newest default ABI below it */
+    CUdriverProcAddressQueryResult st = vgpu_resolve_abi(symbol, cudaVersion, flags, &abi);
+    if (st != CU_GET_PROC_ADDRESS_SUCCESS)
+        return st;
     *pfn = (void *)not_supported;
     for (size_t i = 0; i < sizeof implemented / sizeof implemented[0]; i++) {
         const struct entry *e = &implemented[i];
-        if (!strcmp(e->name, symbol) && e->per_thread == best->per_thread &&
-            (best->per_thread ? e->version <= best->version : e->version == best->version)) {
+        if (e->version == abi.version && e->per_thread == abi.per_thread && !strcmp(e->name, symbol)) {
             *pfn = e->fn;
-            if (!best->per_thread)
-                break;
+            break;
         }
     }
     simgpu_log("cuGetProcAddress(%s, %d, %llu) -> v%d%s%s", symbol, cudaVersion, (unsigned long long)flags,
-               best->version, best->per_thread ? " per-thread" : "",
+               abi.version, abi.per_thread ? " per-thread" : "",
                *pfn == (void *)not_supported ? " (not implemented)" : "");
-    return CU_GET_PROC_ADDRESS_SUCCESS;
+    return st;
 }
 
 SIMGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,

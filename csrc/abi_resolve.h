@@ -1,0 +1,51 @@
+/* abi_resolve.h — which ABI of a driver entry point cuGetProcAddress hands out.
+ *
+ * Shared by simgpu (which implements cuGetProcAddress) and the shim (which must return
+ * its wrapper only when the driver would return exactly the ABI that wrapper has).
+ * Rule, as documented for cuGetProcAddress: among the known ABIs of `symbol`, take the
+ * newest whose version is <= cudaVersion; with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+ * prefer a per-thread-default-stream (_ptds/_ptsz) ABI when one qualifies.
+ */
+#ifndef VGPU_ABI_RESOLVE_H
+#define VGPU_ABI_RESOLVE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_abi.h"
+#include "cuda_entry_points.h"
+
+struct vgpu_abi {
+    const char *name;
+    int version;
+    int per_thread;
+};
+
+#define VGPU_AS_ABI(name, ver, pt) {#name, ver, pt},
+static const struct vgpu_abi vgpu_known_abis[] = {VGPU_CUDA_ENTRY_POINTS(VGPU_AS_ABI)};
+
+/* Fills *out and returns CU_GET_PROC_ADDRESS_SUCCESS, or says why there is none. */
+static inline CUdriverProcAddressQueryResult vgpu_resolve_abi(const char *symbol, int cudaVersion,
+                                                              cuuint64_t flags, struct vgpu_abi *out)
+{
+    int want_pt = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct vgpu_abi *best = NULL;
+    int seen = 0;
+    for (size_t i = 0; i < sizeof vgpu_known_abis / sizeof vgpu_known_abis[0]; i++) {
+        const struct vgpu_abi *e = &vgpu_known_abis[i];
+        if (strcmp(e->name, symbol))
+            continue;
+        seen = 1;
+        if (e->version > cudaVersion || (e->per_thread && !want_pt))
+            continue;
+        if (!best || e->per_thread > best->per_thread ||
+            (e->per_thread == best->per_thread && e->version > best->version))
+            best = e;
+    }
+    if (!best)
+        return seen ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    *out = *best;
+    return CU_GET_PROC_ADDRESS_SUCCESS;
+}
+
+#endif
