@@ -186,4 +186,26 @@ typedef struct {
     unsigned char bytes[16];
 } CUuuid;
 
+/* Bytes an array occupies on the device: each mip level halves every extent. 0 for a
+ * format whose element size we do not know. */
+static inline uint64_t vgpu_array_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    uint64_t elem;
+    switch (d->Format) {
+    case 0x01: case 0x08: elem = 1; break;              /* (un)signed int8 */
+    case 0x02: case 0x09: case 0x10: elem = 2; break;   /* int16, half */
+    case 0x03: case 0x0a: case 0x20: elem = 4; break;   /* int32, float */
+    default: return 0;
+    }
+    elem *= d->NumChannels;
+    uint64_t total = 0, w = d->Width, h = d->Height ? d->Height : 1, z = d->Depth ? d->Depth : 1;
+    for (unsigned l = 0; l < levels; l++) {
+        total += w * h * z * elem;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : 1;
+        z = z > 1 ? z / 2 : 1;
+    }
+    return total;
+}
+
 #endif

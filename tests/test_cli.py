@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from vgpu import __version__
 from vgpu.cli import main
-from vgpu.paths import SIMGPU_DIR
+from vgpu.paths import SHIM, SIMGPU_DIR
 
 
 def test_version_prints_package_version():
@@ -52,3 +52,9 @@ def test_shell_sourcing_sim_env_runs_pynvml_on_simgpu(tmp_path):
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
                          env={"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path)}).stdout
     assert out.strip() == "3 NVIDIA A100-SXM4-40GB"
+
+
+def test_shim_path_prints_the_built_shim():
+    r = CliRunner().invoke(main, ["shim-path"])
+    assert r.exit_code == 0
+    assert r.output.strip() == str(SHIM) and SHIM.exists()

@@ -1197,16 +1197,6 @@ SIMGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 
 /* === memory: arrays === */
 
-static uint64_t format_bytes(int format)
-{
-    switch (format) {
-    case 0x01: case 0x08: return 1;   /* (un)signed int8 */
-    case 0x02: case 0x09: case 0x10: return 2;   /* int16, half */
-    case 0x03: case 0x0a: case 0x20: return 4;   /* int32, float */
-    default: return 0;
-    }
-}
-
 static CUresult array_new(CUarray *out, uint64_t size)
 {
     REQUIRE_CTX(c);
@@ -1240,32 +1230,19 @@ static CUresult array_destroy(CUarray a)
     return CUDA_SUCCESS;
 }
 
-static uint64_t array3d_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
-{
-    uint64_t elem = format_bytes(d->Format) * d->NumChannels, total = 0;
-    uint64_t w = d->Width, h = d->Height ? d->Height : 1, z = d->Depth ? d->Depth : 1;
-    for (unsigned l = 0; l < levels; l++) {
-        total += w * h * z * elem;
-        w = w > 1 ? w / 2 : 1;
-        h = h > 1 ? h / 2 : 1;
-        z = z > 1 ? z / 2 : 1;
-    }
-    return total;
-}
-
 SIMGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
 {
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     CUDA_ARRAY3D_DESCRIPTOR d3 = {d->Width, d->Height, 0, d->Format, d->NumChannels, 0};
-    return array_new(pHandle, array3d_bytes(&d3, 1));
+    return array_new(pHandle, vgpu_array_bytes(&d3, 1));
 }
 
 SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
-    return array_new(pHandle, array3d_bytes(d, 1));
+    return array_new(pHandle, vgpu_array_bytes(d, 1));
 }
 
 SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
@@ -1274,7 +1251,7 @@ SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const C
     if (!d || !d->Width || !numMipmapLevels ||
         (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
-    return array_new(pHandle, array3d_bytes(d, numMipmapLevels));
+    return array_new(pHandle, vgpu_array_bytes(d, numMipmapLevels));
 }
 
 SIMGPU_EXPORT CUresult cuArrayDestroy(CUarray a) { return array_destroy(a); }

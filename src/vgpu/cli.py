@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from . import sim as simgpu
+from .paths import shim_path
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,3 +46,17 @@ def sim_env(profile, devices, state_dir, as_json):
     except FileNotFoundError as e:
         raise click.ClickException(str(e))
     click.echo(json.dumps(env, indent=2) if as_json else simgpu.shell_exports(env), nl=as_json)
+
+
+@main.command("shim-path")
+def shim_path_cmd():
+    """Print the path of the shim library (for LD_PRELOAD).
+
+    \b
+    Example:
+      LD_PRELOAD=$(vgpu-ctl shim-path) VGPU_MEMORY_LIMIT=4Gi python train.py
+    """
+    try:
+        click.echo(str(shim_path()))
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e))

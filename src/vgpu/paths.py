@@ -3,6 +3,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 SIMGPU_DIR = LIB_DIR / "simgpu"
+SHIM = LIB_DIR / "libvgpu.so"
 
 
 def simgpu_dir() -> Path:
@@ -12,3 +13,12 @@ def simgpu_dir() -> Path:
             f"simgpu libraries not found in {SIMGPU_DIR}: the package was not built "
             "(run `pip install -e .` or `make venv`)")
     return SIMGPU_DIR
+
+
+def shim_path() -> Path:
+    """The LD_PRELOAD library (libvgpu.so)."""
+    if not SHIM.exists():
+        raise FileNotFoundError(
+            f"shim not found at {SHIM}: the package was not built "
+            "(run `pip install -e .` or `make venv`)")
+    return SHIM

@@ -1,0 +1,75 @@
+/* hooks.h — every symbol the shim intercepts, listed once.
+ *
+ * VGPU_CUDA_HOOKS(X): X(symbol, base name, ABI version, per-thread variant, return type,
+ *                       parameter list)
+ *   symbol       the exported driver symbol the hook replaces (and its name in the shim)
+ *   base, ABI    what cuGetProcAddress is asked for, and the version that introduced this
+ *                ABI (as in cudaTypedefs.h's PFN_<base>_v<version>[_ptsz]); the shim hands
+ *                out its hook only when the driver would hand out exactly this ABI
+ * VGPU_NVML_HOOKS(X): X(symbol, return type, parameter list)
+ *
+ * Expanded in shim.c (declarations, real-symbol resolution, dlsym and cuGetProcAddress
+ * tables) and in tests/programs/hook_signatures.c, which checks each parameter list
+ * against NVIDIA's typedefs where the CUDA toolkit is installed.  Type names are those of
+ * cuda.h, so the list compiles against either csrc/cuda_abi.h or the real headers.
+ */
+#ifndef VGPU_SHIM_HOOKS_H
+#define VGPU_SHIM_HOOKS_H
+
+#define VGPU_CUDA_HOOKS(X)                                                                         \
+    /* === interception === */                                                                    \
+    X(cuGetProcAddress, cuGetProcAddress, 11030, 0, CUresult,                                      \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags))                         \
+    X(cuGetProcAddress_v2, cuGetProcAddress, 12000, 0, CUresult,                                   \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,                          \
+       CUdriverProcAddressQueryResult *symbolStatus))                                              \
+    /* === lifecycle === */                                                                       \
+    X(cuInit, cuInit, 2000, 0, CUresult, (unsigned int Flags))                                     \
+    /* === allocate === */                                                                        \
+    X(cuMemAlloc_v2, cuMemAlloc, 3020, 0, CUresult, (CUdeviceptr *dptr, size_t bytesize))          \
+    X(cuMemAllocPitch_v2, cuMemAllocPitch, 3020, 0, CUresult,                                      \
+      (CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,                      \
+       unsigned int ElementSizeBytes))                                                             \
+    X(cuMemAllocManaged, cuMemAllocManaged, 6000, 0, CUresult,                                     \
+      (CUdeviceptr *dptr, size_t bytesize, unsigned int flags))                                    \
+    X(cuMemAllocAsync, cuMemAllocAsync, 11020, 0, CUresult,                                        \
+      (CUdeviceptr *dptr, size_t bytesize, CUstream hStream))                                      \
+    X(cuMemAllocAsync_ptsz, cuMemAllocAsync, 11020, 1, CUresult,                                   \
+      (CUdeviceptr *dptr, size_t bytesize, CUstream hStream))                                      \
+    X(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync, 11020, 0, CUresult,                        \
+      (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream))                   \
+    X(cuMemAllocFromPoolAsync_ptsz, cuMemAllocFromPoolAsync, 11020, 1, CUresult,                   \
+      (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream))                   \
+    X(cuMemCreate, cuMemCreate, 10020, 0, CUresult,                                                \
+      (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,         \
+       unsigned long long flags))                                                                  \
+    X(cuArrayCreate_v2, cuArrayCreate, 3020, 0, CUresult,                                          \
+      (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray))                             \
+    X(cuArray3DCreate_v2, cuArray3DCreate, 3020, 0, CUresult,                                      \
+      (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray))                           \
+    X(cuMipmappedArrayCreate, cuMipmappedArrayCreate, 5000, 0, CUresult,                           \
+      (CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,              \
+       unsigned int numMipmapLevels))                                                              \
+    /* === free (always calls the real free) === */                                               \
+    X(cuMemFree_v2, cuMemFree, 3020, 0, CUresult, (CUdeviceptr dptr))                              \
+    X(cuMemFreeAsync, cuMemFreeAsync, 11020, 0, CUresult, (CUdeviceptr dptr, CUstream hStream))    \
+    X(cuMemFreeAsync_ptsz, cuMemFreeAsync, 11020, 1, CUresult, (CUdeviceptr dptr, CUstream hStream)) \
+    X(cuMemRelease, cuMemRelease, 10020, 0, CUresult, (CUmemGenericAllocationHandle handle))       \
+    X(cuArrayDestroy, cuArrayDestroy, 2000, 0, CUresult, (CUarray hArray))                         \
+    X(cuMipmappedArrayDestroy, cuMipmappedArrayDestroy, 5000, 0, CUresult,                         \
+      (CUmipmappedArray hMipmappedArray))                                                          \
+    /* === view === */                                                                            \
+    X(cuMemGetInfo_v2, cuMemGetInfo, 3020, 0, CUresult, (size_t *free, size_t *total))             \
+    X(cuDeviceTotalMem_v2, cuDeviceTotalMem, 3020, 0, CUresult, (size_t *bytes, CUdevice dev))
+
+#define VGPU_NVML_HOOKS(X)                                                                         \
+    X(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_t *memory))          \
+    X(nvmlDeviceGetMemoryInfo_v2, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_v2_t *memory))    \
+    X(nvmlDeviceGetComputeRunningProcesses, nvmlReturn_t,                                          \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos))                 \
+    X(nvmlDeviceGetComputeRunningProcesses_v2, nvmlReturn_t,                                       \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v2_t *infos))                 \
+    X(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                       \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))
+
+#endif
