@@ -1,0 +1,1217 @@
+"""simgpu's libcuda.so.1, driven through NVIDIA's driver API client (cuda-bindings), ctypes
+and a C program that finds the driver with dlopen.
+
+Every check runs in child processes bound to a fresh simgpu node: libcuda is never loaded
+into the pytest process.  Multi-process checks use real processes (and kill -9).
+"""
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_sim_env, run_python, start_python
+from vgpu.paths import SIMGPU_DIR
+from vgpu.sim import PROFILES
+
+GiB = 1 << 30
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+CUDART13_REQUESTS = FIXTURES / "cudart13-getprocaddress.tsv"
+ENTRY_POINTS_H = ROOT / "csrc" / "cuda_entry_points.h"
+LIBCUDA = SIMGPU_DIR / "libcuda.so.1"
+
+# CUresult values (cuda.h) the checks compare against.
+SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 0, 1, 2, 3
+NO_DEVICE, INVALID_DEVICE, INVALID_CONTEXT = 100, 101, 201
+INVALID_HANDLE, NOT_FOUND, NOT_READY, NOT_SUPPORTED = 400, 500, 600, 801
+# CUdriverProcAddressQueryResult
+PROC_SUCCESS, PROC_SYMBOL_NOT_FOUND, PROC_VERSION_NOT_SUFFICIENT = 0, 1, 2
+PER_THREAD = 2   # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+
+# Compute capability is not part of vgpu.sim.Profile; every profile must have one here.
+COMPUTE_CAPABILITY = {"a10": (8, 6), "a100-40g": (8, 0), "h100-80g": (9, 0), "h200": (9, 0)}
+
+# A child's toolkit: `ok` unwraps a cuda-bindings result tuple or exits with the error,
+# `rc` is the bare CUresult as an int.
+PRELUDE = """
+import ctypes, json, os, sys, time
+from cuda.bindings import driver as cu
+
+def ok(res):
+    res = res if isinstance(res, tuple) else (res,)
+    if res[0] != cu.CUresult.CUDA_SUCCESS:
+        raise SystemExit(f"CUDA call failed: {res[0]!r}")
+    return None if len(res) == 1 else res[1] if len(res) == 2 else res[1:]
+
+def rc(res):
+    return int((res if isinstance(res, tuple) else (res,))[0])
+
+def context(ordinal=0):
+    ok(cu.cuInit(0))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(ordinal))))
+    ok(cu.cuCtxSetCurrent(ctx))
+    return ctx
+
+def free_bytes():
+    return int(ok(cu.cuMemGetInfo())[0])
+
+def kernel(name):
+    module = ok(cu.cuModuleLoadData(b"any image: simgpu runs kernels by name"))
+    return ok(cu.cuModuleGetFunction(module, name.encode()))
+
+def launch(fn, blocks=1, stream=0):
+    ok(cu.cuLaunchKernel(fn, blocks, 1, 1, 1, 1, 1, 0, stream, 0, 0))
+
+def dptr(p, offset=0):
+    return cu.CUdeviceptr(int(p) + offset)
+
+def timed(stream, work):
+    \"\"\"Milliseconds between events recorded before and after `work()` on `stream`.\"\"\"
+    start, end = ok(cu.cuEventCreate(0)), ok(cu.cuEventCreate(0))
+    ok(cu.cuEventRecord(start, stream))
+    work()
+    ok(cu.cuEventRecord(end, stream))
+    ok(cu.cuEventSynchronize(end))
+    return ok(cu.cuEventElapsedTime(start, end))
+"""
+
+
+def cuda(code, env, **kw):
+    """Run `code` after PRELUDE in a child; return the JSON it prints last."""
+    out = run_python(PRELUDE + code, env, **kw)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ms(expected, rel=0.05):
+    return pytest.approx(expected, rel=rel)
+
+
+class Agent:
+    """A long-running child that holds a context and answers one JSON command per line."""
+
+    CODE = PRELUDE + """
+context()
+held = []
+
+def alloc(size):
+    res = cu.cuMemAlloc(size)
+    if rc(res) == 0:
+        held.append(res[1])
+        return [res[0].name, len(held) - 1]
+    return [res[0].name, None]
+
+def free(index):
+    res = cu.cuMemFree(held[index])
+    return res[0].name
+
+def info():
+    return [int(v) for v in ok(cu.cuMemGetInfo())]
+
+print(json.dumps("ready"), flush=True)
+for line in sys.stdin:
+    cmd, *args = json.loads(line)
+    if cmd == "exit":
+        break
+    print(json.dumps(globals()[cmd](*args)), flush=True)
+"""
+
+    def __init__(self, env):
+        self.proc = start_python(self.CODE, env)
+        assert self.read() == "ready"
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            raise AssertionError(f"agent {self.proc.pid} died:\n{self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def ask(self, *cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def exit(self):
+        self.proc.stdin.write(json.dumps(["exit"]) + "\n")
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=30) == 0, self.proc.stderr.read()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def agents():
+    """Start Agents; whatever a test leaves running is killed afterwards."""
+    started = []
+
+    def start(env):
+        agent = Agent(env)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:
+        agent.kill()
+
+
+# === devices ===
+
+def test_device_count_and_ordinals_follow_simgpu_devices(tmp_path):
+    env = make_sim_env(tmp_path / "node", devices=2)
+    r = cuda("""
+ok(cu.cuInit(0))
+count = ok(cu.cuDeviceGetCount())
+print(json.dumps([count, [int(ok(cu.cuDeviceGet(i))) for i in range(count)],
+                  rc(cu.cuDeviceGet(count))]))
+""", env)
+    assert r == [2, [0, 1], INVALID_DEVICE]
+
+
+def test_python_profiles_pin_the_documented_devices():
+    by_id = {p: (PROFILES[p].model, PROFILES[p].memory_gib, PROFILES[p].sm_count)
+             for p in ("a10", "a100-40g", "h200")}
+    assert by_id == {"a10": ("NVIDIA A10", 24, 72),
+                     "a100-40g": ("NVIDIA A100-SXM4-40GB", 40, 108),
+                     "h200": ("NVIDIA H200", 141, 132)}
+    assert COMPUTE_CAPABILITY["a10"] == (8, 6) and COMPUTE_CAPABILITY["h200"] == (9, 0)
+    assert set(COMPUTE_CAPABILITY) == set(PROFILES), "add the new profile's compute capability"
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_device_properties_match_the_python_profile(tmp_path, profile):
+    env = make_sim_env(tmp_path / "node", profile=profile, devices=2)
+    r = cuda("""
+A = cu.CUdevice_attribute
+ok(cu.cuInit(0))
+out = []
+for i in range(ok(cu.cuDeviceGetCount())):
+    dev = ok(cu.cuDeviceGet(i))
+    attr = lambda a: ok(cu.cuDeviceGetAttribute(a, dev))
+    out.append([ok(cu.cuDeviceGetName(96, dev)).split(b"\\0")[0].decode(),
+                int(ok(cu.cuDeviceTotalMem(dev))),
+                attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                [attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                 attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)]])
+print(json.dumps(out))
+""", env)
+    p = PROFILES[profile]
+    expected = [p.model, p.memory_gib * GiB, p.sm_count, list(COMPUTE_CAPABILITY[profile])]
+    assert r == [expected, expected]
+
+
+def test_cuda_uuid_matches_nvml_uuid_of_the_same_device(tmp_path):
+    env = make_sim_env(tmp_path / "node", devices=2)
+    from_cuda = cuda("""
+ok(cu.cuInit(0))
+out = []
+for i in range(ok(cu.cuDeviceGetCount())):
+    h = bytes(ok(cu.cuDeviceGetUuid(ok(cu.cuDeviceGet(i)))).bytes).hex()
+    out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+print(json.dumps(out))
+""", env)
+    from_nvml = run_python("""
+import json, pynvml as n
+n.nvmlInit()
+print(json.dumps([n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(i))
+                  for i in range(n.nvmlDeviceGetCount())]))
+""", env).stdout
+    assert len(set(from_cuda)) == 2
+    assert from_cuda == json.loads(from_nvml)
+
+
+# === memory: contents ===
+
+def test_host_device_round_trips_are_byte_identical(sim_env):
+    r = cuda("""
+context()
+n = (1 << 20) + 123
+data = bytes((i * 131 + 7) % 256 for i in range(n))
+a, b = ok(cu.cuMemAlloc(n)), ok(cu.cuMemAlloc(n))
+ok(cu.cuMemcpyHtoD(a, data, n))
+back = bytearray(n)
+ok(cu.cuMemcpyDtoH(back, a, n))
+ok(cu.cuMemcpyDtoD(b, a, n))
+via_dtod = bytearray(n)
+ok(cu.cuMemcpyDtoH(via_dtod, b, n))
+s = ok(cu.cuStreamCreate(0))
+ok(cu.cuMemcpyHtoDAsync(dptr(b, 1000), b"simgpu", 6, s))
+ok(cu.cuMemcpyDtoDAsync(dptr(a, 10), dptr(b, 1000), 6, s))
+tail = bytearray(16)
+ok(cu.cuMemcpyDtoHAsync(tail, a, 16, s))
+ok(cu.cuStreamSynchronize(s))
+print(json.dumps([bytes(back) == data, bytes(via_dtod) == data, tail.hex()]))
+""", sim_env)
+    assert r == [True, True, (bytes([7, 138, 13, 144, 19, 150, 25, 156, 31, 162])
+                              + b"simgpu").hex()]
+
+
+def test_memset_variants_fill_exactly_the_elements_asked_for(sim_env):
+    r = cuda("""
+context()
+s = ok(cu.cuStreamCreate(0))
+p = ok(cu.cuMemAlloc(64))
+out = {}
+for name, call, width in [
+        ("D8", lambda q: cu.cuMemsetD8(q, 0xAB, 5), 1),
+        ("D16", lambda q: cu.cuMemsetD16(q, 0xBEEF, 5), 2),
+        ("D32", lambda q: cu.cuMemsetD32(q, 0x01020304, 5), 4),
+        ("D8Async", lambda q: cu.cuMemsetD8Async(q, 0xCD, 5, s), 1),
+        ("D16Async", lambda q: cu.cuMemsetD16Async(q, 0x1234, 5, s), 2),
+        ("D32Async", lambda q: cu.cuMemsetD32Async(q, 0xDEADBEEF, 5, s), 4)]:
+    ok(cu.cuMemsetD8(p, 0x11, 64))
+    ok(call(dptr(p, 4)))
+    ok(cu.cuStreamSynchronize(s))
+    back = bytearray(64)
+    ok(cu.cuMemcpyDtoH(back, p, 64))
+    out[name] = back.hex()
+print(json.dumps(out))
+""", sim_env)
+
+    def expect(pattern):
+        return (b"\x11" * 4 + pattern * 5).ljust(64, b"\x11").hex()
+
+    assert r == {"D8": expect(b"\xab"), "D16": expect(b"\xef\xbe"),
+                 "D32": expect(b"\x04\x03\x02\x01"), "D8Async": expect(b"\xcd"),
+                 "D16Async": expect(b"\x34\x12"), "D32Async": expect(b"\xef\xbe\xad\xde")}
+
+
+# === memory: accounting, one allocation family at a time ===
+
+def test_plain_allocation_is_counted_exactly_until_freed(sim_env):
+    r = cuda("""
+context()
+f0 = free_bytes()
+p = ok(cu.cuMemAlloc(5 * (1 << 20) + 3))
+f1 = free_bytes()
+ok(cu.cuMemFree(p))
+print(json.dumps([ok(cu.cuMemGetInfo())[1], f0, f0 - f1, free_bytes() - f0]))
+""", sim_env)
+    assert r == [24 * GiB, 24 * GiB, 5 * MiB + 3, 0]
+
+
+@pytest.mark.parametrize("width,height,elem", [(1, 3, 4), (512, 2, 8), (513, 7, 16), (1000, 3, 4)])
+def test_pitched_allocation_is_pitch_times_height(sim_env, width, height, elem):
+    r = cuda(f"""
+context()
+f0 = free_bytes()
+p, pitch = ok(cu.cuMemAllocPitch({width}, {height}, {elem}))
+f1 = free_bytes()
+ok(cu.cuMemFree(p))
+print(json.dumps([int(pitch), f0 - f1, free_bytes() - f0]))
+""", sim_env)
+    pitch, drop, after_free = r
+    assert pitch % 512 == 0 and width <= pitch < width + 512
+    assert (drop, after_free) == (pitch * height, 0)
+
+
+def test_managed_allocation_is_counted_and_host_accessible(sim_env):
+    r = cuda("""
+context()
+f0 = free_bytes()
+n = 3 << 20
+p = ok(cu.cuMemAllocManaged(n, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL.value))
+f1 = free_bytes()
+ok(cu.cuMemcpyHtoD(p, b"from the device side", 20))
+seen_by_host = ctypes.string_at(int(p), 20).decode()
+ctypes.memmove(int(p) + 100, b"from the host", 13)
+back = bytearray(13)
+ok(cu.cuMemcpyDtoH(back, dptr(p, 100), 13))
+ok(cu.cuMemFree(p))
+print(json.dumps([f0 - f1, seen_by_host, back.decode(), free_bytes() - f0]))
+""", sim_env)
+    assert r == [3 * MiB, "from the device side", "from the host", 0]
+
+
+def test_stream_ordered_allocation_is_counted_until_freed_async(sim_env):
+    r = cuda("""
+context()
+s = ok(cu.cuStreamCreate(0))
+f0 = free_bytes()
+p = ok(cu.cuMemAllocAsync(7 << 20, s))
+q = ok(cu.cuMemAllocAsync(1 << 20, 0))
+f1 = free_bytes()
+ok(cu.cuMemcpyHtoDAsync(p, b"async", 5, s))
+back = bytearray(5)
+ok(cu.cuMemcpyDtoHAsync(back, p, 5, s))
+ok(cu.cuMemFreeAsync(p, s))
+ok(cu.cuMemFreeAsync(q, 0))
+ok(cu.cuStreamSynchronize(s))
+print(json.dumps([f0 - f1, back.decode(), free_bytes() - f0]))
+""", sim_env)
+    assert r == [8 * MiB, "async", 0]
+
+
+def test_allocation_from_a_created_pool_is_counted_until_freed(sim_env):
+    r = cuda("""
+context()
+s = ok(cu.cuStreamCreate(0))
+props = cu.CUmemPoolProps()
+props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+props.location.id = 0
+pool = ok(cu.cuMemPoolCreate(props))
+f0 = free_bytes()
+p = ok(cu.cuMemAllocFromPoolAsync(3 << 20, pool, s))
+f1 = free_bytes()
+ok(cu.cuMemFreeAsync(p, s))
+ok(cu.cuStreamSynchronize(s))
+f2 = free_bytes()
+ok(cu.cuMemPoolDestroy(pool))
+print(json.dumps([f0 - f1, f2 - f0]))
+""", sim_env)
+    assert r == [3 * MiB, 0]
+
+
+VMM = """
+context()
+loc = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = loc
+prop.location.id = 0
+access = cu.CUmemAccessDesc()
+access.location.type = loc
+access.location.id = 0
+access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+gran = int(ok(cu.cuMemGetAllocationGranularity(
+    prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+
+def mapped(handle, size):
+    va = ok(cu.cuMemAddressReserve(size, 0, 0, 0))
+    ok(cu.cuMemMap(va, size, 0, handle, 0))
+    ok(cu.cuMemSetAccess(va, size, [access], 1))
+    return va
+"""
+
+
+def test_vmm_memory_is_counted_in_granules_while_created_or_mapped(sim_env):
+    r = cuda(VMM + """
+f0 = free_bytes()
+size = 3 * gran
+h = ok(cu.cuMemCreate(size, prop, 0))
+f_created = free_bytes()
+va, vb = mapped(h, size), mapped(h, size)
+ok(cu.cuMemcpyHtoD(dptr(va, size - 4), b"vmm!", 4))
+back = bytearray(4)
+ok(cu.cuMemcpyDtoH(back, dptr(vb, size - 4), 4))
+ok(cu.cuMemRelease(h))
+f_released_mapped = free_bytes()
+ok(cu.cuMemUnmap(va, size))
+f_one_mapping_left = free_bytes()
+ok(cu.cuMemUnmap(vb, size))
+f_unmapped = free_bytes()
+ok(cu.cuMemAddressFree(va, size))
+ok(cu.cuMemAddressFree(vb, size))
+print(json.dumps([gran, f0 - f_created, back.decode(), f0 - f_released_mapped,
+                  f0 - f_one_mapping_left, f0 - f_unmapped]))
+""", sim_env)
+    assert r == [2 * MiB, 6 * MiB, "vmm!", 6 * MiB, 6 * MiB, 0]
+
+
+def test_vmm_create_of_a_size_not_a_multiple_of_the_granularity_is_invalid(sim_env):
+    r = cuda(VMM + """
+f0 = free_bytes()
+print(json.dumps([rc(cu.cuMemCreate(gran + 4096, prop, 0)), rc(cu.cuMemCreate(0, prop, 0)),
+                  f0 - free_bytes()]))
+""", sim_env)
+    assert r == [INVALID_VALUE, INVALID_VALUE, 0]
+
+
+def test_released_unmapped_vmm_memory_returns_at_once(sim_env):
+    r = cuda(VMM + """
+f0 = free_bytes()
+h = ok(cu.cuMemCreate(gran, prop, 0))
+f1 = free_bytes()
+ok(cu.cuMemRelease(h))
+print(json.dumps([f0 - f1, f0 - free_bytes(), rc(cu.cuMemRelease(h))]))
+""", sim_env)
+    assert r == [2 * MiB, 0, INVALID_VALUE]
+
+
+def test_arrays_are_counted_as_width_height_depth_element_channels(sim_env):
+    r = cuda("""
+context()
+F = cu.CUarray_format
+
+def desc2d(w, h, fmt, ch):
+    d = cu.CUDA_ARRAY_DESCRIPTOR()
+    d.Width, d.Height, d.Format, d.NumChannels = w, h, fmt, ch
+    return d
+
+def desc3d(w, h, depth, fmt, ch):
+    d = cu.CUDA_ARRAY3D_DESCRIPTOR()
+    d.Width, d.Height, d.Depth, d.Format, d.NumChannels = w, h, depth, fmt, ch
+    return d
+
+out = []
+for create, destroy in [
+        (lambda: cu.cuArrayCreate(desc2d(100, 10, F.CU_AD_FORMAT_FLOAT, 4)), cu.cuArrayDestroy),
+        (lambda: cu.cuArrayCreate(desc2d(1000, 0, F.CU_AD_FORMAT_UNSIGNED_INT8, 1)), cu.cuArrayDestroy),
+        (lambda: cu.cuArray3DCreate(desc3d(16, 8, 4, F.CU_AD_FORMAT_HALF, 2)), cu.cuArrayDestroy),
+        (lambda: cu.cuArray3DCreate(desc3d(64, 0, 0, F.CU_AD_FORMAT_SIGNED_INT32, 2)), cu.cuArrayDestroy),
+        (lambda: cu.cuMipmappedArrayCreate(desc3d(16, 8, 4, F.CU_AD_FORMAT_HALF, 2), 3),
+         cu.cuMipmappedArrayDestroy)]:
+    f0 = free_bytes()
+    handle = ok(create())
+    f1 = free_bytes()
+    ok(destroy(handle))
+    out.append([f0 - f1, free_bytes() - f0])
+print(json.dumps(out))
+""", sim_env)
+    assert r == [[100 * 10 * 4 * 4, 0],
+                 [1000 * 1 * 1, 0],
+                 [16 * 8 * 4 * 2 * 2, 0],
+                 [64 * 4 * 2, 0],
+                 [(16 * 8 * 4 + 8 * 4 * 2 + 4 * 2 * 1) * 2 * 2, 0]]   # three mip levels
+
+
+def test_memory_is_accounted_per_device(tmp_path):
+    env = make_sim_env(tmp_path / "node", devices=2)
+    r = cuda("""
+ctx1 = context(1)
+p = ok(cu.cuMemAlloc(1 << 30))
+free1 = free_bytes()
+context(0)
+print(json.dumps([free1, free_bytes()]))
+""", env)
+    assert r == [23 * GiB, 24 * GiB]
+
+
+# === memory: node-wide, across processes ===
+
+@pytest.mark.parametrize("how", ["exit", "SIGKILL"])
+def test_second_process_gets_out_of_memory_until_the_first_is_gone(agents, sim_env, how):
+    a, b = agents(sim_env), agents(sim_env)
+    total = a.ask("info")[1]
+    assert a.ask("alloc", total - GiB) == ["CUDA_SUCCESS", 0]
+    assert b.ask("info") == [GiB, total]
+    assert b.ask("alloc", GiB + 1) == ["CUDA_ERROR_OUT_OF_MEMORY", None]
+    assert b.ask("alloc", 512 * MiB) == ["CUDA_SUCCESS", 0]
+    assert b.ask("alloc", 512 * MiB + 1) == ["CUDA_ERROR_OUT_OF_MEMORY", None]
+    assert b.ask("free", 0) == "CUDA_SUCCESS"
+    assert b.ask("alloc", GiB) == ["CUDA_SUCCESS", 1]   # exactly what is left
+    assert b.ask("free", 1) == "CUDA_SUCCESS"
+
+    if how == "exit":
+        a.exit()
+        assert b.ask("alloc", total - GiB) == ["CUDA_SUCCESS", 2]
+    else:
+        a.kill()
+        deadline = time.monotonic() + 5
+        result = b.ask("alloc", total - GiB)
+        while result[0] != "CUDA_SUCCESS" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            result = b.ask("alloc", total - GiB)
+        assert result == ["CUDA_SUCCESS", 2]
+    assert b.ask("info") == [GiB, total]
+
+
+# === timing ===
+
+def test_kernels_on_one_stream_take_their_summed_simulated_time(sim_env):
+    r = cuda("""
+context()
+fn = kernel("sim_25000us")
+s = ok(cu.cuStreamCreate(0))
+print(json.dumps(timed(s, lambda: [launch(fn, 1, s) for _ in range(8)])))
+""", sim_env)
+    assert r == ms(8 * 25)
+
+
+@pytest.mark.parametrize("profile", ["a10", "h200"])
+def test_a_grid_one_block_larger_than_the_sm_count_takes_two_waves(tmp_path, profile):
+    env = make_sim_env(tmp_path / "node", profile=profile)
+    sms = PROFILES[profile].sm_count
+    r = cuda(f"""
+context()
+fn = kernel("sim_20000us")
+s = ok(cu.cuStreamCreate(0))
+one_wave = timed(s, lambda: launch(fn, {sms}, s))
+two_waves = timed(s, lambda: launch(fn, {sms + 1}, s))
+# blocks count over all three grid dimensions
+three_d = timed(s, lambda: ok(cu.cuLaunchKernel(fn, 1, {sms + 1}, 2, 32, 1, 1, 0, s, 0, 0)))
+print(json.dumps([one_wave, two_waves, three_d]))
+""", env)
+    assert r == [ms(20), ms(40), ms(60)]
+
+
+def test_kernels_with_other_names_take_five_microseconds_per_wave(sim_env):
+    r = cuda("""
+context()
+s = ok(cu.cuStreamCreate(0))
+fn = kernel("vector_add")
+print(json.dumps(timed(s, lambda: launch(fn, 72 * 2000, s))))
+""", sim_env)
+    assert r == ms(2000 * 0.005)
+
+
+def test_stream_synchronize_sleeps_until_the_work_is_done_without_spinning(sim_env):
+    r = cuda("""
+context()
+fn = kernel("sim_50000us")
+s = ok(cu.cuStreamCreate(0))
+t0 = time.monotonic()
+for _ in range(6):
+    launch(fn, 1, s)
+launched = time.monotonic() - t0
+before = rc(cu.cuStreamQuery(s))
+cpu0, wall0 = time.process_time(), time.monotonic()
+ok(cu.cuStreamSynchronize(s))
+sync_wall, sync_cpu = time.monotonic() - wall0, time.process_time() - cpu0
+print(json.dumps([launched, before, time.monotonic() - t0, sync_wall, sync_cpu,
+                  rc(cu.cuStreamQuery(s))]))
+""", sim_env)
+    launched, before, total, sync_wall, sync_cpu, after = r
+    assert launched < 0.05          # launches return at once
+    assert (before, after) == (NOT_READY, SUCCESS)
+    assert total == ms(0.300)
+    assert sync_cpu < 0.1 * sync_wall
+
+
+def test_events_complete_when_the_work_before_them_is_done(sim_env):
+    r = cuda("""
+context()
+fn = kernel("sim_100000us")
+s = ok(cu.cuStreamCreate(0))
+start, end = ok(cu.cuEventCreate(0)), ok(cu.cuEventCreate(0))
+ok(cu.cuEventRecord(start, s))
+launch(fn, 1, s)
+ok(cu.cuEventRecord(end, s))
+pending = [rc(cu.cuEventQuery(end)), rc(cu.cuEventElapsedTime(start, end))]
+t0 = time.monotonic()
+ok(cu.cuEventSynchronize(end))
+waited = time.monotonic() - t0
+print(json.dumps([pending, rc(cu.cuEventQuery(end)), waited, ok(cu.cuEventElapsedTime(start, end))]))
+""", sim_env)
+    pending, done, waited, elapsed = r
+    assert pending == [NOT_READY, NOT_READY]
+    assert done == SUCCESS
+    assert 0.09 < waited < 0.11
+    assert elapsed == ms(100)
+
+
+SERIAL_WORKER = PRELUDE + """
+context()
+fn = kernel("sim_25000us")
+s = ok(cu.cuStreamCreate(0))
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+for _ in range(8):
+    launch(fn, 1, s)
+ok(cu.cuStreamSynchronize(s))
+print(json.dumps([t0, time.monotonic()]), flush=True)
+"""
+
+
+def test_two_processes_launching_together_share_one_serial_timeline(sim_env):
+    workers = [start_python(SERIAL_WORKER, sim_env) for _ in range(2)]
+    try:
+        for w in workers:
+            assert w.stdout.readline().strip() == "ready", w.stderr.read()
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        spans = [json.loads(w.stdout.readline()) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    first_start = min(s for s, _ in spans)
+    last_end = max(e for _, e in spans)
+    assert last_end - first_start == ms(2 * 8 * 0.025)   # not 0.2 s: one device, one timeline
+
+
+UTIL_WORKER = PRELUDE + """
+context()
+fn = kernel("sim_10000us")
+t0 = time.monotonic()
+for i in range(125):                  # a 10 ms kernel every 20 ms, for 2.5 s
+    delay = t0 + i * 0.020 - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    launch(fn)
+    if i == 0:
+        print("ready", flush=True)
+ok(cu.cuCtxSynchronize())
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_nvml_utilization_reports_a_half_busy_device_as_half_busy(sim_env):
+    worker = start_python(UTIL_WORKER, sim_env)
+    try:
+        assert worker.stdout.readline().strip() == "ready", worker.stderr.read()
+        r = json.loads(run_python("""
+import json, time, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+time.sleep(1.1)
+gpu = n.nvmlDeviceGetUtilizationRates(h).gpu
+samples = [[s.pid, s.smUtil] for s in n.nvmlDeviceGetProcessUtilization(h, 0)]
+print(json.dumps([gpu, samples]))
+""", sim_env).stdout)
+        assert worker.stdout.readline().strip() == "done"   # the window was inside the run
+    finally:
+        worker.kill()
+        worker.wait()
+    gpu, samples = r
+    assert 40 <= gpu <= 60
+    assert [pid for pid, _ in samples] == [worker.pid]
+    assert 40 <= samples[0][1] <= 60
+
+
+def test_captured_graph_takes_the_sum_of_its_kernels(sim_env):
+    r = cuda("""
+context()
+f20, f10 = kernel("sim_20000us"), kernel("sim_10000us")
+s = ok(cu.cuStreamCreate(0))
+ok(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+capturing = int(ok(cu.cuStreamIsCapturing(s)))
+t0 = time.monotonic()
+for _ in range(3):
+    launch(f20, 1, s)
+launch(f10, 73, s)                    # two waves on an A10: 20 ms
+graph = ok(cu.cuStreamEndCapture(s))
+captured_at_once = [time.monotonic() - t0 < 0.01, rc(cu.cuStreamQuery(s)),
+                    int(ok(cu.cuStreamIsCapturing(s)))]
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+once = timed(s, lambda: ok(cu.cuGraphLaunch(exe, s)))
+twice = timed(s, lambda: [ok(cu.cuGraphLaunch(exe, s)) for _ in range(2)])
+print(json.dumps([capturing, captured_at_once, once, twice]))
+""", sim_env)
+    capturing, captured_at_once, once, twice = r
+    assert capturing == 1   # CU_STREAM_CAPTURE_STATUS_ACTIVE
+    assert captured_at_once == [True, SUCCESS, 0]   # nothing ran while capturing
+    assert once == ms(80)
+    assert twice == ms(160)
+
+
+def test_launch_ex_and_cooperative_launch_take_simulated_time(sim_env):
+    r = cuda("""
+context()
+fn = kernel("sim_10000us")
+s = ok(cu.cuStreamCreate(0))
+cfg = cu.CUlaunchConfig()
+cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 73, 1, 1
+cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 128, 1, 1
+cfg.hStream = s
+cfg.numAttrs = 0
+ex = timed(s, lambda: ok(cu.cuLaunchKernelEx(cfg, fn, 0, 0)))
+coop = timed(s, lambda: ok(cu.cuLaunchCooperativeKernel(fn, 3, 1, 1, 64, 1, 1, 0, s, 0)))
+print(json.dumps([ex, coop]))
+""", sim_env)
+    assert r == [ms(20), ms(10)]
+
+
+def test_library_kernels_run_by_name(sim_env):
+    r = cuda("""
+context()
+lib = ok(cu.cuLibraryLoadData(b"a cubin or PTX would go here", None, None, 0, None, None, 0))
+k = ok(cu.cuLibraryGetKernel(lib, b"sim_15000us"))
+fn = ok(cu.cuKernelGetFunction(k))
+s = ok(cu.cuStreamCreate(0))
+elapsed = timed(s, lambda: launch(fn, 1, s))
+name = ok(cu.cuFuncGetName(fn)).decode()
+ok(cu.cuLibraryUnload(lib))
+print(json.dumps([name, elapsed]))
+""", sim_env)
+    assert r == ["sim_15000us", ms(15)]
+
+
+# === cuGetProcAddress ===
+
+def read_tsv_requests():
+    rows = []
+    for line in CUDART13_REQUESTS.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split("\t")
+        if fields == ["symbol", "version", "flags"]:
+            continue
+        rows.append([fields[0], int(fields[1]), int(fields[2])])
+    return rows
+
+
+def known_abis():
+    """{base name: [(version, per_thread)]}, from the generated list of CUDA 13 ABIs."""
+    abis = {}
+    for m in re.finditer(r"X\((\w+), (\d+), ([01])\)", ENTRY_POINTS_H.read_text()):
+        abis.setdefault(m[1], []).append((int(m[2]), int(m[3])))
+    return abis
+
+
+def exported_entry_points():
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("nm (binutils) is needed to list libcuda.so.1's exports")
+    out = subprocess.run([nm, "-D", "--defined-only", str(LIBCUDA)], capture_output=True,
+                         text=True, check=True).stdout
+    return sorted({line.split()[-1] for line in out.splitlines()
+                   if line.split() and line.split()[-1].startswith("cu")})
+
+
+def conventional_symbol(name, version, flags, abis):
+    """The exported name of the ABI that (name, version, flags) selects, by CUDA's naming:
+    the n-th default ABI of a name is name, name_v2, name_v3...; a per-thread ABI (chosen
+    when flags ask for one and one is old enough) is the default ABI current at its version
+    with _ptds (synchronous copies and sets) or _ptsz (everything else)."""
+    defaults = sorted(v for v, pt in abis[name] if not pt)
+    per_thread = [v for v, pt in abis[name] if pt and v <= version]
+    pt = bool(flags & PER_THREAD and per_thread)
+    chosen = max(per_thread) if pt else version
+    older = [i for i, v in enumerate(defaults) if v <= chosen]
+    if not older:
+        return None
+    symbol = name if older[-1] == 0 else f"{name}_v{older[-1] + 1}"
+    if pt:
+        sync_copy = name.startswith(("cuMemcpy", "cuMemset")) and not name.endswith("Async")
+        symbol += "_ptds" if sync_copy else "_ptsz"
+    return symbol
+
+
+# Resolves requests in a child with ctypes only: each answer is [CUresult, status, the
+# exported symbol the pointer is (or None), and, for a pointer that is not an export, what
+# calling it with no arguments returns (or None)].
+RESOLVER = """
+import ctypes, json, sys
+from ctypes import POINTER, byref, c_char_p, c_int, c_uint64, c_void_p
+lib = ctypes.CDLL("libcuda.so.1")
+v2 = lib.cuGetProcAddress_v2
+v2.argtypes = [c_char_p, POINTER(c_void_p), c_int, c_uint64, POINTER(c_int)]
+v2.restype = c_int
+v1 = lib.cuGetProcAddress
+v1.argtypes = [c_char_p, POINTER(c_void_p), c_int, c_uint64]
+v1.restype = c_int
+requests, exports = json.load(open(sys.argv[1]))
+symbol_at = {ctypes.cast(getattr(lib, s), c_void_p).value: s for s in exports}
+
+def answer(p):
+    if not p:
+        return [None, None]
+    if p in symbol_at:
+        return [symbol_at[p], None]
+    return [None, ctypes.CFUNCTYPE(c_int)(p)()]
+
+out = []
+for name, version, flags, *old in requests:
+    p, status = c_void_p(), c_int(-1)
+    if old:
+        res = v1(name.encode(), byref(p), version, flags)
+        status.value = -1
+    else:
+        res = v2(name.encode(), byref(p), version, flags, byref(status))
+    out.append([res, status.value, *answer(p.value)])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def resolve(sim_env, tmp_path):
+    """resolve([[name, version, flags(, "v1")], ...]) -> answers, as RESOLVER gives them."""
+    exports = exported_entry_points()
+
+    def run(requests):
+        path = tmp_path / f"requests-{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps([requests, exports]))
+        return json.loads(run_python(RESOLVER, sim_env, args=(str(path),)).stdout)
+
+    return run
+
+
+# Our own expectations, from CUDA 13's cuda.h and the cudaTypedefs.h ABI versions.
+NAMED_ABIS = [
+    ("cuMemAlloc", 3020, 0, "cuMemAlloc_v2"),
+    ("cuMemAlloc", 13000, 0, "cuMemAlloc_v2"),
+    ("cuDeviceTotalMem", 3020, 0, "cuDeviceTotalMem_v2"),
+    ("cuDeviceGetUuid", 9020, 0, "cuDeviceGetUuid"),
+    ("cuDeviceGetUuid", 11040, 0, "cuDeviceGetUuid_v2"),
+    ("cuCtxCreate", 3020, 0, "cuCtxCreate_v2"),
+    ("cuCtxCreate", 11040, 0, "cuCtxCreate_v3"),
+    ("cuCtxCreate", 12050, 0, "cuCtxCreate_v4"),
+    ("cuLaunchKernel", 4000, 0, "cuLaunchKernel"),
+    ("cuLaunchKernel", 7000, 0, "cuLaunchKernel"),
+    ("cuLaunchKernel", 7000, 1, "cuLaunchKernel"),             # legacy stream flag
+    ("cuLaunchKernel", 7000, PER_THREAD, "cuLaunchKernel_ptsz"),
+    ("cuMemcpyHtoD", 3020, 0, "cuMemcpyHtoD_v2"),
+    ("cuMemcpyHtoD", 7000, PER_THREAD, "cuMemcpyHtoD_v2_ptds"),
+    ("cuMemcpyHtoDAsync", 7000, PER_THREAD, "cuMemcpyHtoDAsync_v2_ptsz"),
+    ("cuStreamSynchronize", 2000, 0, "cuStreamSynchronize"),
+    ("cuStreamSynchronize", 7000, PER_THREAD, "cuStreamSynchronize_ptsz"),
+    ("cuStreamBeginCapture", 10010, PER_THREAD, "cuStreamBeginCapture_v2_ptsz"),
+    ("cuEventElapsedTime", 2000, 0, "cuEventElapsedTime"),
+    ("cuEventElapsedTime", 12080, 0, "cuEventElapsedTime_v2"),
+    ("cuGetProcAddress", 11030, 0, "cuGetProcAddress"),
+    ("cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"),
+    ("cuInit", 2000, PER_THREAD, "cuInit"),                      # no per-thread ABI: default
+    ("cuMemAllocAsync", 11020, PER_THREAD, "cuMemAllocAsync_ptsz"),
+]
+
+
+def test_named_requests_resolve_to_the_abi_the_driver_gives(resolve):
+    answers = resolve([[n, v, f] for n, v, f, _ in NAMED_ABIS])
+    got = {(n, v, f): a for (n, v, f, _), a in zip(NAMED_ABIS, answers)}
+    assert got == {(n, v, f): [SUCCESS, PROC_SUCCESS, sym, None] for n, v, f, sym in NAMED_ABIS}
+
+
+def test_every_request_of_the_cuda13_runtime_succeeds(resolve):
+    rows = read_tsv_requests()
+    assert len(rows) > 400
+    answers = resolve(rows)
+    failed = [(row, a) for row, a in zip(rows, answers)
+              if a[:2] != [SUCCESS, PROC_SUCCESS] or (a[2] is None and a[3] is None)]
+    assert failed == []
+
+
+def test_cuda13_runtime_requests_get_the_export_of_their_abi_or_a_not_supported_stub(resolve):
+    rows = read_tsv_requests()
+    abis, exports = known_abis(), set(exported_entry_points())
+    answers = resolve(rows)
+    expected, got = {}, {}
+    for (name, version, flags), (_, _, symbol, called) in zip(rows, answers):
+        want = conventional_symbol(name, version, flags, abis)
+        expected[name, version, flags] = want if want in exports else NOT_SUPPORTED
+        got[name, version, flags] = symbol if symbol else called
+    assert got == expected
+    # the runtime asks for entry points simgpu lacks; they must be stubs, not crashes
+    assert got["cuDeviceGetP2PAttribute", 8000, 0] == NOT_SUPPORTED
+    assert got["cuMemAlloc", 3020, 0] == "cuMemAlloc_v2"
+
+
+def test_every_known_abi_resolves_to_its_own_export_or_to_the_stub(resolve):
+    abis, exports = known_abis(), set(exported_entry_points())
+    requests = sorted({(name, version, PER_THREAD if pt else 0)
+                       for name, versions in abis.items() for version, pt in versions}
+                      | {(name, 13000, flags) for name in abis for flags in (0, PER_THREAD)})
+    answers = resolve([list(r) for r in requests])
+    wrong = []
+    for (name, version, flags), (res, status, symbol, called) in zip(requests, answers):
+        want = conventional_symbol(name, version, flags, abis)
+        got = symbol if symbol else called
+        if [res, status] != [SUCCESS, PROC_SUCCESS] or got != (want if want in exports
+                                                                else NOT_SUPPORTED):
+            wrong.append((name, version, flags, res, status, got, want))
+    assert wrong == []
+
+
+def test_every_exported_entry_point_is_reachable_through_get_proc_address(resolve):
+    abis, exports = known_abis(), exported_entry_points()
+    requests = sorted({(name, version, PER_THREAD if pt else 0)
+                       for name, versions in abis.items() for version, pt in versions})
+    reached = {a[2] for a in resolve([list(r) for r in requests]) if a[2]}
+    assert [s for s in exports if s not in reached] == []
+
+
+def test_unknown_names_and_too_old_versions_are_not_found(resolve):
+    answers = resolve([["cuDefinitelyNotAFunction", 13000, 0],
+                       ["cuMemAllocAsync", 11000, 0],
+                       ["cuMemAllocAsync", 11000, PER_THREAD],
+                       ["cuMemAlloc", 3020, 0, "v1"],
+                       ["cuLaunchKernel", 7000, PER_THREAD, "v1"],
+                       ["cuDefinitelyNotAFunction", 13000, 0, "v1"]])
+    assert answers == [[NOT_FOUND, PROC_SYMBOL_NOT_FOUND, None, None],
+                       [NOT_FOUND, PROC_VERSION_NOT_SUFFICIENT, None, None],
+                       [NOT_FOUND, PROC_VERSION_NOT_SUFFICIENT, None, None],
+                       [SUCCESS, -1, "cuMemAlloc_v2", None],
+                       [SUCCESS, -1, "cuLaunchKernel_ptsz", None],
+                       [NOT_FOUND, -1, None, None]]
+
+
+# === bad input: errors, never crashes ===
+
+BEFORE_INIT = """
+import ctypes, json
+from ctypes import byref, c_int, c_size_t, c_uint64, c_void_p
+lib = ctypes.CDLL("libcuda.so.1")
+i, p, u, u2 = c_int(), c_void_p(), c_uint64(), c_uint64()
+name = ctypes.create_string_buffer(64)
+host = ctypes.create_string_buffer(64)
+desc = (c_size_t * 3)(16, 16, 0x20 | (1 << 32))    # CUDA_ARRAY_DESCRIPTOR, 16x16 float x1
+"""
+
+
+def test_calls_before_cuinit_are_not_initialized(sim_env):
+    r = json.loads(run_python(BEFORE_INIT + """
+version = c_int()
+calls = {
+    "cuDeviceGetCount": lambda: lib.cuDeviceGetCount(byref(i)),
+    "cuDeviceGet": lambda: lib.cuDeviceGet(byref(i), 0),
+    "cuDeviceGetName": lambda: lib.cuDeviceGetName(name, 64, 0),
+    "cuDeviceTotalMem_v2": lambda: lib.cuDeviceTotalMem_v2(byref(u), 0),
+    "cuDevicePrimaryCtxRetain": lambda: lib.cuDevicePrimaryCtxRetain(byref(p), 0),
+    "cuCtxGetCurrent": lambda: lib.cuCtxGetCurrent(byref(p)),
+    "cuMemGetInfo_v2": lambda: lib.cuMemGetInfo_v2(byref(u), byref(u2)),
+    "cuMemAlloc_v2": lambda: lib.cuMemAlloc_v2(byref(u), c_size_t(16)),
+    "cuMemFree_v2": lambda: lib.cuMemFree_v2(c_uint64(4096)),
+    "cuMemsetD8_v2": lambda: lib.cuMemsetD8_v2(c_uint64(4096), 1, c_size_t(1)),
+    "cuStreamCreate": lambda: lib.cuStreamCreate(byref(p), 0),
+    "cuStreamSynchronize": lambda: lib.cuStreamSynchronize(None),
+    "cuEventCreate": lambda: lib.cuEventCreate(byref(p), 0),
+    "cuModuleLoadData": lambda: lib.cuModuleLoadData(byref(p), host),
+    "cuLaunchKernel": lambda: lib.cuLaunchKernel(c_void_p(4096), 1, 1, 1, 1, 1, 1, 0, None, None, None),
+    "cuArrayCreate_v2": lambda: lib.cuArrayCreate_v2(byref(p), desc),
+    "cuCtxSynchronize": lambda: lib.cuCtxSynchronize(),
+}
+out = {k: call() for k, call in calls.items()}
+out["cuDriverGetVersion"] = [lib.cuDriverGetVersion(byref(version)), version.value]
+print(json.dumps(out))
+""", sim_env).stdout)
+    assert r.pop("cuDriverGetVersion") == [SUCCESS, 13000]   # the one call that needs no init
+    assert r == {k: NOT_INITIALIZED for k in r}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "cuda.c checks arguments before initialisation in cuMemcpyHtoD_v2/DtoH_v2/DtoD_v2 (and "
+    "their Async forms: CHECK_DEV runs before REQUIRE_INIT), cuArrayCreate_v2/cuArray3DCreate_v2/"
+    "cuMipmappedArrayCreate with a NULL descriptor, cuLaunchKernelEx with a NULL config, and "
+    "cuModuleLoad/cuLibraryLoadFromFile with a missing file: before cuInit they return "
+    "INVALID_VALUE (1) or FILE_NOT_FOUND (301) instead of NOT_INITIALIZED (3)"))
+def test_copies_and_argument_checked_calls_before_cuinit_are_not_initialized(sim_env):
+    r = json.loads(run_python(BEFORE_INIT + """
+calls = {
+    "cuMemcpyHtoD_v2": lambda: lib.cuMemcpyHtoD_v2(c_uint64(4096), host, c_size_t(1)),
+    "cuMemcpyDtoH_v2": lambda: lib.cuMemcpyDtoH_v2(host, c_uint64(4096), c_size_t(1)),
+    "cuMemcpyDtoD_v2": lambda: lib.cuMemcpyDtoD_v2(c_uint64(4096), c_uint64(8192), c_size_t(1)),
+    "cuMemcpyHtoDAsync_v2": lambda: lib.cuMemcpyHtoDAsync_v2(c_uint64(4096), host, c_size_t(1), None),
+    "cuArrayCreate_v2": lambda: lib.cuArrayCreate_v2(byref(p), None),
+    "cuLaunchKernelEx": lambda: lib.cuLaunchKernelEx(None, None, None, None),
+    "cuModuleLoad": lambda: lib.cuModuleLoad(byref(p), b"/nonexistent/module.cubin"),
+}
+print(json.dumps({k: call() for k, call in calls.items()}))
+""", sim_env).stdout)
+    assert r == {k: NOT_INITIALIZED for k in r}
+
+
+def test_calls_that_need_a_context_without_one_are_invalid_context(sim_env):
+    r = cuda("""
+ok(cu.cuInit(0))
+dev = ok(cu.cuDeviceGet(0))
+no_context = [rc(cu.cuMemAlloc(16)), rc(cu.cuMemGetInfo()), rc(cu.cuStreamCreate(0)),
+              rc(cu.cuCtxSynchronize()), rc(cu.cuMemAllocManaged(16, 1))]
+ctx = ok(cu.cuCtxCreate(None, 0, dev))
+p = ok(cu.cuMemAlloc(16))
+ok(cu.cuCtxDestroy(ctx))
+after_destroy = [rc(cu.cuMemAlloc(16)), rc(cu.cuCtxSetCurrent(ctx)), rc(cu.cuCtxDestroy(ctx))]
+print(json.dumps([no_context, after_destroy]))
+""", sim_env)
+    assert r == [[INVALID_CONTEXT] * 5, [INVALID_CONTEXT] * 3]
+
+
+def test_bad_sizes_and_addresses_are_invalid_value(sim_env):
+    r = cuda("""
+context()
+p = ok(cu.cuMemAlloc(4096))
+host = ctypes.create_string_buffer(64)
+host_addr = cu.CUdeviceptr(ctypes.addressof(host))
+out = {
+    "alloc 0": rc(cu.cuMemAlloc(0)),
+    "free never allocated": rc(cu.cuMemFree(cu.CUdeviceptr(0xdead0000))),
+    "free interior pointer": rc(cu.cuMemFree(dptr(p, 16))),
+    "free host address": rc(cu.cuMemFree(host_addr)),
+    "HtoD to host address": rc(cu.cuMemcpyHtoD(host_addr, b"x", 1)),
+    "HtoD to unmapped address": rc(cu.cuMemcpyHtoD(cu.CUdeviceptr(0x1000), b"x", 1)),
+    "HtoD past the end": rc(cu.cuMemcpyHtoD(dptr(p, 4095), b"xy", 2)),
+    "DtoH from host address": rc(cu.cuMemcpyDtoH(bytearray(1), host_addr, 1)),
+    "memset past the end": rc(cu.cuMemsetD32(dptr(p, 4092), 7, 2)),
+}
+ok(cu.cuMemFree(p))
+out["double free"] = rc(cu.cuMemFree(p))
+out["HtoD to freed memory"] = rc(cu.cuMemcpyHtoD(p, b"x", 1))
+print(json.dumps(out))
+""", sim_env)
+    assert r == {k: INVALID_VALUE for k in r}
+
+
+def test_bogus_and_destroyed_handles_are_invalid_handle(sim_env):
+    r = cuda("""
+context()
+fn = kernel("sim_1000us")
+good = int(fn)
+bogus = {}
+for label, value in [("12345", 12345), ("misaligned real handle", good + 8),
+                     ("far away", 0x7ff000000000)]:
+    bogus[label] = rc(cu.cuLaunchKernel(cu.CUfunction(value), 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
+s = ok(cu.cuStreamCreate(0))
+bogus["stream used as a function"] = rc(cu.cuLaunchKernel(cu.CUfunction(int(s)), 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
+ok(cu.cuStreamDestroy(s))
+e = ok(cu.cuEventCreate(0))
+e2 = ok(cu.cuEventCreate(0))
+ok(cu.cuEventRecord(e2, 0))
+ok(cu.cuEventDestroy(e))
+destroyed = {
+    "sync stream": rc(cu.cuStreamSynchronize(s)),
+    "query stream": rc(cu.cuStreamQuery(s)),
+    "launch on stream": rc(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, 0, 0)),
+    "destroy stream again": rc(cu.cuStreamDestroy(s)),
+    "record event": rc(cu.cuEventRecord(e, 0)),
+    "query event": rc(cu.cuEventQuery(e)),
+    "sync event": rc(cu.cuEventSynchronize(e)),
+    "elapsed with event": rc(cu.cuEventElapsedTime(e2, e)),
+    "destroy event again": rc(cu.cuEventDestroy(e)),
+}
+print(json.dumps([bogus, destroyed]))
+""", sim_env)
+    bogus, destroyed = r
+    assert bogus == {k: INVALID_HANDLE for k in bogus}
+    assert destroyed == {k: INVALID_HANDLE for k in destroyed}
+
+
+def test_device_ordinals_out_of_range_are_invalid_device(sim_env):
+    r = cuda("""
+ok(cu.cuInit(0))
+print(json.dumps([rc(cu.cuDeviceGet(99)), rc(cu.cuDeviceGet(1)), rc(cu.cuDeviceGet(-1)),
+                  rc(cu.cuDeviceGetName(32, 5)), rc(cu.cuDeviceTotalMem(5)),
+                  rc(cu.cuDevicePrimaryCtxRetain(5)), rc(cu.cuCtxCreate(None, 0, 5))]))
+""", sim_env)
+    assert r == [INVALID_DEVICE] * 7
+
+
+INIT = """
+import ctypes, json
+lib = ctypes.CDLL("libcuda.so.1")
+count = ctypes.c_int(-1)
+print(json.dumps([lib.cuInit(0), lib.cuDeviceGetCount(ctypes.byref(count))]))
+"""
+
+
+def init_result(env):
+    proc = run_python(INIT, env)
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_unknown_profile_fails_cuinit_naming_the_variable_and_the_profiles(tmp_path):
+    result, stderr = init_result(make_sim_env(tmp_path / "node", profile="b200"))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert f"SIMGPU_PROFILE=b200 is not a known profile (known: {', '.join(PROFILES)})" in stderr
+
+
+@pytest.mark.parametrize("devices", ["0", "9", "x"])
+def test_bad_device_count_fails_cuinit_naming_simgpu_devices(tmp_path, devices):
+    result, stderr = init_result(make_sim_env(tmp_path / "node", devices=devices))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert f"SIMGPU_DEVICES={devices} is not a device count between 1 and 8" in stderr
+
+
+def test_unwritable_state_dir_fails_cuinit_naming_the_path(tmp_path):
+    blocker = tmp_path / "plain-file"
+    blocker.write_text("not a directory")
+    result, stderr = init_result(make_sim_env(blocker / "node"))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert f"cannot create state directory {blocker / 'node'}" in stderr
+
+
+def test_a_node_keeps_the_profile_and_device_count_it_was_created_with(tmp_path):
+    state = tmp_path / "node"
+    assert init_result(make_sim_env(state, profile="a10")) == ([SUCCESS, SUCCESS], "")
+    result, stderr = init_result(make_sim_env(state, profile="h200"))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert "already simulates a10" in stderr
+    result, stderr = init_result(make_sim_env(state, profile="a10", devices=2))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert "already simulates a10 x1" in stderr
+    # without an explicit request, a process adopts what the node simulates
+    env = make_sim_env(state)
+    del env["SIMGPU_PROFILE"], env["SIMGPU_DEVICES"]
+    r = cuda("""
+ok(cu.cuInit(0))
+print(json.dumps([ok(cu.cuDeviceGetCount()), ok(cu.cuDeviceGetName(32, 0)).split(b"\\0")[0].decode()]))
+""", env)
+    assert r == [1, "NVIDIA A10"]
+
+
+# === fork ===
+
+FORK = PRELUDE + """
+import pynvml as n
+exit_how = sys.argv[1]
+MiB = 1 << 20
+context()
+total = int(ok(cu.cuMemGetInfo())[1])
+inherited = ok(cu.cuMemAlloc(256 * MiB))
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+
+def processes():
+    return sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h))
+
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(r)
+    report = {}
+    try:
+        ok(cu.cuInit(0))
+        ctx = ok(cu.cuCtxCreate(None, 0, ok(cu.cuDeviceGet(0))))
+        own = ok(cu.cuMemAlloc(128 * MiB))
+        ok(cu.cuMemcpyHtoD(own, b"child", 5))
+        back = bytearray(5)
+        ok(cu.cuMemcpyDtoH(back, own, 5))
+        report = {"pid": os.getpid(), "processes": processes(), "free": free_bytes(),
+                  "data": back.decode()}
+        if exit_how == "free inherited":
+            report["free_inherited"] = rc(cu.cuMemFree(inherited))
+            report["processes_after"] = processes()
+    finally:
+        os.write(w, json.dumps(report).encode())
+        os.close(w)
+        if exit_how == "exit":
+            sys.exit(0)
+        os._exit(0)
+os.close(w)
+report = json.loads(os.fdopen(r).read())
+os.waitpid(child, 0)
+print(json.dumps({"parent": os.getpid(), "total": total, "child": report,
+                  "after_exit": [processes(), free_bytes()]}))
+"""
+
+
+@pytest.mark.parametrize("exit_how", ["exit", "_exit"])
+def test_forked_child_gets_its_own_slot_and_its_memory_returns_when_it_exits(sim_env, exit_how):
+    r = cuda(FORK, sim_env, args=(exit_how,))
+    parent, total, child = r["parent"], r["total"], r["child"]
+    assert child["processes"] == sorted([[parent, 256 * MiB], [child["pid"], 128 * MiB]])
+    assert child["free"] == total - 384 * MiB
+    assert child["data"] == "child"
+    assert r["after_exit"] == [[[parent, 256 * MiB]], total - 256 * MiB]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "cuda.c dev_free: a forked child inherits the parent's allocation table, so cuMemFree of "
+    "a parent's pointer succeeds in the child and simgpu_mem_release subtracts it from the "
+    "CHILD's slot (clamped at 0): the child's own 128 MiB drops out of the accounting while "
+    "it still holds it"))
+def test_forked_child_freeing_an_inherited_pointer_keeps_its_own_memory_counted(sim_env):
+    r = cuda(FORK, sim_env, args=("free inherited",))
+    parent, child = r["parent"], r["child"]
+    assert [parent, 256 * MiB] in child["processes_after"]
+    assert [child["pid"], 128 * MiB] in child["processes_after"]
+
+
+# === a C client through dlopen ===
+
+def test_c_client_through_dlopen_runs_the_whole_cycle(sim_env, c_program):
+    exe = c_program("dlopen_client")
+    proc = subprocess.run([str(exe)], env=sim_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "ok"
+    values = dict(line.split("=", 1) for line in lines[:-1])
+    kernel_ms = float(values.pop("kernel_ms"))
+    assert values == {"name": "NVIDIA A10", "total": str(24 * GiB), "alloc_drop": str(MiB),
+                      "free_restored": "1", "roundtrip": "1",
+                      "bogus_launch": str(INVALID_HANDLE)}
+    assert 1.0 <= kernel_ms < 1.5
