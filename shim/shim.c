@@ -51,6 +51,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -320,21 +321,22 @@ static struct vgpu_usage *map_usage(const char *path)
         deny("cannot open usage file %s: %s", path, strerror(errno));
         return NULL;
     }
-    flock(fd, LOCK_EX);   /* only to initialise a new file: one process writes the header */
     struct stat st;
     int bad = fstat(fd, &st) != 0;
     if (!bad && st.st_size == 0) {
+        /* a new file: one process writes the header, the others wait for it (only then) */
+        flock(fd, LOCK_EX);
         struct vgpu_usage *u = calloc(1, sizeof *u);
-        bad = !u;
-        if (u) {
+        bad = !u || fstat(fd, &st) != 0;
+        if (!bad && st.st_size == 0) {
             u->magic = VGPU_USAGE_MAGIC;
             u->abi_version = VGPU_ABI_VERSION;
             u->size = sizeof *u;
             bad = pwrite(fd, u, sizeof *u, 0) != (ssize_t)sizeof *u;
-            free(u);
         }
+        free(u);
+        flock(fd, LOCK_UN);
     }
-    flock(fd, LOCK_UN);
     void *m = MAP_FAILED;
     if (!bad && fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct vgpu_usage))
         m = mmap(NULL, sizeof(struct vgpu_usage), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -383,13 +385,8 @@ static void claim_slot(void)
         struct vgpu_usage_proc *p = &S.usage->procs[i];
         if (LOAD(&p->pid))
             drain_slot(p);   /* its previous owner died without cleaning up */
-        FILE *f = fopen("/proc/self/comm", "re");
         memset(p->comm, 0, sizeof p->comm);
-        if (f) {
-            if (fgets(p->comm, sizeof p->comm, f))
-                p->comm[strcspn(p->comm, "\n")] = 0;
-            fclose(f);
-        }
+        prctl(PR_GET_NAME, p->comm);   /* at most 16 bytes */
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         p->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -521,7 +518,7 @@ static void configure(void)
         return deny("VGPU_DIR=%s is too long", dir);
     snprintf(qpath, sizeof qpath, "%.4080s/quota", cdir);
     snprintf(S.usage_path, sizeof S.usage_path, "%.4080s/usage", cdir);
-    if (from_env) {
+    if (from_env && access(qpath, F_OK)) {
         mkdir(dir, 0755);
         mkdir(cdir, 0755);
         create_quota(qpath, &env_quota);
