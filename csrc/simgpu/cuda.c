@@ -194,12 +194,21 @@ static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
         return r_;                \
     } while (0)
 
+static void forget_allocations(void);
+static void atfork_child(void);
+static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+/* As with the real driver, a forked child owns none of its parent's device memory. */
+static void atfork_child(void) { forget_allocations(); }
+
 SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
 {
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (simgpu_attach())
         return CUDA_ERROR_NO_DEVICE;   /* simgpu printed why (profile, state dir) */
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_atfork);
     __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
@@ -743,6 +752,12 @@ static int alloc_find(uint64_t addr, uint64_t len, struct alloc *out)
     return found;
 }
 
+static void forget_allocations(void)
+{
+    pthread_mutex_init(&alloc_lock, NULL);
+    nallocs = 0;
+}
+
 static void *map_lazy(uint64_t size)
 {
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -1232,6 +1247,7 @@ static CUresult array_destroy(CUarray a)
 
 SIMGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d)
 {
+    REQUIRE_INIT();
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     CUDA_ARRAY3D_DESCRIPTOR d3 = {d->Width, d->Height, 0, d->Format, d->NumChannels, 0};
@@ -1240,6 +1256,7 @@ SIMGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCR
 
 SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
+    REQUIRE_INIT();
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     return array_new(pHandle, vgpu_array_bytes(d, 1));
@@ -1248,6 +1265,7 @@ SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_D
 SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                               unsigned int numMipmapLevels)
 {
+    REQUIRE_INIT();
     if (!d || !d->Width || !numMipmapLevels ||
         (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
@@ -1578,8 +1596,10 @@ static CUresult copy(void *dst, const void *src, size_t n, int sync)
 }
 
 #define DPTR(p) ((void *)(uintptr_t)(p))
-#define CHECK_DEV(p, n) \
-    if (!device_range_ok((p), (n))) return CUDA_ERROR_INVALID_VALUE
+#define CHECK_DEV(p, n)                     \
+    REQUIRE_INIT();                         \
+    if (!device_range_ok((p), (n)))         \
+        return CUDA_ERROR_INVALID_VALUE
 
 SIMGPU_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
@@ -1716,6 +1736,7 @@ static CUresult module_new(CUmodule *out)
 /* Any image is accepted: simgpu runs functions by name, not by code. */
 SIMGPU_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
+    REQUIRE_INIT();
     if (!image)
         return CUDA_ERROR_INVALID_VALUE;
     return module_new(module);
@@ -1735,6 +1756,7 @@ SIMGPU_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCu
 
 SIMGPU_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
 {
+    REQUIRE_INIT();
     if (!fname)
         return CUDA_ERROR_INVALID_VALUE;
     if (access(fname, R_OK))
@@ -1791,6 +1813,7 @@ SIMGPU_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fil
                                              void *libraryOptions, void **libraryOptionValues,
                                              unsigned int numLibraryOptions)
 {
+    REQUIRE_INIT();
     if (!fileName)
         return CUDA_ERROR_INVALID_VALUE;
     if (access(fileName, R_OK))
@@ -1965,6 +1988,7 @@ SIMGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction
                                         void **extra)
 {
     (void)kernelParams, (void)extra;
+    REQUIRE_INIT();
     if (!config)
         return CUDA_ERROR_INVALID_VALUE;
     return launch(f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
