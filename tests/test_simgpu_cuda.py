@@ -974,12 +974,6 @@ print(json.dumps(out))
     assert r == {k: NOT_INITIALIZED for k in r}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c checks arguments before initialisation in cuMemcpyHtoD_v2/DtoH_v2/DtoD_v2 (and "
-    "their Async forms: CHECK_DEV runs before REQUIRE_INIT), cuArrayCreate_v2/cuArray3DCreate_v2/"
-    "cuMipmappedArrayCreate with a NULL descriptor, cuLaunchKernelEx with a NULL config, and "
-    "cuModuleLoad/cuLibraryLoadFromFile with a missing file: before cuInit they return "
-    "INVALID_VALUE (1) or FILE_NOT_FOUND (301) instead of NOT_INITIALIZED (3)"))
 def test_copies_and_argument_checked_calls_before_cuinit_are_not_initialized(sim_env):
     r = json.loads(run_python(BEFORE_INIT + """
 calls = {
@@ -1189,11 +1183,6 @@ def test_forked_child_gets_its_own_slot_and_its_memory_returns_when_it_exits(sim
     assert r["after_exit"] == [[[parent, 256 * MiB]], total - 256 * MiB]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c dev_free: a forked child inherits the parent's allocation table, so cuMemFree of "
-    "a parent's pointer succeeds in the child and simgpu_mem_release subtracts it from the "
-    "CHILD's slot (clamped at 0): the child's own 128 MiB drops out of the accounting while "
-    "it still holds it"))
 def test_forked_child_freeing_an_inherited_pointer_keeps_its_own_memory_counted(sim_env):
     r = cuda(FORK, sim_env, args=("free inherited",))
     parent, child = r["parent"], r["child"]
