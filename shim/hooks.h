@@ -50,6 +50,16 @@
     X(cuMipmappedArrayCreate, cuMipmappedArrayCreate, 5000, 0, CUresult,                           \
       (CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,              \
        unsigned int numMipmapLevels))                                                              \
+    /* === where memory comes from: mappings keep VMM memory alive; pools have a device === */    \
+    X(cuMemMap, cuMemMap, 10020, 0, CUresult,                                                      \
+      (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,           \
+       unsigned long long flags))                                                                  \
+    X(cuMemUnmap, cuMemUnmap, 10020, 0, CUresult, (CUdeviceptr ptr, size_t size))                  \
+    X(cuMemPoolCreate, cuMemPoolCreate, 11020, 0, CUresult,                                        \
+      (CUmemoryPool *pool, const CUmemPoolProps *poolProps))                                       \
+    X(cuDeviceGetDefaultMemPool, cuDeviceGetDefaultMemPool, 11020, 0, CUresult,                    \
+      (CUmemoryPool *pool_out, CUdevice dev))                                                      \
+    X(cuDeviceGetMemPool, cuDeviceGetMemPool, 11020, 0, CUresult, (CUmemoryPool *pool, CUdevice dev)) \
     /* === free (always calls the real free) === */                                               \
     X(cuMemFree_v2, cuMemFree, 3020, 0, CUresult, (CUdeviceptr dptr))                              \
     X(cuMemFreeAsync, cuMemFreeAsync, 11020, 0, CUresult, (CUdeviceptr dptr, CUstream hStream))    \

@@ -68,7 +68,12 @@
 VGPU_CUDA_HOOKS(DECLARE_CUDA)
 #define DECLARE_NVML(sym, ret, params) static ret(*real_##sym) params; SHIM_EXPORT ret sym params;
 VGPU_NVML_HOOKS(DECLARE_NVML)
+/* driver functions the shim calls but does not hook */
 static CUresult (*real_cuCtxGetDevice)(CUdevice *);
+static CUresult (*real_cuCtxGetCurrent)(CUcontext *);
+static CUresult (*real_cuCtxPushCurrent_v2)(CUcontext);
+static CUresult (*real_cuCtxPopCurrent_v2)(CUcontext *);
+static CUresult (*real_cuStreamGetCtx)(CUstream, CUcontext *);
 static nvmlReturn_t (*real_nvmlDeviceGetIndex)(nvmlDevice_t, unsigned int *);
 
 struct hook {
@@ -152,9 +157,11 @@ static void deny(const char *fmt, ...)
 static int parse_size(const char *s, int hami, uint64_t *out)
 {
     char *end;
+    if (*s < '0' || *s > '9')   /* strtoull would accept " -1" and wrap it to "unlimited" */
+        return -1;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *s == '-')
+    if (errno || end == s)
         return -1;
     int shift = 0;
     if (!hami) {
@@ -182,6 +189,8 @@ static int parse_size(const char *s, int hami, uint64_t *out)
 static int parse_share(const char *s, int hami, uint32_t *out)
 {
     char *end;
+    if (*s < '0' || *s > '9')   /* no blanks, signs, "inf" or "nan" */
+        return -1;
     errno = 0;
     double v = strtod(s, &end);
     if (errno || end == s || (*end && strcmp(end, "%")))
@@ -439,22 +448,40 @@ __attribute__((destructor)) static void release_slot(void)
     S.slot = -1;
 }
 
+static struct entry *map_table(void)
+{
+    void *t = mmap(NULL, sizeof(struct entry) * TABLE_SIZE, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return t == MAP_FAILED ? NULL : t;
+}
+
+/* VMM handles and pools, kept under a lock (not hot paths): see "where memory comes from" */
+struct vmm { uint64_t handle, bytes; int dev, mappings, released; };
+struct mapping { uint64_t ptr, size, handle; };
+struct pool { CUmemoryPool pool; int dev; };
+static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct vmm *vmms;
+static struct mapping *mappings;
+static struct pool *pools;
+static size_t nvmm, vmm_cap, nmappings, mappings_cap, npools, pools_cap;
+
 static void atfork_child(void)
 {
     /* The child shares the parent's lock (same open file description) and inherited a
      * copy of its allocation table: it gets its own of both. */
     pthread_mutex_init(&S.lock, NULL);
-    S.slot = -1;
+    pthread_mutex_init(&vmm_lock, NULL);
+    S.slot = -1;   /* claimed on the child's first allocation: forked helpers that never
+                    * touch the GPU cost no slot */
     if (S.usage_fd >= 0) {
         close(S.usage_fd);
         S.usage_fd = open(S.usage_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
         if (S.usage_fd < 0)
             deny("cannot reopen %s after fork: %s", S.usage_path, strerror(errno));
-        else
-            claim_slot();
     }
-    if (S.table)
-        memset(S.table, 0, sizeof(struct entry) * TABLE_SIZE);
+    if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
+        S.table = map_table();
+    nvmm = npools = 0;
 }
 
 /* === init (lazy, once, thread-safe; the constructor does nothing) === */
@@ -482,7 +509,11 @@ static void resolve_cuda(void)
     }
     for (size_t i = 0; i < NHOOKS(cuda_hooks); i++)
         *cuda_hooks[i].real = real_dlsym(S.cuda, cuda_hooks[i].symbol);
-    real_cuCtxGetDevice = (CUresult(*)(CUdevice *))real_dlsym(S.cuda, "cuCtxGetDevice");
+    *(void **)&real_cuCtxGetDevice = real_dlsym(S.cuda, "cuCtxGetDevice");
+    *(void **)&real_cuCtxGetCurrent = real_dlsym(S.cuda, "cuCtxGetCurrent");
+    *(void **)&real_cuCtxPushCurrent_v2 = real_dlsym(S.cuda, "cuCtxPushCurrent_v2");
+    *(void **)&real_cuCtxPopCurrent_v2 = real_dlsym(S.cuda, "cuCtxPopCurrent_v2");
+    *(void **)&real_cuStreamGetCtx = real_dlsym(S.cuda, "cuStreamGetCtx");
 }
 
 static void configure(void)
@@ -529,12 +560,8 @@ static void configure(void)
         INFO("%s already exists; its limits apply, not the environment's", qpath);
     if (!(S.usage = map_usage(S.usage_path)))
         return;
-    S.table = mmap(NULL, sizeof(struct entry) * TABLE_SIZE, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (S.table == MAP_FAILED) {
-        S.table = NULL;
+    if (!(S.table = map_table()))
         return deny("cannot map the allocation table");
-    }
     S.mode = MODE_ENFORCE;
     claim_slot();
     INFO("container %s: quota %s, usage %s, slot %d", name, qpath, S.usage_path, S.slot);
@@ -585,6 +612,12 @@ static inline uint64_t memory_cap(int dev)
  * can never take the container over it.  Refused -> one reap of dead processes, retry. */
 static CUresult admit(int dev, uint64_t bytes)
 {
+    if (UNLIKELY(S.slot < 0) && S.mode == MODE_ENFORCE) {   /* a forked child's first */
+        pthread_mutex_lock(&S.lock);
+        if (S.slot < 0 && S.usage_fd >= 0)
+            claim_slot();
+        pthread_mutex_unlock(&S.lock);
+    }
     if (S.slot < 0 || S.mode != MODE_ENFORCE)
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct vgpu_usage_device *u = &S.usage->devices[dev];
@@ -628,6 +661,8 @@ static inline uint32_t slot_of(uint64_t key) { return (uint32_t)((key * 0x9E3779
 
 static int remember(uint64_t key, int dev, uint64_t bytes)
 {
+    if (!S.table)
+        return -1;
     for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
         uint64_t k = LOAD(&S.table[i].key);
         if ((k == 0 || k == TOMBSTONE) &&
@@ -641,6 +676,8 @@ static int remember(uint64_t key, int dev, uint64_t bytes)
 
 static int forget(uint64_t key, int *dev, uint64_t *bytes)
 {
+    if (!S.table)   /* failed closed before the table existed: nothing was charged */
+        return -1;
     for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
         uint64_t k = LOAD(&S.table[i].key);
         if (k == 0)
@@ -664,6 +701,21 @@ static int current_device(void)
     if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
         return -1;
     return d;
+}
+
+/* The device a stream's work (and its stream-ordered allocations) lands on. */
+static int stream_device(CUstream stream)
+{
+    CUcontext ctx, cur = NULL, popped;
+    if (stream == NULL || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD ||
+        !real_cuStreamGetCtx || !real_cuCtxGetCurrent || real_cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS ||
+        real_cuCtxGetCurrent(&cur) != CUDA_SUCCESS || ctx == cur)
+        return current_device();
+    if (!real_cuCtxPushCurrent_v2 || !real_cuCtxPopCurrent_v2 || real_cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS)
+        return -1;
+    int dev = current_device();
+    real_cuCtxPopCurrent_v2(&popped);
+    return dev;
 }
 
 /* Charge `bytes` on `dev`, run the real allocation, remember the result under `key`. */
@@ -746,12 +798,12 @@ SHIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsig
     CHARGED(dev, bytesize, real_cuMemAllocManaged(dptr, bytesize, flags), KEY_PTR | *dptr);
 }
 
-/* Stream-ordered allocations are charged to the current context's device. */
+/* Stream-ordered allocations come from the stream's device. */
 static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), CUdeviceptr *dptr,
                             size_t bytesize, CUstream hStream)
 {
-    int dev = current_device();
-    if (dev < 0 || !dptr || !bytesize)
+    int dev = dptr && bytesize ? stream_device(hStream) : -1;
+    if (dev < 0)
         return real(dptr, bytesize, hStream);
     CHARGED(dev, bytesize, real(dptr, bytesize, hStream), KEY_PTR | *dptr);
 }
@@ -768,11 +820,45 @@ SHIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CU
     return alloc_async(real_cuMemAllocAsync_ptsz, dptr, bytesize, hStream);
 }
 
+static void note_pool(CUmemoryPool pool, int dev)
+{
+    pthread_mutex_lock(&vmm_lock);
+    size_t i = 0;
+    while (i < npools && pools[i].pool != pool)
+        i++;
+    if (i == npools && npools == pools_cap) {
+        struct pool *n = realloc(pools, (pools_cap = pools_cap ? 2 * pools_cap : 16) * sizeof *n);
+        if (n)
+            pools = n;
+        else
+            pools_cap = npools;
+    }
+    if (i < pools_cap) {
+        pools[i] = (struct pool){pool, dev};
+        if (i == npools)
+            npools++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+}
+
+/* A pool's memory lives on the pool's device (known when the program got the pool
+ * through a hooked call), else on the stream's. */
+static int pool_device(CUmemoryPool pool, CUstream stream)
+{
+    int dev = -1;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < npools; i++)
+        if (pools[i].pool == pool)
+            dev = pools[i].dev;
+    pthread_mutex_unlock(&vmm_lock);
+    return dev >= 0 ? dev : stream_device(stream);
+}
+
 static CUresult alloc_from_pool(CUresult (*real)(CUdeviceptr *, size_t, CUmemoryPool, CUstream),
                                 CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
-    int dev = current_device();
-    if (dev < 0 || !dptr || !bytesize)
+    int dev = dptr && bytesize ? pool_device(pool, hStream) : -1;
+    if (dev < 0)
         return real(dptr, bytesize, pool, hStream);
     CHARGED(dev, bytesize, real(dptr, bytesize, pool, hStream), KEY_PTR | *dptr);
 }
@@ -791,6 +877,8 @@ SHIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t byte
     return alloc_from_pool(real_cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
 }
 
+/* VMM: a handle's memory stays on the device while it is mapped, even after release,
+ * so the budget comes back when it is both released and unmapped (as the driver frees). */
 SHIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                  unsigned long long flags)
 {
@@ -799,7 +887,123 @@ SHIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
     int dev = prop && prop->location.type == 1 ? prop->location.id : -1;
     if (dev < 0 || dev >= VGPU_MAX_DEVICES || !handle || !size)
         return real_cuMemCreate(handle, size, prop, flags);
-    CHARGED(dev, size, real_cuMemCreate(handle, size, prop, flags), KEY_VMM | *handle);
+    CUresult r = admit(dev, size);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real_cuMemCreate(handle, size, prop, flags);
+    if (r != CUDA_SUCCESS) {
+        refund(dev, size);
+        return r;
+    }
+    pthread_mutex_lock(&vmm_lock);
+    if (nvmm == vmm_cap) {
+        struct vmm *n = realloc(vmms, (vmm_cap ? 2 * vmm_cap : 16) * sizeof *n);
+        if (n) {
+            vmms = n;
+            vmm_cap = vmm_cap ? 2 * vmm_cap : 16;
+        }
+    }
+    if (nvmm < vmm_cap)
+        vmms[nvmm++] = (struct vmm){*handle, size, dev, 0, 0};
+    else
+        ERR("VMM table full: %zu bytes stay charged", size);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* Called with vmm_lock held: give the budget back once released and unmapped. */
+static void vmm_settle(size_t i)
+{
+    if (!vmms[i].released || vmms[i].mappings > 0)
+        return;
+    refund(vmms[i].dev, vmms[i].bytes);
+    vmms[i] = vmms[--nvmm];
+}
+
+static struct vmm *vmm_find(uint64_t handle, size_t *index)
+{
+    for (size_t i = 0; i < nvmm; i++)
+        if (vmms[i].handle == handle) {
+            *index = i;
+            return &vmms[i];
+        }
+    return NULL;
+}
+
+SHIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                              unsigned long long flags)
+{
+    ENTER(cuMemMap, ptr, size, offset, handle, flags);
+    CUresult r = real_cuMemMap(ptr, size, offset, handle, flags);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(handle, &i);
+    if (v && nmappings == mappings_cap) {
+        struct mapping *n = realloc(mappings, (mappings_cap ? 2 * mappings_cap : 16) * sizeof *n);
+        if (n) {
+            mappings = n;
+            mappings_cap = mappings_cap ? 2 * mappings_cap : 16;
+        }
+    }
+    if (v && nmappings < mappings_cap) {
+        mappings[nmappings++] = (struct mapping){ptr, size, handle};
+        v->mappings++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    ENTER(cuMemUnmap, ptr, size);
+    CUresult r = real_cuMemUnmap(ptr, size);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t m = 0; m < nmappings;) {
+        if (mappings[m].ptr < ptr || mappings[m].ptr >= ptr + size) {
+            m++;
+            continue;
+        }
+        size_t i;
+        struct vmm *v = vmm_find(mappings[m].handle, &i);
+        mappings[m] = mappings[--nmappings];
+        if (v) {
+            v->mappings--;
+            vmm_settle(i);
+        }
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
+{
+    ENTER(cuMemPoolCreate, pool, poolProps);
+    CUresult r = real_cuMemPoolCreate(pool, poolProps);
+    if (r == CUDA_SUCCESS && pool && poolProps && poolProps->location.type == 1)
+        note_pool(*pool, poolProps->location.id);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    ENTER(cuDeviceGetDefaultMemPool, pool_out, dev);
+    CUresult r = real_cuDeviceGetDefaultMemPool(pool_out, dev);
+    if (r == CUDA_SUCCESS && pool_out)
+        note_pool(*pool_out, dev);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    ENTER(cuDeviceGetMemPool, pool, dev);
+    CUresult r = real_cuDeviceGetMemPool(pool, dev);
+    if (r == CUDA_SUCCESS && pool)
+        note_pool(*pool, dev);
+    return r;
 }
 
 /* Bytes an array takes; formats of unknown element size are charged as 4 x 32-bit. */
@@ -867,12 +1071,21 @@ SHIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
     RELEASED(real_cuMemFreeAsync_ptsz(dptr, hStream), KEY_PTR | dptr);
 }
 
-/* The driver keeps a released handle's memory until it is unmapped; the shim gives the
- * budget back at release (the program can no longer map it). */
 SHIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     ENTER(cuMemRelease, handle);
-    RELEASED(real_cuMemRelease(handle), KEY_VMM | handle);
+    CUresult r = real_cuMemRelease(handle);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(handle, &i);
+    if (v) {
+        v->released = 1;
+        vmm_settle(i);
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
 }
 
 SHIM_EXPORT CUresult cuArrayDestroy(CUarray hArray)
@@ -975,10 +1188,10 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory
     nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo(device, memory);
     int dev = nvml_index(device);
     uint64_t t, f, u;
-    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->total, &t, &f, &u)) {
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
         memory->total = t;
         memory->used = u;
-        memory->free = t - u;
+        memory->free = f;
     }
     return r;
 }
@@ -989,11 +1202,11 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
     nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
     int dev = nvml_index(device);
     uint64_t t, f, u;
-    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->total, &t, &f, &u)) {
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
         memory->total = t;
         memory->reserved = 0;
         memory->used = u;
-        memory->free = t - u;
+        memory->free = f;
     }
     return r;
 }

@@ -42,7 +42,12 @@ HOOKED = {
     ("cuArrayDestroy", 2000, 0): "cuArrayDestroy",
     ("cuMipmappedArrayCreate", 5000, 0): "cuMipmappedArrayCreate",
     ("cuMipmappedArrayDestroy", 5000, 0): "cuMipmappedArrayDestroy",
+    ("cuMemPoolCreate", 11020, 0): "cuMemPoolCreate",
+    ("cuDeviceGetDefaultMemPool", 11020, 0): "cuDeviceGetDefaultMemPool",
+    ("cuDeviceGetMemPool", 11020, 0): "cuDeviceGetMemPool",
     ("cuMemCreate", 12000, 0): "cuMemCreate",
+    ("cuMemMap", 12000, 0): "cuMemMap",
+    ("cuMemUnmap", 12000, 0): "cuMemUnmap",
     ("cuMemRelease", 12000, 0): "cuMemRelease",
     ("cuMemAlloc", 13000, 0): "cuMemAlloc_v2",
     ("cuMemGetInfo", 12000, 2): "cuMemGetInfo_v2",   # no per-thread variant: the default one
@@ -160,7 +165,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 20   # every hooked entry point cudart asks for
+    assert hooked_seen == 23   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -200,7 +205,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 20
+    assert len(hooked) == 23
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

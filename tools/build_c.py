@@ -12,7 +12,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Werror",
           "-fvisibility=hidden", "-I" + os.path.join(ROOT, "csrc")]
-LDFLAGS = ["-shared", "-pthread", "-Wl,-z,defs", "-Wl,-z,now"]
+# -Bsymbolic-functions: a library's calls to its own exported functions stay inside it
+# (as in the real driver), so a preloaded shim sees each program call exactly once.
+LDFLAGS = ["-shared", "-pthread", "-Wl,-z,defs", "-Wl,-z,now", "-Wl,-Bsymbolic-functions"]
 
 # output path (relative to the _lib dir) -> (sources, soname, extra link flags)
 LIBRARIES = {
