@@ -129,10 +129,6 @@ for line in sys.stdin:
         self.proc = start_python(self.CODE, env)
         assert self.read() == "ready"
 
-    @property
-    def pid(self):
-        return self.proc.pid
-
     def read(self):
         line = self.proc.stdout.readline()
         if not line:
@@ -154,6 +150,9 @@ for line in sys.stdin:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if not pipe.closed:
+                pipe.close()
 
 
 @pytest.fixture
@@ -1097,11 +1096,6 @@ OVERFLOWING_SIZES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c: the device range check overflows. alloc_find tests `addr - a->base + len <= "
-    "a->size`, which wraps for a huge len (copies, memset D8), and fill() checks "
-    "`count * width` bytes, which wraps for D16/D32; the check passes and memmove/memset "
-    "run far past the allocation: SIGSEGV instead of CUDA_ERROR_INVALID_VALUE"))
 @pytest.mark.parametrize("call", list(OVERFLOWING_SIZES))
 def test_sizes_that_wrap_around_the_address_space_are_invalid_value_not_a_crash(sim_env, call):
     proc = run_python(PRELUDE + f"""
@@ -1113,11 +1107,6 @@ print(json.dumps(rc({OVERFLOWING_SIZES[call]})))
     assert (proc.returncode, proc.stdout.strip()) == (0, str(INVALID_VALUE))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c: cuCtxDestroy frees the context but not its streams, and stream handles keep "
-    "a pointer to it; handle_free then overwrites the context's `dev` with the free-list "
-    "link, so a launch on such a stream (stream_enqueue -> simgpu_enqueue(s->ctx->dev)) "
-    "indexes node->devices far out of range: SIGSEGV instead of an error"))
 def test_stream_of_a_destroyed_context_is_an_error_not_a_crash(sim_env):
     proc = run_python(PRELUDE + """
 ok(cu.cuInit(0))
@@ -1136,10 +1125,6 @@ print(json.dumps([rc(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, s, 0, 0)),
     assert all(code in (INVALID_HANDLE, INVALID_CONTEXT) for code in json.loads(proc.stdout))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c cuMemAddressFree: munmap(ptr, size ? size : a.size) uses the caller's size "
-    "without checking it against the reservation, so a larger size succeeds and unmaps "
-    "whatever lies beyond (e.g. a live cuMemAlloc block: the next copy into it segfaults)"))
 def test_address_free_with_a_size_other_than_the_reservation_is_invalid_value(sim_env):
     r = cuda(VMM + """
 va = ok(cu.cuMemAddressReserve(gran, 0, 0, 0))
@@ -1277,12 +1262,6 @@ def test_forked_child_freeing_an_inherited_pointer_keeps_its_own_memory_counted(
     assert [child["pid"], 128 * MiB] in child["processes_after"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cuda.c: atfork_child forgets only the cuMemAlloc table; array and cuMemCreate handles "
-    "live in the inherited handle arena, so in a forked child cuArrayDestroy of the parent's "
-    "array (array_destroy) and cuMemRelease of the parent's VMM handle (vmm_drop_if_unused) "
-    "succeed and simgpu_mem_release subtracts their sizes from the CHILD's slot: the child's "
-    "own 128 MiB is uncounted by 64 + 32 MiB while it still holds it"))
 def test_forked_child_destroying_inherited_arrays_and_vmm_handles_keeps_its_own_memory_counted(
         sim_env):
     r = cuda(VMM + """

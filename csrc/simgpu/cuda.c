@@ -171,6 +171,19 @@ static int handle_ok(const void *p, enum kind k)
     return h->magic == HANDLE_MAGIC && h->kind == (uint32_t)k;
 }
 
+/* Free every live handle of `kind` for which `pred` holds (pred NULL: all). */
+static void handles_drop(enum kind k, int (*pred)(void *, void *), void *arg, void (*before_free)(void *))
+{
+    for (size_t i = 0; arena && i < arena_used; i++) {
+        void *p = arena + ARENA_SLOT * i;
+        if (handle_ok(p, k) && (!pred || pred(p, arg))) {
+            if (before_free)
+                before_free(p);
+            handle_free(p);
+        }
+    }
+}
+
 /* === init, driver, devices === */
 
 static int initialized;
@@ -415,6 +428,7 @@ static struct vgpu_ctx *primary[SIMGPU_MAX_DEVICES];
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority);
+static void free_streams_of(struct vgpu_ctx *ctx);
 
 static struct vgpu_ctx *current_ctx(void)
 {
@@ -560,6 +574,7 @@ SIMGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
             tls_depth--;
             i--;
         }
+    free_streams_of(ctx);   /* a destroyed context's streams are gone with it */
     handle_free(ctx);
     return CUDA_SUCCESS;
 }
@@ -744,7 +759,7 @@ static int alloc_find(uint64_t addr, uint64_t len, struct alloc *out)
     int found = 0;
     if (i > 0) {
         struct alloc *a = &allocs[i - 1];
-        found = addr >= a->base && addr - a->base + len <= a->size;
+        found = addr >= a->base && len <= a->size && addr - a->base <= a->size - len;   /* no wrap */
         if (found && out)
             *out = *a;
     }
@@ -752,11 +767,6 @@ static int alloc_find(uint64_t addr, uint64_t len, struct alloc *out)
     return found;
 }
 
-static void forget_allocations(void)
-{
-    pthread_mutex_init(&alloc_lock, NULL);
-    nallocs = 0;
-}
 
 static void *map_lazy(uint64_t size)
 {
@@ -1140,9 +1150,10 @@ SIMGPU_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
     REQUIRE_INIT();
     struct alloc a;
-    if (alloc_remove(ptr, 1u << A_RESERVED, &a))
-        return CUDA_ERROR_INVALID_VALUE;
-    munmap((void *)(uintptr_t)ptr, size ? size : a.size);
+    if (!alloc_find(ptr, 1, &a) || a.kind != A_RESERVED || a.base != ptr || a.size != size)
+        return CUDA_ERROR_INVALID_VALUE;   /* only a whole reservation, never what lies beyond */
+    alloc_remove(ptr, 1u << A_RESERVED, &a);
+    munmap((void *)(uintptr_t)ptr, a.size);
     return CUDA_SUCCESS;
 }
 
@@ -1208,6 +1219,19 @@ SIMGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     }
     pthread_mutex_unlock(&vmm_lock);
     return r;
+}
+
+static void close_vmm_fd(void *v) { close(((struct vgpu_vmm *)v)->fd); }
+
+/* In a forked child: none of the parent's device memory is the child's to free. */
+static void forget_allocations(void)
+{
+    pthread_mutex_init(&alloc_lock, NULL);
+    pthread_mutex_init(&vmm_lock, NULL);
+    nallocs = 0;
+    nvmm_maps = 0;
+    handles_drop(K_ARRAY, NULL, NULL, NULL);
+    handles_drop(K_VMM, NULL, NULL, close_vmm_fd);
 }
 
 /* === memory: arrays === */
@@ -1278,6 +1302,14 @@ SIMGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { return arra
 /* === streams === */
 
 static __thread struct vgpu_stream *tls_pt_stream[SIMGPU_MAX_DEVICES];
+
+static int stream_in_ctx(void *s, void *ctx) { return ((struct vgpu_stream *)s)->ctx == ctx; }
+static void stream_release(void *s) { free(((struct vgpu_stream *)s)->pending); }
+
+static void free_streams_of(struct vgpu_ctx *ctx)
+{
+    handles_drop(K_STREAM, stream_in_ctx, ctx, stream_release);
+}
 
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority)
 {
@@ -1667,7 +1699,7 @@ static CUresult fill(CUdeviceptr dst, uint32_t value, unsigned width, size_t cou
     CUresult err;
     if (!sync && !resolve_stream(h, &err))
         return err;
-    if (!device_range_ok(dst, count * width))
+    if (count > SIZE_MAX / width || !device_range_ok(dst, count * width))
         return CUDA_ERROR_INVALID_VALUE;
     if (sync)
         simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
