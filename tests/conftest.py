@@ -17,6 +17,9 @@ from vgpu.paths import simgpu_dir
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+# NVIDIA's libcudart 13.0 cuGetProcAddress requests, in call order (recorded data, copied
+# from the project's shared fixtures so a clean clone has it).
+CUDART13_REQUESTS = Path(__file__).resolve().parent / "fixtures" / "cudart13-getprocaddress.tsv"
 
 
 def make_sim_env(state_dir, profile="a10", devices=1, **extra):

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_sim_env, run_python
+from conftest import CUDART13_REQUESTS as FIXTURE, ROOT, make_sim_env, run_python
 from vgpu.paths import SHIM, SIMGPU_DIR
 
 GiB = 1 << 30
-FIXTURE = ROOT.parent / "shared" / "fixtures" / "cudart13-getprocaddress.tsv"
 CUDART = Path("/usr/local/cuda/lib64/libcudart.so.13")
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
 

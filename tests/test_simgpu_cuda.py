@@ -14,19 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python, start_python
+from conftest import CUDART13_REQUESTS, make_sim_env, run_python, start_python
 from vgpu.paths import SIMGPU_DIR
 from vgpu.sim import PROFILES
 
 GiB = 1 << 30
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
-# The recorded cuGetProcAddress requests of NVIDIA's CUDA 13 runtime (shared with the
-# other checkouts of the project, next to this one or inside it).
-CUDART13_REQUESTS = next(
-    (d / "fixtures" / "cudart13-getprocaddress.tsv" for d in (ROOT / "shared", ROOT.parent / "shared")
-     if (d / "fixtures" / "cudart13-getprocaddress.tsv").exists()),
-    ROOT.parent / "shared" / "fixtures" / "cudart13-getprocaddress.tsv")
 ENTRY_POINTS_H = ROOT / "csrc" / "cuda_entry_points.h"
 LIBCUDA = SIMGPU_DIR / "libcuda.so.1"
 
@@ -756,8 +750,6 @@ print(json.dumps([name, elapsed]))
 # === cuGetProcAddress ===
 
 def read_tsv_requests():
-    if not CUDART13_REQUESTS.exists():
-        pytest.skip(f"recorded runtime requests not found at {CUDART13_REQUESTS}")
     rows = []
     for line in CUDART13_REQUESTS.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
