@@ -1,8 +1,11 @@
-"""The vgpu demo, for now: a CUDA program running unchanged on simgpu.
+"""The vgpu demo: isolation on a simulated GPU.
 
-It allocates, copies and launches kernels through NVIDIA's cuda-python driver bindings,
-while NVML (through pynvml, in a second process) reports what the simulated GPU sees:
-memory in use, the process holding it, and utilization.  Run with `make demo`.
+Part 1: a CUDA program runs unchanged on simgpu: it allocates, copies and launches kernels
+through NVIDIA's cuda-python driver bindings, while NVML (pynvml, in a second process)
+reports what the simulated GPU sees.
+Part 2: two tenants share the GPU.  Without vgpu a greedy one takes all the memory and the
+other gets out-of-memory; with vgpu each runs under its own cap, sees only its slice, and
+the greedy one hits its own limit while the other keeps working.  Run with `make demo`.
 """
 import os
 import subprocess
@@ -10,7 +13,10 @@ import sys
 import tempfile
 import time
 
+from vgpu.paths import shim_path
 from vgpu.sim import sim_environment
+
+GiB = 1 << 30
 
 
 def check(result):
@@ -76,13 +82,56 @@ def nvml_view(pid):
     pynvml.nvmlShutdown()
 
 
+def tenant(role):
+    """One tenant: 'greedy' grabs 1 GiB at a time until refused; 'steady' then needs 6 GiB."""
+    from cuda.bindings import driver as cu
+
+    check(cu.cuInit(0))
+    check(cu.cuCtxSetCurrent(check(cu.cuDevicePrimaryCtxRetain(0))))
+    free, total = check(cu.cuMemGetInfo())
+    held = []
+    want = 64 if role == "greedy" else 6
+    for _ in range(want):
+        err, ptr = cu.cuMemAlloc(GiB)
+        if int(err) != 0:
+            break
+        held.append(ptr)
+    print(f"{role:6}  sees {total / GiB:4.0f} GiB, got {len(held):2} of {want:2} GiB"
+          f"{'' if len(held) == want else '  <- CUDA_ERROR_OUT_OF_MEMORY'}", flush=True)
+    if role == "greedy":
+        sys.stdin.readline()   # hold the memory until the other tenant has tried
+
+
+def two_tenants(title, env_for):
+    print(f"\n== {title}")
+    greedy = subprocess.Popen([sys.executable, __file__, "--tenant", "greedy"], env=env_for("greedy"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    print(greedy.stdout.readline(), end="")   # it has taken what it could
+    subprocess.run([sys.executable, __file__, "--tenant", "steady"], env=env_for("steady"), check=True)
+    greedy.communicate("done\n")
+
+
+def isolation(base_env, vgpu_dir):
+    two_tenants("without vgpu: both tenants share the whole 24 GiB", lambda role: base_env)
+
+    def capped(role):
+        cap = {"greedy": "8Gi", "steady": "12Gi"}[role]
+        return {**base_env, "LD_PRELOAD": str(shim_path()), "VGPU_DIR": vgpu_dir,
+                "VGPU_CONTAINER": role, "VGPU_MEMORY_LIMIT": cap}
+    two_tenants("with vgpu: greedy capped at 8 GiB, steady at 12 GiB", capped)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--nvml"]:
         nvml_view(int(sys.argv[2]))
-    elif "SIMGPU_STATE_DIR" not in os.environ:
+    elif sys.argv[1:2] == ["--tenant"]:
+        tenant(sys.argv[2])
+    elif sys.argv[1:2] == ["--cuda"]:
+        cuda_program()
+    else:
         with tempfile.TemporaryDirectory(prefix="vgpu-demo-") as state:
             env = {**os.environ, **sim_environment("a10", 1, state)}
             print("simgpu: one simulated NVIDIA A10 (24 GiB, 72 SMs); state in", state)
-            sys.exit(subprocess.run([sys.executable, __file__], env=env).returncode)
-    else:
-        cuda_program()
+            print("\n== a CUDA program, unchanged, on simgpu")
+            subprocess.run([sys.executable, __file__, "--cuda"], env=env, check=True)
+            isolation(env, os.path.join(state, "vgpu"))
