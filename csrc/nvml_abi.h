@@ -116,6 +116,28 @@ typedef struct nvmlProcessInfo_v2_st {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_v2_t, nvmlProcessInfo_t;
 
+/* Copy a process list out the way nvmlDevice*RunningProcesses do: too small a buffer
+ * gives the needed count and NVML_ERROR_INSUFFICIENT_SIZE; `v1` selects the unsuffixed
+ * export's layout, else the _v2/_v3 one. */
+static inline nvmlReturn_t vgpu_nvml_put_processes(const nvmlProcessInfo_v2_t *found, unsigned int count,
+                                                   unsigned int *infoCount, void *infos, int v1)
+{
+    if (*infoCount < count) {
+        *infoCount = count;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (count && !infos)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < count; i++) {
+        if (v1)
+            ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){found[i].pid, found[i].usedGpuMemory};
+        else
+            ((nvmlProcessInfo_v2_t *)infos)[i] = found[i];
+    }
+    *infoCount = count;
+    return NVML_SUCCESS;
+}
+
 typedef struct nvmlProcessDetail_v1_st {
     unsigned int pid;
     unsigned long long usedGpuMemory;

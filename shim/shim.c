@@ -1233,20 +1233,7 @@ static nvmlReturn_t own_processes(nvmlDevice_t device, unsigned int *infoCount, 
                                                     .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
                                                     .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};
     }
-    if (*infoCount < count) {
-        *infoCount = count;
-        return NVML_ERROR_INSUFFICIENT_SIZE;
-    }
-    if (count && !infos)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    for (unsigned int i = 0; i < count; i++) {
-        if (abi == PROC_V1)
-            ((nvmlProcessInfo_v1_t *)infos)[i] = (nvmlProcessInfo_v1_t){found[i].pid, found[i].usedGpuMemory};
-        else
-            ((nvmlProcessInfo_v2_t *)infos)[i] = found[i];
-    }
-    *infoCount = count;
-    return NVML_SUCCESS;
+    return vgpu_nvml_put_processes(found, count, infoCount, infos, abi == PROC_V1);
 }
 
 SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
