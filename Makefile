@@ -24,7 +24,7 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 bench: venv
-	$(BIN)/python -m pytest bench -q --benchmark-only -p no:cacheprovider
+	$(BIN)/python -m pytest bench -q -s -p no:cacheprovider --benchmark-json=bench/last-run.json --benchmark-columns=median
 
 clean:
 	rm -rf $(VENV) build src/vgpu/_lib src/vgpu/_region*.so src/*.egg-info
