@@ -57,12 +57,16 @@ struct vgpu_usage_device {
     uint64_t memory_current;    /* bytes held by all processes of the container */
     uint64_t memory_peak;
     uint64_t oom_refusals;      /* allocations refused by the cap */
-    uint64_t launches;
-    uint64_t gpu_time_ns;       /* estimated GPU time of launched work */
+    uint64_t launches;          /* launches paced against sm.max (none at 100%) */
+    uint64_t gpu_time_ns;       /* GPU time charged for them (corrected estimates) */
     uint64_t throttled_ns;      /* time launches waited for their share */
-    int64_t sm_tokens_ns;       /* token bucket: GPU nanoseconds available */
-    uint64_t sm_refill_at_ns;   /* when the bucket was last refilled (CLOCK_MONOTONIC) */
-    uint64_t reserved[8];
+    /* compute share: a token bucket kept as one virtual clock (GCRA): each launch moves
+     * it cost / sm.max ahead; a launch waits until it is at most the burst ahead of now */
+    uint64_t sm_vtime_ns;       /* CLOCK_MONOTONIC */
+    uint64_t sm_correction;     /* scale on estimated cost, 16.16 fixed point (0 = 1.0) */
+    uint64_t sm_check_ns;       /* when the correction was last computed (CLOCK_MONOTONIC) */
+    uint64_t sm_check_throttled_ns;   /* throttled_ns at that moment */
+    uint64_t reserved[6];
 };
 
 struct vgpu_usage_proc {

@@ -68,6 +68,29 @@
     X(cuArrayDestroy, cuArrayDestroy, 2000, 0, CUresult, (CUarray hArray))                         \
     X(cuMipmappedArrayDestroy, cuMipmappedArrayDestroy, 5000, 0, CUresult,                         \
       (CUmipmappedArray hMipmappedArray))                                                          \
+    /* === launch (paced against the container's SM share) === */                                \
+    X(cuLaunchKernel, cuLaunchKernel, 4000, 0, CUresult,                                           \
+      (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
+       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                     \
+       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra))         \
+    X(cuLaunchKernel_ptsz, cuLaunchKernel, 7000, 1, CUresult,                                      \
+      (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
+       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                     \
+       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra))         \
+    X(cuLaunchKernelEx, cuLaunchKernelEx, 11060, 0, CUresult,                                      \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra))             \
+    X(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, 11060, 1, CUresult,                                 \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra))             \
+    X(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 9000, 0, CUresult,                    \
+      (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
+       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                     \
+       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))                        \
+    X(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel, 9000, 1, CUresult,               \
+      (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
+       unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                     \
+       unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))                        \
+    X(cuGraphLaunch, cuGraphLaunch, 10000, 0, CUresult, (CUgraphExec hGraphExec, CUstream hStream)) \
+    X(cuGraphLaunch_ptsz, cuGraphLaunch, 10000, 1, CUresult, (CUgraphExec hGraphExec, CUstream hStream)) \
     /* === view === */                                                                            \
     X(cuMemGetInfo_v2, cuMemGetInfo, 3020, 0, CUresult, (size_t *free, size_t *total))             \
     X(cuDeviceTotalMem_v2, cuDeviceTotalMem, 3020, 0, CUresult, (size_t *bytes, CUdevice dev))

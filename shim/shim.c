@@ -74,7 +74,18 @@ static CUresult (*real_cuCtxGetCurrent)(CUcontext *);
 static CUresult (*real_cuCtxPushCurrent_v2)(CUcontext);
 static CUresult (*real_cuCtxPopCurrent_v2)(CUcontext *);
 static CUresult (*real_cuStreamGetCtx)(CUstream, CUcontext *);
+static CUresult (*real_cuEventCreate)(CUevent *, unsigned int);
+static CUresult (*real_cuEventRecord)(CUevent, CUstream);
+static CUresult (*real_cuEventRecord_ptsz)(CUevent, CUstream);
+static CUresult (*real_cuEventQuery)(CUevent);
+static CUresult (*real_cuEventSynchronize)(CUevent);
+static CUresult (*real_cuEventElapsedTime)(float *, CUevent, CUevent);
+static CUresult (*real_cuEventDestroy_v2)(CUevent);
 static nvmlReturn_t (*real_nvmlDeviceGetIndex)(nvmlDevice_t, unsigned int *);
+static nvmlReturn_t (*real_nvmlInit_v2)(void);
+static nvmlReturn_t (*real_nvmlDeviceGetHandleByIndex_v2)(unsigned int, nvmlDevice_t *);
+static nvmlReturn_t (*real_nvmlDeviceGetProcessUtilization)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                                             unsigned int *, unsigned long long);
 
 struct hook {
     const char *symbol, *base;
@@ -119,6 +130,7 @@ static struct {
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER, .usage_fd = -1, .slot = -1};
 
 static __thread int in_init;   /* recursion guard: hooks called during init pass through */
+static void nvml_resolve(void);
 
 /* === log === */
 
@@ -514,6 +526,13 @@ static void resolve_cuda(void)
     *(void **)&real_cuCtxPushCurrent_v2 = real_dlsym(S.cuda, "cuCtxPushCurrent_v2");
     *(void **)&real_cuCtxPopCurrent_v2 = real_dlsym(S.cuda, "cuCtxPopCurrent_v2");
     *(void **)&real_cuStreamGetCtx = real_dlsym(S.cuda, "cuStreamGetCtx");
+    *(void **)&real_cuEventCreate = real_dlsym(S.cuda, "cuEventCreate");
+    *(void **)&real_cuEventRecord = real_dlsym(S.cuda, "cuEventRecord");
+    *(void **)&real_cuEventRecord_ptsz = real_dlsym(S.cuda, "cuEventRecord_ptsz");
+    *(void **)&real_cuEventQuery = real_dlsym(S.cuda, "cuEventQuery");
+    *(void **)&real_cuEventSynchronize = real_dlsym(S.cuda, "cuEventSynchronize");
+    *(void **)&real_cuEventElapsedTime = real_dlsym(S.cuda, "cuEventElapsedTime");
+    *(void **)&real_cuEventDestroy_v2 = real_dlsym(S.cuda, "cuEventDestroy_v2");
 }
 
 static void configure(void)
@@ -1140,6 +1159,345 @@ SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     return r;
 }
 
+/* === compute share ===
+ * Each launch is charged its estimated GPU time, and the container's processes draw on
+ * one bucket per device kept in the usage file as a virtual clock (GCRA): a launch moves
+ * the clock cost / sm.max ahead and waits (sleeping, never spinning, never failing)
+ * until the clock is at most SM_BURST_NS ahead of real time.
+ *   estimate: per (function, grid) the lower envelope of sampled CUDA event timings
+ *             (one launch in SAMPLE_EVERY, a bounded number of samples in flight);
+ *             graph launches likewise per executable graph;
+ *   correction: every SM_CHECK_NS, while the container is held back by its share, one of
+ *             its processes compares the share NVML measured for the container with sm.max
+ *             and moves a cost scale half way to what would have hit it (event timings
+ *             also count time spent waiting behind other tenants' kernels; NVML does not).
+ * At sm.max = 100% a launch costs a generation check and a branch. */
+
+#define SM_FULL 10000u
+#define SM_BURST_NS 20000000ull        /* how far the virtual clock may run ahead */
+#define SM_CHECK_NS 500000000ull       /* correction period */
+#define SAMPLE_EVERY 32
+#define MAX_SAMPLES 16
+#define ESTIMATES 4096
+#define CORR_ONE 65536ull
+
+struct estimate { uint64_t key, ns; uint32_t launches, sampling; };
+static struct estimate estimates[ESTIMATES];   /* per process; races only blur an average */
+static uint64_t typical_ns;                    /* for launches not measured yet */
+
+struct sample { int busy; int dev; uint64_t key; CUevent start, end; };   /* busy: 0 free, 1 starting, 2 in flight */
+static struct sample samples[MAX_SAMPLES];
+static int in_flight;   /* samples with busy == 2 */
+
+static uint32_t sm_gen_seen = 1;   /* generation the flags below were computed at (odd: never) */
+static int sm_any_limited;
+
+/* Any device below 100%?  Recomputed only when the quota's generation moves. */
+static inline int sm_limited(void)
+{
+    if (S.mode != MODE_ENFORCE)
+        return 0;
+    uint64_t g = LOAD(&S.quota->generation);
+    if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
+        int any = 0;
+        for (uint32_t d = 0; d < S.quota->device_count; d++) {
+            uint32_t sm = LOAD(&S.quota->devices[d].sm_max);
+            any |= sm > 0 && sm < SM_FULL;
+        }
+        STORE(&sm_any_limited, any);
+        STORE(&sm_gen_seen, (uint32_t)g);
+    }
+    return LOAD(&sm_any_limited);
+}
+
+static struct estimate *estimate_for(uint64_t key)
+{
+    return &estimates[(key * 0x9E3779B97F4A7C15ull) >> (64 - 12)];
+}
+
+static void learn(uint64_t key, uint64_t ns)
+{
+    struct estimate *e = estimate_for(key);
+    uint64_t old = LOAD(&e->ns);
+    if (LOAD(&e->key) != key || old == 0) {
+        STORE(&e->key, key);
+        STORE(&e->ns, ns);
+    } else {
+        /* follow the lower envelope: a sample is the kernel's time plus any wait behind
+         * other tenants' work, so the shortest samples are the truest; rise slowly */
+        STORE(&e->ns, ns < old ? ns : old + (ns - old) / 64);
+    }
+    uint64_t t = LOAD(&typical_ns);
+    STORE(&typical_ns, t ? (t * 7 + ns) / 8 : ns);
+    STORE(&e->sampling, 0);
+}
+
+/* Collect finished samples (called only on launches that sample: bounded work). */
+static void harvest(void)
+{
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        struct sample *sp = &samples[i];
+        if (LOAD(&sp->busy) != 2 || real_cuEventQuery(sp->end) != CUDA_SUCCESS)
+            continue;
+        float ms = 0;
+        if (real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms > 0)
+            learn(sp->key, (uint64_t)((double)ms * 1e6));
+        real_cuEventDestroy_v2(sp->start);
+        real_cuEventDestroy_v2(sp->end);
+        STORE(&sp->busy, 0);
+        __atomic_sub_fetch(&in_flight, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* A kernel never measured yet: wait for its first sample rather than queue unknown
+ * amounts of work for free (once per kernel and grid). */
+static void await_first_sample(uint64_t key)
+{
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        struct sample *sp = &samples[i];
+        if (LOAD(&sp->busy) == 2 && sp->key == key && real_cuEventSynchronize) {
+            real_cuEventSynchronize(sp->end);
+            harvest();
+            return;
+        }
+    }
+}
+
+/* Start measuring this launch: returns the sample to finish after it, or NULL. */
+static struct sample *sample_begin(uint64_t key, int dev, CUstream stream, int per_thread)
+{
+    if (!real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime)
+        return NULL;
+    harvest();
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        int idle = 0;
+        struct sample *sp = &samples[i];
+        if (!__atomic_compare_exchange_n(&sp->busy, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+        sp->key = key;
+        sp->dev = dev;
+        if (record && real_cuEventCreate(&sp->start, 0) == CUDA_SUCCESS) {
+            if (real_cuEventCreate(&sp->end, 0) == CUDA_SUCCESS) {
+                if (record(sp->start, stream) == CUDA_SUCCESS)
+                    return sp;
+                real_cuEventDestroy_v2(sp->end);
+            }
+            real_cuEventDestroy_v2(sp->start);
+        }
+        STORE(&sp->busy, 0);
+        return NULL;
+    }
+    return NULL;   /* all in flight: skip this one */
+}
+
+static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUresult launched)
+{
+    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    if (launched == CUDA_SUCCESS && record(sp->end, stream) == CUDA_SUCCESS) {
+        __atomic_add_fetch(&in_flight, 1, __ATOMIC_RELAXED);
+        STORE(&sp->busy, 2);
+        return;
+    }
+    real_cuEventDestroy_v2(sp->start);
+    real_cuEventDestroy_v2(sp->end);
+    STORE(&sp->busy, 0);
+}
+
+static uint64_t wall_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
+ * returns 0 when NVML cannot say. */
+static uint64_t measured_ns(int dev, uint64_t window_ns)
+{
+    if (!LOAD(&S.nvml_ready))
+        nvml_resolve();
+    static int nvml_up;
+    if (!real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
+        return 0;
+    if (!LOAD(&nvml_up)) {
+        if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS)
+            return 0;
+        STORE(&nvml_up, 1);
+    }
+    nvmlDevice_t h;
+    nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
+    unsigned int n = VGPU_MAX_PROCS * 2;
+    if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS ||
+        real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000) != NVML_SUCCESS)
+        return 0;
+    uint64_t pct = 0;
+    for (unsigned int i = 0; i < n; i++)
+        for (int p = 0; p < VGPU_MAX_PROCS; p++)
+            if ((unsigned)LOAD(&S.usage->procs[p].pid) == smp[i].pid && smp[i].pid)
+                pct += smp[i].smUtil;
+    return pct * window_ns / 100;
+}
+
+/* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
+ * compares the share NVML measured for the container's processes with sm.max and nudges
+ * the cost scale.  Only while the container was held back by its share (it wanted more):
+ * a container that uses less than its share is not mis-charged, merely idle. */
+static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uint64_t now)
+{
+    uint64_t last = LOAD(&u->sm_check_ns);
+    if (now - last < SM_CHECK_NS ||
+        !__atomic_compare_exchange_n(&u->sm_check_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    uint64_t throttled = LOAD(&u->throttled_ns);
+    uint64_t waited = throttled - __atomic_exchange_n(&u->sm_check_throttled_ns, throttled, __ATOMIC_ACQ_REL);
+    uint64_t window = now - last;
+    if (!last || window > 4 * SM_CHECK_NS || waited < window / 100)
+        return;   /* first period, a long pause, or not held back by the share */
+    uint64_t actual = measured_ns(dev, window);
+    if (!actual)
+        return;
+    uint64_t target = window * sm / SM_FULL;
+    uint64_t corr = LOAD(&u->sm_correction);
+    if (!corr)
+        corr = CORR_ONE;
+    /* half way to the scale that would have given exactly the share */
+    corr = corr / 2 + corr * actual / target / 2;
+    if (corr < CORR_ONE / 16)
+        corr = CORR_ONE / 16;
+    if (corr > CORR_ONE * 16)
+        corr = CORR_ONE * 16;
+    STORE(&u->sm_correction, corr);
+    DEBUG("device %d: share %.1f%% of %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
+          100.0 * sm / SM_FULL, (double)corr / CORR_ONE);
+}
+
+/* Wait for the container's share, charge the launch, and say whether to sample it. */
+static int pace(int dev, uint64_t key)
+{
+    uint32_t sm = dev >= 0 && (uint32_t)dev < S.quota->device_count ? LOAD(&S.quota->devices[dev].sm_max) : SM_FULL;
+    if (sm == 0 || sm >= SM_FULL)
+        return 0;
+    struct vgpu_usage_device *u = &S.usage->devices[dev];
+    struct estimate *e = estimate_for(key);
+    uint64_t raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+    if (!raw && LOAD(&e->sampling)) {
+        await_first_sample(key);
+        raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+    }
+    uint32_t n = __atomic_add_fetch(&e->launches, 1, __ATOMIC_RELAXED);
+    int sample = (raw == 0 || n % SAMPLE_EVERY == 0) && !LOAD(&e->sampling);
+    if (!raw)
+        raw = LOAD(&typical_ns);
+    uint64_t corr = LOAD(&u->sm_correction);
+    uint64_t cost = corr ? raw * corr / CORR_ONE : raw;
+    uint64_t wall = cost * SM_FULL / sm;
+
+    uint64_t now = now_ns(), t = LOAD(&u->sm_vtime_ns), next;
+    do
+        next = (t > now ? t : now) + wall;
+    while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (next > now + SM_BURST_NS) {
+        struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
+                              .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        __atomic_add_fetch(&u->throttled_ns, next - SM_BURST_NS - now, __ATOMIC_RELAXED);
+        now = next - SM_BURST_NS;
+    }
+    __atomic_add_fetch(&u->launches, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&u->gpu_time_ns, cost, __ATOMIC_RELAXED);
+    maybe_correct(dev, u, sm, now);
+    if (!sample && LOAD(&in_flight) && n % 8 == 0)
+        harvest();   /* finished samples are collected every few launches, not each */
+    if (sample)
+        STORE(&e->sampling, 1);
+    return sample;
+}
+
+/* The body of every launch hook: pace, maybe measure, launch. */
+#define PACED_LAUNCH(sym, per_thread, key, stream, ...)                                 \
+    ENTER(sym, __VA_ARGS__);                                                            \
+    if (LIKELY(!sm_limited()))                                                          \
+        return real_##sym(__VA_ARGS__);                                                 \
+    int dev_ = current_device();                                                        \
+    struct sample *sp_ = pace(dev_, (key)) ? sample_begin((key), dev_, (stream), (per_thread)) : NULL; \
+    CUresult r_ = real_##sym(__VA_ARGS__);                                              \
+    if (sp_)                                                                            \
+        sample_end(sp_, (stream), (per_thread), r_);                                    \
+    return r_
+
+static inline uint64_t kernel_key(CUfunction f, uint64_t blocks) { return (uint64_t)(uintptr_t)f * 1000003ull ^ blocks; }
+
+SHIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                    unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f, gridDimX,
+                 gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                         unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                         unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                         void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
+                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams, extra);
+}
+
+static inline uint64_t config_key(const CUlaunchConfig *c, CUfunction f)
+{
+    return c ? kernel_key(f, (uint64_t)c->gridDimX * c->gridDimY * c->gridDimZ) : kernel_key(f, 0);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernelEx, 0, config_key(config, f), config ? config->hStream : NULL, config, f,
+                 kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                           void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernelEx_ptsz, 1, config_key(config, f), config ? config->hStream : NULL, config, f,
+                 kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                               unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                               void **kernelParams)
+{
+    PACED_LAUNCH(cuLaunchCooperativeKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
+                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams);
+}
+
+SHIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                    unsigned int gridDimZ, unsigned int blockDimX,
+                                                    unsigned int blockDimY, unsigned int blockDimZ,
+                                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+{
+    PACED_LAUNCH(cuLaunchCooperativeKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream,
+                 f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams);
+}
+
+/* A graph costs its measured duration, learnt per executable graph like a kernel. */
+SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    PACED_LAUNCH(cuGraphLaunch, 0, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
+                 hStream);
+}
+
+SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    PACED_LAUNCH(cuGraphLaunch_ptsz, 1, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
+                 hStream);
+}
+
 /* === lifecycle === */
 
 SHIM_EXPORT CUresult cuInit(unsigned int Flags)
@@ -1158,8 +1516,12 @@ static void nvml_resolve(void)
         S.nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL);
         for (size_t i = 0; S.nvml && i < NHOOKS(nvml_hooks); i++)
             *nvml_hooks[i].real = real_dlsym(S.nvml, nvml_hooks[i].symbol);
-        if (S.nvml)
-            real_nvmlDeviceGetIndex = (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *))real_dlsym(S.nvml, "nvmlDeviceGetIndex");
+        if (S.nvml) {
+            *(void **)&real_nvmlDeviceGetIndex = real_dlsym(S.nvml, "nvmlDeviceGetIndex");
+            *(void **)&real_nvmlInit_v2 = real_dlsym(S.nvml, "nvmlInit_v2");
+            *(void **)&real_nvmlDeviceGetHandleByIndex_v2 = real_dlsym(S.nvml, "nvmlDeviceGetHandleByIndex_v2");
+            *(void **)&real_nvmlDeviceGetProcessUtilization = real_dlsym(S.nvml, "nvmlDeviceGetProcessUtilization");
+        }
         STORE(&S.nvml_ready, 1);
     }
     pthread_mutex_unlock(&S.lock);

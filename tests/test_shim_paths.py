@@ -51,10 +51,20 @@ HOOKED = {
     ("cuMemAlloc", 13000, 0): "cuMemAlloc_v2",
     ("cuMemGetInfo", 12000, 2): "cuMemGetInfo_v2",   # no per-thread variant: the default one
     ("cuMemAllocAsync", 11020, 1): "cuMemAllocAsync",  # legacy stream: the default variant
+    ("cuLaunchKernel", 4000, 0): "cuLaunchKernel",
+    ("cuLaunchKernel", 7000, 2): "cuLaunchKernel_ptsz",
+    ("cuLaunchCooperativeKernel", 9000, 0): "cuLaunchCooperativeKernel",
+    ("cuLaunchCooperativeKernel", 9000, 2): "cuLaunchCooperativeKernel_ptsz",
+    ("cuLaunchKernelEx", 11060, 0): "cuLaunchKernelEx",
+    ("cuLaunchKernelEx", 11060, 2): "cuLaunchKernelEx_ptsz",
+    ("cuGraphLaunch", 10000, 0): "cuGraphLaunch",
+    ("cuGraphLaunch", 10000, 2): "cuGraphLaunch_ptsz",
+    ("cuLaunchKernel", 12000, 2): "cuLaunchKernel_ptsz",
 }
 # Older ABIs of hooked entry points are not the hook's ABI: they must not get the hook.
 NOT_HOOKED = [("cuMemAlloc", 2000, 0), ("cuMemGetInfo", 2000, 0), ("cuDeviceTotalMem", 2000, 0),
-              ("cuMemAllocAsync", 11010, 2), ("cuLaunchKernel", 12000, 0), ("", 12000, 0),
+              ("cuMemAllocAsync", 11010, 2), ("cuLaunchKernel", 3000, 0), ("cuStreamSynchronize", 12000, 2),
+              ("", 12000, 0),
               ("cuGetExportTable", 12000, 0)]
 
 
@@ -164,7 +174,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 23   # every hooked entry point cudart asks for
+    assert hooked_seen == 31   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -204,7 +214,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 23
+    assert len(hooked) == 31
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

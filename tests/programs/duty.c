@@ -1,0 +1,82 @@
+/* A saturating GPU workload for compute-share tests: launches sim_<us>us kernels (or a
+ * graph of them) back to back on one stream for <seconds>, through dlopen + dlsym.
+ * usage: duty <kernel_us> <seconds> [kernel|graph|ex|ptsz] [blocks]
+ * Prints: launches=<n> */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda_abi.h"
+
+#define SYM(name) void *name = dlsym(cuda, #name)
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 3)
+        return 2;
+    int us = atoi(argv[1]);
+    double seconds = atof(argv[2]);
+    const char *mode = argc > 3 ? argv[3] : "kernel";
+    unsigned blocks = argc > 4 ? (unsigned)atoi(argv[4]) : 1;
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!cuda)
+        return 3;
+    SYM(cuInit); SYM(cuDevicePrimaryCtxRetain); SYM(cuCtxSetCurrent); SYM(cuModuleLoadData);
+    SYM(cuModuleGetFunction); SYM(cuStreamCreate); SYM(cuLaunchKernel); SYM(cuLaunchKernel_ptsz);
+    SYM(cuLaunchKernelEx); SYM(cuStreamSynchronize); SYM(cuStreamBeginCapture_v2); SYM(cuStreamEndCapture);
+    SYM(cuGraphInstantiateWithFlags); SYM(cuGraphLaunch);
+    CUcontext ctx;
+    CUmodule mod;
+    CUfunction f;
+    CUstream s;
+    char name[64];
+    snprintf(name, sizeof name, "sim_%dus", us);
+    if (((CUresult(*)(unsigned))cuInit)(0) ||
+        ((CUresult(*)(CUcontext *, CUdevice))cuDevicePrimaryCtxRetain)(&ctx, 0) ||
+        ((CUresult(*)(CUcontext))cuCtxSetCurrent)(ctx) ||
+        ((CUresult(*)(CUmodule *, const void *))cuModuleLoadData)(&mod, "image") ||
+        ((CUresult(*)(CUfunction *, CUmodule, const char *))cuModuleGetFunction)(&f, mod, name) ||
+        ((CUresult(*)(CUstream *, unsigned))cuStreamCreate)(&s, 0))
+        return 4;
+    CUgraphExec exec = NULL;
+    if (!strcmp(mode, "graph")) {   /* a graph of 4 kernels, captured from the stream */
+        CUgraph g;
+        ((CUresult(*)(CUstream, int))cuStreamBeginCapture_v2)(s, 0);
+        for (int i = 0; i < 4; i++)
+            ((launch_fn)cuLaunchKernel)(f, blocks, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+        ((CUresult(*)(CUstream, CUgraph *))cuStreamEndCapture)(s, &g);
+        if (((CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))cuGraphInstantiateWithFlags)(&exec, g, 0))
+            return 5;
+    }
+    long n = 0;
+    double end = now() + seconds;
+    while (now() < end) {
+        CUresult r;
+        if (exec) {
+            r = ((CUresult(*)(CUgraphExec, CUstream))cuGraphLaunch)(exec, s);
+        } else if (!strcmp(mode, "ex")) {
+            CUlaunchConfig c = {blocks, 1, 1, 32, 1, 1, 0, s, NULL, 0};
+            r = ((CUresult(*)(const CUlaunchConfig *, CUfunction, void **, void **))cuLaunchKernelEx)(&c, f, NULL, NULL);
+        } else {
+            launch_fn l = (launch_fn)(!strcmp(mode, "ptsz") ? cuLaunchKernel_ptsz : cuLaunchKernel);
+            r = l(f, blocks, 1, 1, 32, 1, 1, 0, !strcmp(mode, "ptsz") ? NULL : s, NULL, NULL);
+        }
+        if (r)
+            return 6;
+        n++;
+    }
+    ((CUresult(*)(CUstream))cuStreamSynchronize)(s);
+    printf("launches=%ld\n", n);
+    return 0;
+}
