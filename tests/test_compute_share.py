@@ -1,0 +1,162 @@
+"""Compute share: a container gets its share of GPU time, measured from outside.
+
+The referee is simgpu's NVML in a process without the shim: per-process utilization
+(nvmlDeviceGetProcessUtilization), i.e. the GPU time each process's kernels really took on
+the device's timeline.  Workloads are tests/programs/duty.c: back-to-back launches of
+`sim_<N>us` kernels.  Margins are 5 points (a noisy 2-core machine); bench/ measures the
+real accuracy.
+"""
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import make_sim_env
+from vgpu._region import ffi
+from vgpu.paths import SHIM
+
+MARGIN = 5.0
+
+REFEREE = r"""
+import json, sys, time, pynvml
+pids, windows, t0 = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+acc = [[0.0] * len(pids) for _ in windows]
+span = [0.0] * len(windows)
+last, end = time.time(), t0 + max(b for _, b in windows)
+while last < end:
+    time.sleep(0.2)
+    now = time.time()
+    try:
+        util = {s.pid: s.smUtil for s in pynvml.nvmlDeviceGetProcessUtilization(h, int(last * 1e6))}
+    except pynvml.NVMLError_NotFound:
+        util = {}
+    for i, (a, b) in enumerate(windows):
+        overlap = min(now, t0 + b) - max(last, t0 + a)
+        if overlap > 0:
+            span[i] += overlap
+            for j, p in enumerate(pids):
+                acc[i][j] += util.get(p, 0) * overlap
+    last = now
+print(json.dumps([[a / span[i] for a in acc[i]] for i in range(len(windows))]))
+"""
+
+
+def tenant_env(tmp_path, container, share=None, **extra):
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
+                       VGPU_CONTAINER=container, **extra)
+    if share is not None:
+        env["VGPU_SM_LIMIT"] = share
+    return env
+
+
+def run_tenants(tmp_path, c_program, tenants, seconds, windows, during=None):
+    """Start each tenant (env, kernel_us, mode); return each window's share per tenant (%)."""
+    exe = c_program("duty")
+    t0 = time.time()
+    procs = [subprocess.Popen([str(exe), str(us), str(seconds), mode], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env, us, mode in tenants]
+    referee = subprocess.Popen(
+        [sys.executable, "-c", REFEREE, json.dumps([p.pid for p in procs]), json.dumps(windows), str(t0)],
+        env=make_sim_env(tmp_path / "node"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if during:
+        during(t0)
+    out, err = referee.communicate(timeout=seconds + 30)
+    for p in procs:
+        p.wait(timeout=seconds + 30)
+        assert p.returncode == 0, p.stderr.read()
+    assert referee.returncode == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("kernel_us", [20, 2000, 20000])
+@pytest.mark.parametrize("share", [25, 50, 75])
+def test_one_tenant_gets_its_share(tmp_path, c_program, share, kernel_us):
+    env = tenant_env(tmp_path, "t", f"{share}%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, kernel_us, "kernel")], 4.5, [[1.5, 4.0]])
+    assert abs(got - share) <= MARGIN, got
+
+
+def test_two_saturating_tenants_each_get_their_share(tmp_path, c_program):
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b", "70%")
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 6,
+                                   [[2.0, 5.5]])
+    assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
+
+
+def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, c_program):
+    """sm.max caps a container; it does not reserve time against an unlimited neighbour."""
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b")
+    b["VGPU_MEMORY_LIMIT"] = "1Gi"   # b is managed but has no SM limit
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 5,
+                                   [[1.5, 4.5]])
+    assert got_a <= 30 + MARGIN and got_a + got_b >= 100 - MARGIN, (got_a, got_b)
+
+
+@pytest.mark.parametrize("mode", ["graph", "ex", "ptsz"])
+def test_graphs_and_other_launch_paths_are_limited_like_kernels(tmp_path, c_program, mode):
+    env = tenant_env(tmp_path, "t", "40%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 1000, mode)], 4.5, [[1.5, 4.0]])
+    assert abs(got - 40) <= MARGIN, got
+
+
+def test_two_processes_of_one_container_share_one_budget(tmp_path, c_program):
+    env = tenant_env(tmp_path, "shared", "50%")
+    [[p1, p2]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel"), (env, 2000, "kernel")], 5,
+                             [[1.5, 4.5]])
+    assert abs(p1 + p2 - 50) <= MARGIN, (p1, p2)
+    assert p1 > 10 and p2 > 10   # both run, neither is starved
+
+
+def test_hami_sm_limit_variable_is_honoured(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", None, CUDA_DEVICE_SM_LIMIT="40")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 4, [[1.5, 3.5]])
+    assert abs(got - 40) <= MARGIN, got
+
+
+def test_full_share_is_not_paced_at_all(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", "100%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 3, [[1.0, 2.5]])
+    assert got >= 95, got
+    usage = (tmp_path / "vgpu" / "t" / "usage").read_bytes()
+    u = ffi.from_buffer("struct vgpu_usage *", usage)
+    assert u.devices[0].launches == 0 and u.devices[0].throttled_ns == 0
+
+
+def test_resize_from_20_to_60_percent_holds_within_a_second(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", "20%")
+
+    def resize(t0):
+        time.sleep(max(0.0, t0 + 2.5 - time.time()))
+        quota = tmp_path / "vgpu" / "t" / "quota"
+        fd = os.open(quota, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, ffi.sizeof("struct vgpu_quota")) as m:
+                q = ffi.from_buffer("struct vgpu_quota *", m)
+                q.generation += 1   # odd: being written
+                q.devices[0].sm_max = 6000
+                q.generation += 1
+                ffi.release(q)
+        finally:
+            os.close(fd)
+
+    before, after = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 6.5,
+                                [[1.0, 2.4], [3.5, 6.0]], during=resize)
+    assert abs(before[0] - 20) <= MARGIN, before
+    assert abs(after[0] - 60) <= MARGIN, after   # measured from 1 s after the resize
+
+
+def test_throttled_time_and_launches_are_counted(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", "25%")
+    run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 2, [[0.5, 1.5]])
+    u = ffi.from_buffer("struct vgpu_usage *", (tmp_path / "vgpu" / "t" / "usage").read_bytes())
+    d = u.devices[0]
+    assert d.launches > 100
+    # a saturating tenant at 25% waits about three quarters of the time
+    assert 1.0e9 < d.throttled_ns < 2.0e9, d.throttled_ns
+    assert 0.3e9 < d.gpu_time_ns < 0.8e9, d.gpu_time_ns
