@@ -70,6 +70,7 @@ VGPU_CUDA_HOOKS(DECLARE_CUDA)
 VGPU_NVML_HOOKS(DECLARE_NVML)
 /* driver functions the shim calls but does not hook */
 static CUresult (*real_cuCtxGetDevice)(CUdevice *);
+static CUresult (*real_cuDeviceGetCount)(int *);
 static CUresult (*real_cuCtxGetCurrent)(CUcontext *);
 static CUresult (*real_cuCtxPushCurrent_v2)(CUcontext);
 static CUresult (*real_cuCtxPopCurrent_v2)(CUcontext *);
@@ -129,8 +130,12 @@ static struct {
     int nvml_ready;
 } S = {.lock = PTHREAD_MUTEX_INITIALIZER, .usage_fd = -1, .slot = -1};
 
-static __thread int in_init;   /* recursion guard: hooks called during init pass through */
+/* The shim is preloaded (loaded at startup), so its thread-locals can use the static TLS
+ * model: no __tls_get_addr call on every hook. */
+#define TLS __thread __attribute__((tls_model("initial-exec")))
+static TLS int in_init;   /* recursion guard: hooks called during init pass through */
 static void nvml_resolve(void);
+static void forget_samples(void);
 
 /* === log === */
 
@@ -219,7 +224,7 @@ static int parse_share(const char *s, int hami, uint32_t *out)
  * before HAMi-core's.  Returns the variable's name, or NULL when none is set. */
 static const char *limit_var(const char *vgpu, const char *hami, int dev, const char **value, int *is_hami)
 {
-    static __thread char name[64];
+    static TLS char name[64];
     const char *bases[2] = {vgpu, hami};
     for (int per_device = 1; per_device >= 0; per_device--)
         for (int h = 0; h < 2; h++) {
@@ -494,6 +499,7 @@ static void atfork_child(void)
     if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
         S.table = map_table();
     nvmm = npools = 0;
+    forget_samples();
 }
 
 /* === init (lazy, once, thread-safe; the constructor does nothing) === */
@@ -522,6 +528,7 @@ static void resolve_cuda(void)
     for (size_t i = 0; i < NHOOKS(cuda_hooks); i++)
         *cuda_hooks[i].real = real_dlsym(S.cuda, cuda_hooks[i].symbol);
     *(void **)&real_cuCtxGetDevice = real_dlsym(S.cuda, "cuCtxGetDevice");
+    *(void **)&real_cuDeviceGetCount = real_dlsym(S.cuda, "cuDeviceGetCount");
     *(void **)&real_cuCtxGetCurrent = real_dlsym(S.cuda, "cuCtxGetCurrent");
     *(void **)&real_cuCtxPushCurrent_v2 = real_dlsym(S.cuda, "cuCtxPushCurrent_v2");
     *(void **)&real_cuCtxPopCurrent_v2 = real_dlsym(S.cuda, "cuCtxPopCurrent_v2");
@@ -1176,7 +1183,7 @@ SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 #define SM_FULL 10000u
 #define SM_BURST_NS 20000000ull        /* how far the virtual clock may run ahead */
 #define SM_CHECK_NS 500000000ull       /* correction period */
-#define SAMPLE_EVERY 32
+#define SAMPLE_EVERY 64
 #define MAX_SAMPLES 16
 #define ESTIMATES 4096
 #define CORR_ONE 65536ull
@@ -1185,29 +1192,65 @@ struct estimate { uint64_t key, ns; uint32_t launches, sampling; };
 static struct estimate estimates[ESTIMATES];   /* per process; races only blur an average */
 static uint64_t typical_ns;                    /* for launches not measured yet */
 
-struct sample { int busy; int dev; uint64_t key; CUevent start, end; };   /* busy: 0 free, 1 starting, 2 in flight */
+/* busy: 0 free, 1 being started, 2 in flight, 3 being read.  A slot keeps its two events
+ * (created once per context: creating events is not cheap on a real driver). */
+struct sample { int busy; uint64_t key; CUcontext ctx; CUevent start, end; };
 static struct sample samples[MAX_SAMPLES];
 static int in_flight;   /* samples with busy == 2 */
 
-static uint32_t sm_gen_seen = 1;   /* generation the flags below were computed at (odd: never) */
-static int sm_any_limited;
+static void forget_samples(void)   /* in a forked child: their events are the parent's */
+{
+    memset(samples, 0, sizeof samples);
+    in_flight = 0;
+}
 
-/* Any device below 100%?  Recomputed only when the quota's generation moves. */
+/* Derived from the quota, recomputed only when its generation moves. */
+static uint32_t sm_gen_seen = 1;             /* (odd: never computed) */
+static int sm_any_limited;
+static uint64_t sm_wall_scale[VGPU_MAX_DEVICES];   /* SM_FULL / sm.max, 16.16; 0 = unlimited */
+static int sm_only_device = -1;              /* the device, when the process sees just one */
+
+/* Any device below 100%?  One load and a branch while the quota does not change. */
 static inline int sm_limited(void)
 {
     if (S.mode != MODE_ENFORCE)
         return 0;
     uint64_t g = LOAD(&S.quota->generation);
     if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
-        int any = 0;
-        for (uint32_t d = 0; d < S.quota->device_count; d++) {
-            uint32_t sm = LOAD(&S.quota->devices[d].sm_max);
-            any |= sm > 0 && sm < SM_FULL;
+        int any = 0, count = 0;
+        for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
+            uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : SM_FULL;
+            uint64_t scale = sm > 0 && sm < SM_FULL ? ((uint64_t)SM_FULL << 16) / sm : 0;
+            STORE(&sm_wall_scale[d], scale);
+            any |= scale != 0;
         }
+        /* with one visible device (the usual container), launches need not ask which */
+        STORE(&sm_only_device, real_cuDeviceGetCount && real_cuDeviceGetCount(&count) == CUDA_SUCCESS &&
+                                   count == 1 ? 0 : -1);
         STORE(&sm_any_limited, any);
         STORE(&sm_gen_seen, (uint32_t)g);
     }
     return LOAD(&sm_any_limited);
+}
+
+static inline int launch_device(void)
+{
+    int d = LOAD(&sm_only_device);
+    return d >= 0 ? d : current_device();
+}
+
+/* Counters are added to the usage file in batches: one shared atomic per launch would
+ * cost more than the pacing itself. */
+static TLS struct { uint64_t launches, gpu_time_ns; int dev; } pending;
+
+static void flush_counters(void)
+{
+    if (!pending.launches)
+        return;
+    struct vgpu_usage_device *u = &S.usage->devices[pending.dev];
+    __atomic_add_fetch(&u->launches, pending.launches, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&u->gpu_time_ns, pending.gpu_time_ns, __ATOMIC_RELAXED);
+    pending.launches = pending.gpu_time_ns = 0;
 }
 
 static struct estimate *estimate_for(uint64_t key)
@@ -1232,20 +1275,24 @@ static void learn(uint64_t key, uint64_t ns)
     STORE(&e->sampling, 0);
 }
 
-/* Collect finished samples (called only on launches that sample: bounded work). */
+/* Collect finished samples (bounded work: MAX_SAMPLES queries at most). */
 static void harvest(void)
 {
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
-        if (LOAD(&sp->busy) != 2 || real_cuEventQuery(sp->end) != CUDA_SUCCESS)
+        int flying = 2;
+        if (LOAD(&sp->busy) != 2 ||
+            !__atomic_compare_exchange_n(&sp->busy, &flying, 3, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
+        if (real_cuEventQuery(sp->end) != CUDA_SUCCESS) {
+            STORE(&sp->busy, 2);   /* not done yet */
+            continue;
+        }
         float ms = 0;
-        if (real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms > 0)
-            learn(sp->key, (uint64_t)((double)ms * 1e6));
-        real_cuEventDestroy_v2(sp->start);
-        real_cuEventDestroy_v2(sp->end);
-        STORE(&sp->busy, 0);
+        if (real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms >= 0)
+            learn(sp->key, ms > 0 ? (uint64_t)((double)ms * 1e6) : 1);   /* 0 means "not measured" */
         __atomic_sub_fetch(&in_flight, 1, __ATOMIC_RELAXED);
+        STORE(&sp->busy, 0);
     }
 }
 
@@ -1264,9 +1311,12 @@ static void await_first_sample(uint64_t key)
 }
 
 /* Start measuring this launch: returns the sample to finish after it, or NULL. */
-static struct sample *sample_begin(uint64_t key, int dev, CUstream stream, int per_thread)
+static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread)
 {
-    if (!real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime)
+    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    CUcontext ctx = NULL;
+    if (!record || !real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime || !real_cuCtxGetCurrent ||
+        real_cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
         return NULL;
     harvest();
     for (int i = 0; i < MAX_SAMPLES; i++) {
@@ -1274,17 +1324,22 @@ static struct sample *sample_begin(uint64_t key, int dev, CUstream stream, int p
         struct sample *sp = &samples[i];
         if (!__atomic_compare_exchange_n(&sp->busy, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
-        CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
-        sp->key = key;
-        sp->dev = dev;
-        if (record && real_cuEventCreate(&sp->start, 0) == CUDA_SUCCESS) {
-            if (real_cuEventCreate(&sp->end, 0) == CUDA_SUCCESS) {
-                if (record(sp->start, stream) == CUDA_SUCCESS)
-                    return sp;
+        if (sp->ctx != ctx) {   /* events belong to a context: make this slot's anew */
+            if (sp->ctx && real_cuEventDestroy_v2) {
+                real_cuEventDestroy_v2(sp->start);
                 real_cuEventDestroy_v2(sp->end);
             }
-            real_cuEventDestroy_v2(sp->start);
+            sp->ctx = NULL;
+            if (real_cuEventCreate(&sp->start, 0) == CUDA_SUCCESS) {
+                if (real_cuEventCreate(&sp->end, 0) == CUDA_SUCCESS)
+                    sp->ctx = ctx;
+                else if (real_cuEventDestroy_v2)
+                    real_cuEventDestroy_v2(sp->start);
+            }
         }
+        sp->key = key;
+        if (sp->ctx && record(sp->start, stream) == CUDA_SUCCESS)
+            return sp;
         STORE(&sp->busy, 0);
         return NULL;
     }
@@ -1297,11 +1352,9 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
     if (launched == CUDA_SUCCESS && record(sp->end, stream) == CUDA_SUCCESS) {
         __atomic_add_fetch(&in_flight, 1, __ATOMIC_RELAXED);
         STORE(&sp->busy, 2);
-        return;
+    } else {
+        STORE(&sp->busy, 0);
     }
-    real_cuEventDestroy_v2(sp->start);
-    real_cuEventDestroy_v2(sp->end);
-    STORE(&sp->busy, 0);
 }
 
 static uint64_t wall_us(void)
@@ -1375,8 +1428,8 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uin
 /* Wait for the container's share, charge the launch, and say whether to sample it. */
 static int pace(int dev, uint64_t key)
 {
-    uint32_t sm = dev >= 0 && (uint32_t)dev < S.quota->device_count ? LOAD(&S.quota->devices[dev].sm_max) : SM_FULL;
-    if (sm == 0 || sm >= SM_FULL)
+    uint64_t scale = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_wall_scale[dev]) : 0;
+    if (!scale)
         return 0;
     struct vgpu_usage_device *u = &S.usage->devices[dev];
     struct estimate *e = estimate_for(key);
@@ -1390,24 +1443,31 @@ static int pace(int dev, uint64_t key)
     if (!raw)
         raw = LOAD(&typical_ns);
     uint64_t corr = LOAD(&u->sm_correction);
-    uint64_t cost = corr ? raw * corr / CORR_ONE : raw;
-    uint64_t wall = cost * SM_FULL / sm;
+    uint64_t cost = corr ? raw * corr >> 16 : raw;
+    uint64_t wall = cost * scale >> 16;
 
     uint64_t now = now_ns(), t = LOAD(&u->sm_vtime_ns), next;
     do
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (pending.dev != dev)
+        flush_counters();
+    pending.dev = dev;
+    pending.launches++;
+    pending.gpu_time_ns += cost;
     if (next > now + SM_BURST_NS) {
+        flush_counters();   /* about to sleep anyway */
         struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
                               .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
         __atomic_add_fetch(&u->throttled_ns, next - SM_BURST_NS - now, __ATOMIC_RELAXED);
         now = next - SM_BURST_NS;
+    } else if (pending.launches >= 64) {
+        flush_counters();
     }
-    __atomic_add_fetch(&u->launches, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&u->gpu_time_ns, cost, __ATOMIC_RELAXED);
-    maybe_correct(dev, u, sm, now);
+    if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))
+        maybe_correct(dev, u, (uint32_t)((((uint64_t)SM_FULL << 16) + scale / 2) / scale), now);
     if (!sample && LOAD(&in_flight) && n % 8 == 0)
         harvest();   /* finished samples are collected every few launches, not each */
     if (sample)
@@ -1420,8 +1480,8 @@ static int pace(int dev, uint64_t key)
     ENTER(sym, __VA_ARGS__);                                                            \
     if (LIKELY(!sm_limited()))                                                          \
         return real_##sym(__VA_ARGS__);                                                 \
-    int dev_ = current_device();                                                        \
-    struct sample *sp_ = pace(dev_, (key)) ? sample_begin((key), dev_, (stream), (per_thread)) : NULL; \
+    int dev_ = launch_device();                                                         \
+    struct sample *sp_ = pace(dev_, (key)) ? sample_begin((key), (stream), (per_thread)) : NULL;       \
     CUresult r_ = real_##sym(__VA_ARGS__);                                              \
     if (sp_)                                                                            \
         sample_end(sp_, (stream), (per_thread), r_);                                    \

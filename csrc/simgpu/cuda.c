@@ -1744,7 +1744,7 @@ static struct vgpu_function *function_get(struct vgpu_module *m, const char *nam
     /* the simulation convention: sim_<N>us runs N microseconds per wave */
     unsigned long long us;
     char tail[4];
-    if (sscanf(name, "sim_%lluus%3s", &us, tail) == 1 && us > 0)
+    if (sscanf(name, "sim_%lluus%3s", &us, tail) == 1)
         f->us_per_wave = us;
     else
         f->us_per_wave = SIMGPU_DEFAULT_KERNEL_US;
