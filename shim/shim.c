@@ -1184,11 +1184,12 @@ SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 #define SM_BURST_NS 20000000ull        /* how far the virtual clock may run ahead */
 #define SM_CHECK_NS 500000000ull       /* correction period */
 #define SAMPLE_EVERY 64
+#define SAMPLE_AGE_NS 50000000ull      /* ... or when the last sample is older than this */
 #define MAX_SAMPLES 16
 #define ESTIMATES 4096
 #define CORR_ONE 65536ull
 
-struct estimate { uint64_t key, ns; uint32_t launches, sampling; };
+struct estimate { uint64_t key, ns, sampled_at; uint32_t launches, sampling; };
 static struct estimate estimates[ESTIMATES];   /* per process; races only blur an average */
 static uint64_t typical_ns;                    /* for launches not measured yet */
 
@@ -1365,25 +1366,30 @@ static uint64_t wall_us(void)
 }
 
 /* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
- * returns 0 when NVML cannot say. */
+ * NOT_MEASURED when NVML cannot say. */
+#define NOT_MEASURED UINT64_MAX
 static uint64_t measured_ns(int dev, uint64_t window_ns)
 {
     if (!LOAD(&S.nvml_ready))
         nvml_resolve();
     static int nvml_up;
     if (!real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
-        return 0;
+        return NOT_MEASURED;
     if (!LOAD(&nvml_up)) {
         if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS)
-            return 0;
+            return NOT_MEASURED;
         STORE(&nvml_up, 1);
     }
     nvmlDevice_t h;
     nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
     unsigned int n = VGPU_MAX_PROCS * 2;
-    if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS ||
-        real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000) != NVML_SUCCESS)
-        return 0;
+    if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS)
+        return NOT_MEASURED;
+    nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
+    if (r == NVML_ERROR_NOT_FOUND)
+        return 0;   /* no process ran a kernel in the window */
+    if (r != NVML_SUCCESS)
+        return NOT_MEASURED;
     uint64_t pct = 0;
     for (unsigned int i = 0; i < n; i++)
         for (int p = 0; p < VGPU_MAX_PROCS; p++)
@@ -1408,7 +1414,7 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uin
     if (!last || window > 4 * SM_CHECK_NS || waited < window / 100)
         return;   /* first period, a long pause, or not held back by the share */
     uint64_t actual = measured_ns(dev, window);
-    if (!actual)
+    if (actual == NOT_MEASURED)
         return;
     uint64_t target = window * sm / SM_FULL;
     uint64_t corr = LOAD(&u->sm_correction);
@@ -1439,14 +1445,18 @@ static int pace(int dev, uint64_t key)
         raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
     }
     uint32_t n = __atomic_add_fetch(&e->launches, 1, __ATOMIC_RELAXED);
-    int sample = (raw == 0 || n % SAMPLE_EVERY == 0) && !LOAD(&e->sampling);
+    uint64_t now = now_ns();
+    /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
+     * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
+    int sample = (raw == 0 || n % SAMPLE_EVERY == 0 || now - LOAD(&e->sampled_at) > SAMPLE_AGE_NS) &&
+                 !LOAD(&e->sampling);
     if (!raw)
         raw = LOAD(&typical_ns);
     uint64_t corr = LOAD(&u->sm_correction);
     uint64_t cost = corr ? raw * corr >> 16 : raw;
     uint64_t wall = cost * scale >> 16;
 
-    uint64_t now = now_ns(), t = LOAD(&u->sm_vtime_ns), next;
+    uint64_t t = LOAD(&u->sm_vtime_ns), next;
     do
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
@@ -1470,8 +1480,10 @@ static int pace(int dev, uint64_t key)
         maybe_correct(dev, u, (uint32_t)((((uint64_t)SM_FULL << 16) + scale / 2) / scale), now);
     if (!sample && LOAD(&in_flight) && n % 8 == 0)
         harvest();   /* finished samples are collected every few launches, not each */
-    if (sample)
+    if (sample) {
         STORE(&e->sampling, 1);
+        STORE(&e->sampled_at, now);
+    }
     return sample;
 }
 

@@ -1,8 +1,8 @@
 """Compute share: a container gets its share of GPU time, measured from outside.
 
-The referee is simgpu's NVML in a process without the shim: per-process utilization
-(nvmlDeviceGetProcessUtilization), i.e. the GPU time each process's kernels really took on
-the device's timeline.  Workloads are tests/programs/duty.c: back-to-back launches of
+The referee (vgpu.referee) is simgpu's NVML in a process without the shim: per-process
+utilization (nvmlDeviceGetProcessUtilization), i.e. the GPU time each process's kernels
+really took on the device's timeline.  Workloads are tests/programs/duty.c: back-to-back launches of
 `sim_<N>us` kernels.  Margins are 5 points (a noisy 2-core machine); bench/ measures the
 real accuracy.
 """
@@ -10,7 +10,6 @@ import json
 import mmap
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,33 +17,10 @@ import pytest
 from conftest import make_sim_env
 from vgpu._region import ffi
 from vgpu.paths import SHIM
+from vgpu.referee import start as start_referee
 
 MARGIN = 5.0
 
-REFEREE = r"""
-import json, sys, time, pynvml
-pids, windows, t0 = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
-pynvml.nvmlInit()
-h = pynvml.nvmlDeviceGetHandleByIndex(0)
-acc = [[0.0] * len(pids) for _ in windows]
-span = [0.0] * len(windows)
-last, end = time.time(), t0 + max(b for _, b in windows)
-while last < end:
-    time.sleep(0.2)
-    now = time.time()
-    try:
-        util = {s.pid: s.smUtil for s in pynvml.nvmlDeviceGetProcessUtilization(h, int(last * 1e6))}
-    except pynvml.NVMLError_NotFound:
-        util = {}
-    for i, (a, b) in enumerate(windows):
-        overlap = min(now, t0 + b) - max(last, t0 + a)
-        if overlap > 0:
-            span[i] += overlap
-            for j, p in enumerate(pids):
-                acc[i][j] += util.get(p, 0) * overlap
-    last = now
-print(json.dumps([[a / span[i] for a in acc[i]] for i in range(len(windows))]))
-"""
 
 
 def tenant_env(tmp_path, container, share=None, **extra):
@@ -61,9 +37,7 @@ def run_tenants(tmp_path, c_program, tenants, seconds, windows, during=None):
     t0 = time.time()
     procs = [subprocess.Popen([str(exe), str(us), str(seconds), mode], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for env, us, mode in tenants]
-    referee = subprocess.Popen(
-        [sys.executable, "-c", REFEREE, json.dumps([p.pid for p in procs]), json.dumps(windows), str(t0)],
-        env=make_sim_env(tmp_path / "node"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    referee = start_referee([p.pid for p in procs], windows, t0, make_sim_env(tmp_path / "node"))
     if during:
         during(t0)
     out, err = referee.communicate(timeout=seconds + 30)

@@ -1,7 +1,8 @@
 """cffi builder for vgpu._region: the layout of the quota and usage files.
 
-The cdef is the marked region of csrc/vgpu_region.h, so C and Python cannot drift apart
-(tests/test_region_layout.py checks offsets as C compiles them against these).
+The cdef is the marked region of csrc/vgpu_region.h (and of csrc/region_atomics.h), so C
+and Python cannot drift apart (tests/test_region_layout.py checks offsets as C compiles
+them against these).
 """
 import os
 import re
@@ -20,10 +21,14 @@ def region_cdef(path=HEADER):
     return m.group(1)
 
 
+CSRC = os.path.dirname(os.path.abspath(HEADER))
+ATOMICS = os.path.join(CSRC, "region_atomics.h")   # atomic accessors for the controller
+
 ffibuilder = FFI()
-ffibuilder.cdef(region_cdef())
-ffibuilder.set_source("vgpu._region", '#include "vgpu_region.h"',
-                      include_dirs=[os.path.dirname(os.path.abspath(HEADER))])
+ffibuilder.cdef(region_cdef() + region_cdef(ATOMICS))
+ffibuilder.set_source("vgpu._region", '#include "vgpu_region.h"\n#include "region_atomics.h"',
+                      sources=[os.path.relpath(os.path.join(CSRC, "region_atomics.c"))],
+                      include_dirs=[CSRC])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

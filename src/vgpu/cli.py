@@ -1,22 +1,198 @@
 """vgpu-ctl: the operator's command line.
 
-A thin click layer over plain functions; nothing here touches NVML or the GPU at import,
-so `vgpu-ctl --help` works anywhere.  Errors are one line with a hint (exit 1); usage
-errors exit 2 (click's convention).
+A thin click layer over plain functions (vgpu.slices, vgpu.status, vgpu.runtime); nothing
+here touches NVML or the GPU at import, so `vgpu-ctl --help` works anywhere.  Errors are
+one line with a hint: runtime failures exit 1, usage errors exit 2 (click's convention).
 """
 import json
+import os
+import shlex
+import sys
+import time
 
 import click
 
 from . import __version__
+from . import nvml
+from . import runtime
 from . import sim as simgpu
+from . import slices
+from . import status as status_mod
 from .paths import shim_path
+from .quantities import UNLIMITED, format_memory, format_share, parse_memory, parse_share
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# === errors ===
+
+class UsageFailure(click.ClickException):
+    """A usage error found after parsing (arguments that contradict the slice): exit 2."""
+    exit_code = 2
+
+
+def _line(e) -> str:
+    return f"{e}; hint: {e.hint}" if getattr(e, "hint", None) else str(e)
+
+
+class CtlGroup(click.Group):
+    """Turns the library's errors into one line each, with the right exit code."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except slices.InvalidRequest as e:
+            raise UsageFailure(_line(e)) from None
+        except slices.VgpuError as e:
+            raise click.ClickException(_line(e)) from None
+        except PermissionError as e:
+            raise click.ClickException(
+                f"{e.filename or 'a vgpu file'}: permission denied; hint: run as root, or point --dir / "
+                "VGPU_DIR at a directory you can write") from None
+
+
+def _shim():
+    try:
+        return shim_path()
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+
+
+# === parameter types ===
+
+class Memory(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_memory(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Share(click.ParamType):
+    name = "PERCENT"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_share(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Name(click.ParamType):
+    name = "NAME"
+
+    def convert(self, value, param, ctx):
+        if not slices.valid_name(value):
+            self.fail(f"{value!r} is not a valid container name (letters, digits, '-', '_', '.'; not starting "
+                      "with '.' or '-'; under 64 characters)", param, ctx)
+        return value
+
+
+class Owner(click.ParamType):
+    name = "UID[:GID]"
+
+    def convert(self, value, param, ctx):
+        import grp
+        import pwd
+        user, _, group = str(value).partition(":")
+        try:
+            uid = int(user) if user.isdigit() else pwd.getpwnam(user).pw_uid
+            gid = (int(group) if group.isdigit() else grp.getgrnam(group).gr_gid) if group else \
+                (pwd.getpwuid(uid).pw_gid if not user.isdigit() else uid)
+        except KeyError:
+            self.fail(f"{value!r}: no such user or group", param, ctx)
+        return uid, gid
+
+
+MEMORY, SHARE, NAME = Memory(), Share(), Name()
+
+
+def dir_option(f):
+    return click.option("--dir", "directory", envvar="VGPU_DIR", default=slices.DEFAULT_DIR, show_default=True,
+                        type=click.Path(file_okay=False),
+                        help="Node directory holding the slices [env: VGPU_DIR].")(f)
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")(f)
+
+
+def quota_options(f):
+    for opt in reversed([
+        click.option("--memory", type=MEMORY, help="memory.max: bytes, Ki/Mi/Gi/Ti, K/M/G/T (decimal), or max."),
+        click.option("--sm", type=SHARE, help="sm.max: share of SM time, 1..100 (50% or 50)."),
+        click.option("--request", type=MEMORY, help="Guaranteed memory (autoscale floor) [default: the cap]."),
+        click.option("--limit", type=MEMORY, help="Memory ceiling for autoscale [default: the cap]."),
+        click.option("--sm-request", type=SHARE, help="Guaranteed SM share [default: the share]."),
+        click.option("--sm-limit", type=SHARE, help="SM ceiling for autoscale [default: the share]."),
+        click.option("--overcommit", is_flag=True,
+                     help="Allow guaranteed memory on a device above its physical memory."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _arrow():
+    enc = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "→".encode(enc)
+        return "→"
+    except (UnicodeEncodeError, LookupError):
+        return "->"
+
+
+def _emit_json(data):
+    click.echo(json.dumps(data, indent=2))
+
+
+def _warn(text):
+    click.echo(f"warning: {text}", err=True)
+
+
+# === capacity (for overcommit checks) ===
+
+def nvml_capacity(d):
+    """Bytes of device d; None if the node has no device d."""
+    try:
+        if d >= nvml.device_count():
+            return None
+        return nvml.memory_total(d)
+    except nvml.NvmlUnavailable as e:
+        raise slices.CapacityUnknown(f"cannot check device {d}'s capacity: NVML unavailable ({e})",
+                                     "pass --overcommit to skip the check") from None
+
+
+def nvml_count_hint():
+    try:
+        return f" (this node has {nvml.device_count()})"
+    except nvml.NvmlUnavailable:
+        return ""
+
+
+def sim_capacity(profile, devices):
+    def capacity(d):
+        return simgpu.PROFILES[profile].memory_gib << 30 if d < devices else None
+    return capacity
+
+
+# === commands ===
+
+@click.group(cls=CtlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="vgpu-ctl")
 def main():
-    """Fractional GPUs for containers: memory caps, SM share and live resize."""
+    """Fractional GPUs for containers: memory caps, SM share and live resize.
+
+    \b
+    Example:
+      vgpu-ctl create train --memory 8Gi --sm 50%
+      docker run $(vgpu-ctl env train --format docker) my-image python train.py
+      vgpu-ctl status
+      vgpu-ctl resize train --memory 12Gi
+    """
 
 
 @main.group()
@@ -60,3 +236,324 @@ def shim_path_cmd():
         click.echo(str(shim_path()))
     except FileNotFoundError as e:
         raise click.ClickException(str(e))
+
+
+def _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit):
+    q = slices.device_quota(UNLIMITED if memory is None else memory, 10000 if sm is None else sm,
+                            request, limit, sm_request, sm_limit)
+    return {d: q for d in (device or (0,))}
+
+
+def _describe_device(q: dict) -> str:
+    def mem(v):
+        return "max" if v is None else format_memory(v)
+    return (f"memory.max {mem(q['memory_max'])} (request {mem(q['memory_request'])}, "
+            f"limit {mem(q['memory_limit'])}), sm.max {format_share(q['sm_max'])}")
+
+
+@main.command()
+@click.argument("name", type=NAME)
+@quota_options
+@click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), multiple=True,
+              help="Device index the slice holds (repeat for several) [default: 0]; other devices are denied.")
+@click.option("--user", "owner", type=Owner(),
+              help="Make the usage file 0600 and owned by this user (the container's uid) instead of 0666.")
+@dir_option
+@json_option
+def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, directory, as_json):
+    """Create a slice: its quota and usage files under the node directory.
+
+    The slice holds --device (default 0) with the given caps; in its quota every other
+    device has memory.max 0, so the container is denied the devices it was not given.
+    Without --memory there is no memory cap (and nothing guaranteed); without --sm the
+    share is 100%.
+
+    \b
+    Example:
+      vgpu-ctl create train --memory 8Gi --sm 50%
+      vgpu-ctl create infer --memory 4Gi --request 2Gi --limit 6Gi --device 1
+    """
+    quota = slices.create(directory, name, _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit),
+                          overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint)
+    files = slices.paths(directory, name)
+    if as_json:
+        _emit_json({**quota.to_json(), "quota": files["quota"], "usage": files["usage"]})
+        return
+    click.echo(f"created {name}")
+    for dq in quota.to_json()["devices"]:
+        click.echo(f"  device {dq['index']}: {_describe_device(dq)}")
+    click.echo(f"  quota {files['quota']}\n  usage {files['usage']}")
+
+
+@main.command()
+@click.argument("name", type=NAME)
+@click.option("--force", is_flag=True, help="Delete even while processes use the slice.")
+@dir_option
+@json_option
+def delete(name, force, directory, as_json):
+    """Delete a slice (refused while its processes run, unless --force).
+
+    \b
+    Example:
+      vgpu-ctl delete train
+    """
+    result = slices.delete(directory, name, force=force)
+    if result["live_processes"]:
+        _warn(f"{name} still had {len(result['live_processes'])} live process(es); they keep their last limits")
+    if as_json:
+        _emit_json(result)
+    else:
+        click.echo(f"deleted {name}")
+
+
+@main.command("list")
+@dir_option
+@json_option
+def list_cmd(directory, as_json):
+    """List the slices and their quotas (no NVML needed).
+
+    \b
+    Example:
+      vgpu-ctl list --json
+    """
+    out = []
+    for name, quota, usage, problem in slices.read_all(directory):
+        out.append({"name": name, "problem": problem,
+                    **({} if quota is None else quota.to_json()),
+                    "processes": sum(1 for p in usage.procs if p.alive) if usage else 0})
+    if as_json:
+        _emit_json(out)
+        return
+    if not out:
+        click.echo(f"no containers in {slices.node_dir(directory)}")
+        return
+    rows = []
+    for c in out:
+        if c["problem"]:
+            rows.append([c["name"], "-", "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
+            continue
+        for d in c["devices"]:
+            m = [("max" if v is None else format_memory(v)) for v in
+                 (d["memory_max"], d["memory_request"], d["memory_limit"])]
+            rows.append([c["name"], d["index"], *m, format_share(d["sm_max"]), c["processes"], c["generation"]])
+    click.echo(status_mod.table(["NAME", "DEVICE", "MEMORY", "REQUEST", "LIMIT", "SM", "PROCESSES", "GEN"], rows))
+
+
+@main.command()
+@click.argument("name", type=NAME)
+@quota_options
+@click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), multiple=True,
+              help="Device to resize (repeatable) [default: every device the slice holds].")
+@dir_option
+@json_option
+def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, directory, as_json):
+    """Change a slice's quota while it runs (in place; the shim sees it on its next call).
+
+    Request and limit follow the cap while they equal it.  Growing what is guaranteed on
+    a device beyond its physical memory is refused unless --overcommit.  Shrinking below
+    what the slice holds takes nothing away: its allocations fail until use drops.
+
+    \b
+    Example:
+      vgpu-ctl resize train --memory 6Gi --sm 60%
+    """
+    if all(v is None for v in (memory, sm, request, limit, sm_request, sm_limit)):
+        raise click.UsageError("nothing to change: pass --memory, --sm, --request, --limit, --sm-request "
+                               "or --sm-limit")
+    result = slices.resize(directory, name, devices=device or None, memory=memory, sm=sm, request=request,
+                           limit=limit, sm_request=sm_request, sm_limit=sm_limit, overcommit=overcommit,
+                           capacity=nvml_capacity)
+    for w in result["warnings"]:
+        _warn(w)
+    if as_json:
+        _emit_json(result)
+        return
+    arrow = _arrow()
+    for dev in result["devices"]:
+        click.echo(f"{name} device {dev['index']}: " + (_changes(dev["old"], dev["new"], arrow) or "unchanged"))
+    click.echo(f"generation {result['generation']}")
+
+
+def _changes(old, new, arrow) -> str:
+    """`memory.max 4Gi → 6Gi, sm.max 50% → 60%`; a request or limit that just followed
+    its cap is not repeated."""
+    def mem(v):
+        return "max" if v is None else format_memory(v)
+    parts = []
+    for kind, fmt in (("memory", mem), ("sm", format_share)):
+        top = f"{kind}_max"
+        for field in (top, f"{kind}_request", f"{kind}_limit"):
+            o, n = old[field], new[field]
+            followed = field != top and o == old[top] and n == new[top]
+            if o != n and not followed:
+                parts.append(f"{kind}.{field.split('_')[1]} {fmt(o)} {arrow} {fmt(n)}")
+    return ", ".join(parts)
+
+
+@main.command()
+@click.argument("name", type=NAME, required=False)
+@click.option("--watch", "-w", is_flag=True, help="Refresh every --interval seconds until interrupted.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05),
+              help="Seconds between refreshes.")
+@click.option("--count", type=click.IntRange(1), hidden=True, help="Stop --watch after N refreshes (tests).")
+@dir_option
+@json_option
+def status(name, watch, interval, count, directory, as_json):
+    """Who uses what: per container and per device, like `kubectl get -o wide`.
+
+    Per container and device: GPU-MEMORY used/cap, GPU-UTIL (SM time used/cap over the
+    last window), time throttled, allocations refused (OOM), processes; then each
+    process (pid in the container, host pid, command); then each device: memory and SM
+    allocated against capacity, and what NVML says is really used.  Without NVML the
+    slice files still tell most of it (a note says what is missing).  With --json and
+    --watch, one JSON object per line.  Memory in bytes (null: no cap); SM shares in
+    1/100 percent, as in the quota.
+
+    \b
+    Example:
+      vgpu-ctl status
+      vgpu-ctl status train --watch
+    """
+    previous, n = None, 0
+    while True:
+        data = status_mod.collect(directory, name, previous)
+        if as_json:
+            click.echo(json.dumps(status_mod.public(data), indent=None if watch else 2))
+        else:
+            if watch and sys.stdout.isatty():
+                click.echo("\x1b[H\x1b[2J", nl=False)
+            if watch:
+                click.echo(time.strftime("%H:%M:%S") + f"  every {interval:g}s\n")
+            click.echo(status_mod.render(data))
+        n += 1
+        if not watch or (count and n >= count):
+            return
+        previous = data
+        time.sleep(interval)
+        if not as_json and not sys.stdout.isatty():
+            click.echo("")
+
+
+@main.command()
+@click.argument("names", type=NAME, nargs=-1)
+@dir_option
+@json_option
+def reap(names, directory, as_json):
+    """Clear dead processes' slots and return their memory to their slices.
+
+    The shim does this itself on a refused allocation or a memory query; reap does it
+    now, for slices whose processes are all gone.
+
+    \b
+    Example:
+      vgpu-ctl reap
+    """
+    for name in names:   # unknown names are errors, not silently nothing to reap
+        slices.read_quota(directory, name)
+    reaped = slices.reap(directory, list(names) or None)
+    if as_json:
+        _emit_json(reaped)
+        return
+    if not reaped:
+        click.echo("nothing to reap")
+    for r in reaped:
+        mem = ", ".join(f"{format_memory(b)} on device {d}" for d, b in r["memory"].items()) or "no memory"
+        click.echo(f"{r['container']}: slot {r['slot']} pid {r['pid']} ({r['comm']}) gone; returned {mem}")
+
+
+@main.command()
+@click.argument("name", type=NAME)
+@click.option("--format", "fmt", type=click.Choice(["shell", "docker", "k8s", "json"]), default="shell",
+              show_default=True, help="Shell exports, docker run flags, a Kubernetes YAML snippet, or JSON.")
+@json_option
+@dir_option
+def env(name, fmt, as_json, directory):
+    """The variables and mounts that put a program or container in a slice.
+
+    shell: exports for this host.  docker: `docker run` flags (shim and quota mounted
+    read-only, usage read-write).  k8s: env and volumeMounts for the container and
+    hostPath volumes for the pod.
+
+    \b
+    Example:
+      eval "$(vgpu-ctl env train)"; python train.py
+      docker run $(vgpu-ctl env train --format docker) my-image python train.py
+      vgpu-ctl env train --format k8s >> pod-patch.yaml
+    """
+    slices.read_quota(directory, name)   # it must exist (and be sound)
+    files = slices.paths(directory, name)
+    shim = _shim()
+    fmt = "json" if as_json else fmt
+    if fmt == "shell":
+        click.echo(runtime.shell(name, files, shim), nl=False)
+    elif fmt == "docker":
+        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim)))
+    elif fmt == "k8s":
+        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim),
+                                   comment=f"vgpu slice {name}: env and volumeMounts go in the container, "
+                                           "volumes in the pod spec"), nl=False)
+    else:
+        _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim),
+                    "docker": runtime.docker(name, files, shim), "k8s": runtime.k8s(name, files, shim)})
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.option("--memory", type=MEMORY, help="memory.max of the slice [default: no cap].")
+@click.option("--sm", type=SHARE, help="sm.max of the slice [default: 100%].")
+@click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), multiple=True,
+              help="Device(s) the slice holds [default: 0].")
+@click.option("--name", type=NAME, help="Use or create this slice (kept afterwards) [default: a temporary one].")
+@click.option("--sim", is_flag=True, help="Run on simgpu (its SIMGPU_* variables, or an A10 by default).")
+@click.option("--overcommit", is_flag=True, help="Allow guaranteed memory above the device's memory.")
+@dir_option
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
+    """Run COMMAND under the shim in a slice; exit with its exit status.
+
+    Without --name a temporary slice is made and deleted afterwards.  The shim is added
+    to LD_PRELOAD (never replacing what is there).
+
+    \b
+    Example:
+      vgpu-ctl run --memory 4Gi --sm 50% -- python train.py
+      vgpu-ctl run --sim --memory 2Gi -- python -c "import torch; ..."
+    """
+    base = dict(os.environ)
+    capacity = nvml_capacity
+    if sim:
+        profile = base.get("SIMGPU_PROFILE", "a10")
+        if profile not in simgpu.PROFILES:
+            raise UsageFailure(f"SIMGPU_PROFILE={profile} is not a simgpu profile ({', '.join(simgpu.PROFILES)})")
+        try:
+            ndev = int(base.get("SIMGPU_DEVICES", "1"))
+            base.update(simgpu.sim_environment(profile, ndev, base.get("SIMGPU_STATE_DIR"), base_env=base))
+        except ValueError as e:
+            raise UsageFailure(f"{e}; hint: fix SIMGPU_DEVICES") from None
+        capacity = sim_capacity(profile, ndev)
+    shim = _shim()
+    temporary = name is None
+    name = name or slices.auto_name()
+    exists = not temporary and name in slices.list_names(directory)
+    if exists and (memory is not None or sm is not None or device):
+        raise UsageFailure(f"container {name} exists; its quota applies; hint: change it with "
+                           f"`vgpu-ctl resize {name}`, or run without --memory/--sm/--device")
+    if not exists:
+        slices.create(directory, name, _devices_arg(device, memory, sm, None, None, None, None),
+                      overcommit=overcommit, capacity=capacity,
+                      count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint)
+    try:
+        env = runtime.child_environment(base, name, slices.node_dir(directory), shim)
+        try:
+            rc = runtime.run_child(list(command), env)
+        except FileNotFoundError:
+            raise click.ClickException(f"{command[0]}: command not found; hint: check PATH") from None
+        except PermissionError:
+            raise click.ClickException(f"{command[0]}: not executable; hint: check its mode") from None
+    finally:
+        if temporary:
+            try:
+                slices.delete(directory, name, force=True)
+            except slices.VgpuError as e:   # the child's exit status matters more
+                _warn(f"could not delete the temporary slice: {_line(e)}")
+    ctx.exit(rc)

@@ -1,0 +1,175 @@
+"""Compute share, measured: accuracy, launch overhead, throttling cost, convergence.
+
+All on simgpu, side by side in one run.  The referee is NVML per-process utilization
+(vgpu.referee), i.e. the GPU time each tenant's kernels took on the device timeline.
+Run: `make bench`; each table is printed and its figures saved in the benchmark JSON.
+"""
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, sim_env
+from vgpu.paths import SHIM
+from vgpu.referee import start as start_referee
+
+DUTY = ROOT / "tests" / "programs" / "duty.c"
+WARMUP_S, WINDOW_S = 1.5, 2.5
+
+
+@pytest.fixture(scope="module")
+def duty(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("duty") / "duty"
+    subprocess.run(["cc", "-std=gnu11", "-O2", "-I", str(ROOT / "csrc"), str(DUTY), "-o", str(exe), "-ldl"],
+                   check=True)
+    return exe
+
+
+def tenant(state, vgpu_dir, name, share):
+    return sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_CONTAINER=name, VGPU_SM_LIMIT=f"{share}%")
+
+
+def shares(duty, tmp_path, tenants, seconds, windows):
+    """tenants: [(share, kernel_us)]; returns the referee's shares per window."""
+    state, vgpu_dir = tmp_path / f"node{time.monotonic_ns()}", tmp_path / f"vgpu{time.monotonic_ns()}"
+    t0 = time.time()
+    procs = [subprocess.Popen([str(duty), str(us), str(seconds)], stdout=subprocess.DEVNULL,
+                              env=tenant(state, vgpu_dir, f"t{i}", share)) for i, (share, us) in enumerate(tenants)]
+    referee = start_referee([p.pid for p in procs], windows, t0, sim_env(state))
+    out, err = referee.communicate(timeout=seconds + 30)
+    for p in procs:
+        p.wait(timeout=30)
+    assert referee.returncode == 0, err
+    return json.loads(out)
+
+
+KERNELS = [("20 us", 20), ("200 us", 200), ("2 ms", 2000), ("20 ms", 20000)]
+
+
+def test_duty_cycle_accuracy_table(duty, tmp_path, benchmark):
+    """|achieved - target| in points, one tenant and two tenants sharing a device."""
+    window = [[WARMUP_S, WARMUP_S + WINDOW_S]]
+    seconds = WARMUP_S + WINDOW_S + 0.5
+    rows, worst = [], 0.0
+    for target in (10, 30, 50, 70, 90):
+        errs = []
+        for _, us in KERNELS:
+            [[got]] = shares(duty, tmp_path, [(target, us)], seconds, window)
+            errs.append(abs(got - target))
+        rows.append((f"1 tenant {target}%", errs))
+    for a in (10, 30, 50):
+        errs = []
+        for _, us in KERNELS:
+            [[ga, gb]] = shares(duty, tmp_path, [(a, us), (100 - a, us)], seconds, window)
+            errs.append(max(abs(ga - a), abs(gb - (100 - a))))
+        rows.append((f"2 tenants {a}/{100 - a}%", errs))
+    print(f"\n|achieved - target| (points, worst tenant; {WINDOW_S:.1f} s window after {WARMUP_S:.1f} s)")
+    print(f"{'':20}" + "".join(f"{k:>9}" for k, _ in KERNELS))
+    for label, errs in rows:
+        print(f"{label:20}" + "".join(f"{e:9.1f}" for e in errs))
+        worst = max(worst, *errs)
+    print(f"worst: {worst:.1f} points")
+    benchmark.extra_info["accuracy"] = {label: errs for label, errs in rows}
+    benchmark.extra_info["worst_points"] = worst
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def _launch_ns(exe, env):
+    out = subprocess.run([str(exe), "300000"], env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split("=")[1])
+
+
+def _launch_instructions(exe, env, tmp_path, n):
+    out = tmp_path / f"cg.{n}.{time.monotonic_ns()}"
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(exe), str(n)], env=env,
+                   capture_output=True, check=True)
+    return int(re.search(r"^summary: (\d+)", out.read_text(), re.M).group(1))
+
+
+def test_launch_overhead_with_shim_vs_without(bench_program, tmp_path, benchmark):
+    """Per launch of a no-op kernel: without the shim, shim at 100%, shim limited (90%,
+    within budget).  Time: median of alternating rounds; instructions: callgrind slope."""
+    exe = bench_program("launch")
+    configs = {
+        "without shim": sim_env(tmp_path / "node"),
+        "shim, sm 100%": tenant(tmp_path / "node", tmp_path / "vgpu", "full", 100),
+        "shim, sm 90%": tenant(tmp_path / "node", tmp_path / "vgpu", "limited", 90),
+    }
+    times = {k: [] for k in configs}
+    for i in range(5):
+        for name in (list(configs) if i % 2 else list(reversed(configs))):
+            times[name].append(_launch_ns(exe, configs[name]))
+    base = statistics.median(times["without shim"])
+    instr = {}
+    if shutil.which("valgrind"):
+        for name, env in configs.items():
+            lo, hi = (_launch_instructions(exe, env, tmp_path, n) for n in (10000, 30000))
+            instr[name] = (hi - lo) / 20000
+    print(f"\n{'per launch':16} {'ns':>7} {'added ns':>9} {'instructions':>13} {'added':>6}")
+    for name in configs:
+        t = statistics.median(times[name])
+        i = instr.get(name, float("nan"))
+        print(f"{name:16} {t:7.1f} {t - base:9.1f} {i:13.0f} {i - instr.get('without shim', float('nan')):6.0f}")
+        benchmark.extra_info[name] = {"ns": t, "added_ns": t - base, "instructions": i}
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def test_throttled_tenant_sleeps_instead_of_spinning(duty, tmp_path, benchmark):
+    """CPU time a saturating tenant at 10% spends per second of wall time."""
+    env = tenant(tmp_path / "node", tmp_path / "vgpu", "slow", 10)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.monotonic()
+    subprocess.run([str(duty), "20", "3"], env=env, stdout=subprocess.DEVNULL, check=True)
+    wall = time.monotonic() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"\nthrottled tenant (10%, 20 us kernels): {100 * cpu / wall:.1f}% of a core over {wall:.1f} s")
+    benchmark.extra_info["cpu_percent"] = 100 * cpu / wall
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def test_convergence_after_start_and_after_resize(duty, tmp_path, benchmark):
+    """Time until the share is within 2 points, in 0.25 s windows: from start, and from a
+    live resize 20% -> 60% (quota rewritten in place, as vgpu-ctl resize does)."""
+    from vgpu._region import ffi
+    import mmap
+
+    state, vgpu_dir = tmp_path / "conv", tmp_path / "convv"
+    env = tenant(state, vgpu_dir, "c", 20)
+    seconds, resize_at, step = 7.0, 3.5, 0.25
+    windows = [[i * step, (i + 1) * step] for i in range(int(seconds / step) - 1)]
+    t0 = time.time()
+    proc = subprocess.Popen([str(duty), "2000", str(seconds)], env=env, stdout=subprocess.DEVNULL)
+    referee = start_referee([proc.pid], windows, t0, sim_env(state))
+    time.sleep(max(0.0, t0 + resize_at - time.time()))
+    fd = os.open(vgpu_dir / "c" / "quota", os.O_RDWR)
+    with mmap.mmap(fd, ffi.sizeof("struct vgpu_quota")) as m:
+        q = ffi.from_buffer("struct vgpu_quota *", m)
+        q.generation += 1
+        q.devices[0].sm_max = 6000
+        q.generation += 1
+        ffi.release(q)
+    os.close(fd)
+    out, _ = referee.communicate(timeout=60)
+    proc.wait(timeout=30)
+    series = [w[0] for w in json.loads(out)]
+
+    def settle(start, target):
+        for i, (a, _) in enumerate(windows):
+            if a >= start and all(abs(s - target) <= 2 for s in series[i:i + 2] if series[i:i + 2]):
+                return a - start
+        return float("nan")
+
+    after_start, after_resize = settle(0.0, 20), settle(resize_at, 60)
+    print(f"\nwithin 2 points of the share: {after_start:.2f} s after start (20%), "
+          f"{after_resize:.2f} s after resize to 60%")
+    print("share per 0.25 s window:", " ".join(f"{s:.0f}" for s in series))
+    benchmark.extra_info.update(after_start_s=after_start, after_resize_s=after_resize)
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)

@@ -1,0 +1,87 @@
+"""Quantities on the command line: memory sizes and SM shares, parsed and printed.
+
+Memory follows Kubernetes: `4Gi` (binary), `4G` (decimal, 4e9), plain bytes, and `max`
+(cgroup's word for "no cap").  SM shares are percent, `50%` or `50`, kept in the quota
+in 1/100 percent (10000 = 100%).
+"""
+import re
+
+from ._region import lib
+
+UNLIMITED = lib.VGPU_UNLIMITED
+SHARE_FULL = 10000   # 100% in the quota's unit
+
+_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+_DECIMAL = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_MEMORY = re.compile(r"(\d+(?:\.\d+)?)([KMGTPE]i|[kKMGTPE])?")
+_SHARE = re.compile(r"(\d+(?:\.\d{1,2})?)%?")
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from `4Gi`, `512Mi`, `4G`, `1073741824` or `max` (-> UNLIMITED).
+
+    Raises ValueError with a message that says what is accepted."""
+    t = text.strip()
+    if t in ("max", "unlimited"):
+        return UNLIMITED
+    m = _MEMORY.fullmatch(t)
+    if not m:
+        raise ValueError(f"{text!r} is not a memory size (use bytes, Ki/Mi/Gi/Ti, K/M/G/T or max; e.g. 4Gi)")
+    number, unit = m.groups()
+    scale = _BINARY.get(unit) or _DECIMAL.get(unit) or 1
+    if "." in number:
+        # exact decimal arithmetic: 1.5Gi is exactly 1610612736 bytes
+        whole, frac = number.split(".")
+        value = (int(whole) * 10**len(frac) + int(frac)) * scale
+        if value % 10**len(frac):
+            raise ValueError(f"{text!r} is not a whole number of bytes")
+        value //= 10**len(frac)
+    else:
+        value = int(number) * scale
+    if value >= UNLIMITED:
+        raise ValueError(f"{text!r} is too large (use max for no cap)")
+    return value
+
+
+def parse_share(text: str) -> int:
+    """1/100 percent from `50%`, `50` or `12.5%`; must be in (0, 100]."""
+    m = _SHARE.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"{text!r} is not a share of the GPU (use 1..100 percent, e.g. 50%)")
+    whole, _, frac = m.group(1).partition(".")
+    value = int(whole) * 100 + int((frac + "00")[:2])
+    if not 0 < value <= SHARE_FULL:
+        raise ValueError(f"{text!r} is outside 0..100% (0 is not a share; use 100% for the whole GPU)")
+    return value
+
+
+def format_memory(value: int) -> str:
+    """`4Gi`, `1.5Gi`, `512Mi`, `123` bytes, or `max`; exact when short, else 3 digits."""
+    if value == UNLIMITED:
+        return "max"
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        scale = _BINARY[unit]
+        if value >= scale:
+            if value % scale == 0:
+                return f"{value // scale}{unit}"
+            return f"{value / scale:.3g}{unit}" if value / scale < 1000 else f"{value / scale:.0f}{unit}"
+    return str(value)
+
+
+def format_share(value) -> str:
+    """`50%`, `12.5%`; None -> `-`."""
+    if value is None:
+        return "-"
+    return f"{value // 100}%" if value % 100 == 0 else f"{value / 100:g}%"
+
+
+def format_duration_ns(ns: int) -> str:
+    """A cumulative time, short: `0s`, `350ms`, `12.3s`, `4m05s`."""
+    if ns < 1_000_000:
+        return "0s" if ns == 0 else f"{ns / 1000:.0f}us"
+    if ns < 1_000_000_000:
+        return f"{ns / 1e6:.0f}ms"
+    s = ns / 1e9
+    if s < 60:
+        return f"{s:.1f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s"

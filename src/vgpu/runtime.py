@@ -1,0 +1,149 @@
+"""What a container runtime needs to put a program in a slice, and running one here.
+
+The variables are the shim's (VGPU_DIR, VGPU_CONTAINER, LD_PRELOAD); the mounts give the
+container the shim and its quota read-only and its usage file read-write.  Inside the
+container the files always live at /run/vgpu/<name>/ and the shim at CONTAINER_SHIM,
+wherever they are on the host.
+
+CUDA_DEVICE_ORDER=PCI_BUS_ID makes the container's CUDA device ordinals follow NVML's
+(PCI) order, so device N in the quota is the device the controller and NVML call N.  The
+snippets assume the container sees the node's GPUs in host order (docker: --gpus all); a
+slice's other devices are denied by its quota.
+"""
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+
+CONTAINER_DIR = "/run/vgpu"
+CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
+# limit variables are for the shim's standalone mode; in a slice its quota file rules
+_STANDALONE = re.compile(r"(VGPU_MEMORY_LIMIT|VGPU_SM_LIMIT|CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)(_\d+)?")
+
+
+def append_preload(existing, shim) -> str:
+    """LD_PRELOAD with the shim added after what is there (never replacing it)."""
+    entries = [e for e in re.split(r"[: ]", existing or "") if e]
+    return ":".join(entries + ([] if str(shim) in entries else [str(shim)]))
+
+
+def variables(name, directory, shim) -> dict:
+    return {"LD_PRELOAD": str(shim), "VGPU_DIR": str(directory), "VGPU_CONTAINER": name,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def child_environment(base, name, directory, shim) -> dict:
+    env = {k: v for k, v in base.items() if not _STANDALONE.fullmatch(k)}
+    env.update(variables(name, directory, shim))
+    env["LD_PRELOAD"] = append_preload(base.get("LD_PRELOAD"), shim)
+    return env
+
+
+# === formats ===
+
+def shell(name, paths, shim) -> str:
+    """Exports for a shell on this host (appends to LD_PRELOAD when it is set)."""
+    v = variables(name, os.path.dirname(paths["dir"]), shim)
+    lines = [f'export LD_PRELOAD="${{LD_PRELOAD:+$LD_PRELOAD:}}"{shlex.quote(v.pop("LD_PRELOAD"))}']
+    lines += [f"export {k}={shlex.quote(val)}" for k, val in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+def mounts(name, paths, shim) -> list:
+    """(host path, container path, read-only) for the shim, quota and usage."""
+    inside = f"{CONTAINER_DIR}/{name}"
+    return [(str(shim), CONTAINER_SHIM, True),
+            (paths["quota"], f"{inside}/quota", True),    # the container must not raise its own cap
+            (paths["usage"], f"{inside}/usage", False)]   # its processes account there
+
+
+def docker(name, paths, shim) -> list:
+    """`docker run` arguments.  -e LD_PRELOAD replaces an image's own LD_PRELOAD: if the
+    image sets one, add CONTAINER_SHIM to it instead."""
+    args = ["--gpus", "all"]
+    for host, inside, ro in mounts(name, paths, shim):
+        args += ["-v", f"{host}:{inside}:{'ro' if ro else 'rw'}"]
+    for k, v in variables(name, CONTAINER_DIR, CONTAINER_SHIM).items():
+        args += ["-e", f"{k}={v}"]
+    return args
+
+
+def k8s(name, paths, shim) -> dict:
+    """env and volumeMounts for the container, volumes for the pod (hostPath)."""
+    names = ["vgpu-shim", "vgpu-quota", "vgpu-usage"]
+    ms = mounts(name, paths, shim)
+    return {
+        "env": [{"name": k, "value": v} for k, v in variables(name, CONTAINER_DIR, CONTAINER_SHIM).items()],
+        "volumeMounts": [{"name": n, "mountPath": inside, "readOnly": ro}
+                         for n, (_, inside, ro) in zip(names, ms)],
+        "volumes": [{"name": n, "hostPath": {"path": host, "type": "File"}} for n, (host, _, _) in zip(names, ms)],
+    }
+
+
+# === a small YAML emitter (block style; enough for the k8s snippet, no PyYAML needed) ===
+
+_PLAIN = re.compile(r"[A-Za-z_/.][A-Za-z0-9_./-]*")
+_SPECIAL = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"}
+
+
+def _scalar(v) -> str:
+    if v is True or v is False:
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, int):
+        return str(v)
+    s = str(v)
+    if _PLAIN.fullmatch(s) and s.lower() not in _SPECIAL:
+        return s
+    return json.dumps(s)   # a JSON string is a valid double-quoted YAML scalar
+
+
+def _emit(obj, indent) -> list:
+    pad = " " * indent
+    lines = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}{k}:")
+                lines += _emit(v, indent if isinstance(v, list) else indent + 2)
+            else:
+                lines.append(f"{pad}{k}: {'[]' if v == [] else '{}' if v == {} else _scalar(v)}")
+    else:
+        for item in obj:
+            if isinstance(item, (dict, list)) and item:
+                sub = _emit(item, indent + 2)
+                lines.append(f"{pad}- {sub[0][indent + 2:]}")
+                lines += sub[1:]
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+    return lines
+
+
+def to_yaml(obj, comment=None) -> str:
+    head = [f"# {line}" for line in comment.splitlines()] if comment else []
+    return "\n".join(head + _emit(obj, 0)) + "\n"
+
+
+# === run ===
+
+def run_child(argv, env) -> int:
+    """Run argv and return its exit status as a shell reports it (128 + N for signal N).
+    SIGTERM/SIGHUP reaching vgpu-ctl are passed on; Ctrl-C already reaches the child
+    (same process group), so vgpu-ctl only waits for it to end."""
+    proc = subprocess.Popen(argv, env=env)
+    forwarded = {signal.SIGTERM: None, signal.SIGHUP: None, signal.SIGINT: None}
+    try:
+        for sig in forwarded:
+            forwarded[sig] = signal.signal(sig, (lambda s, _f: proc.send_signal(s)) if sig != signal.SIGINT
+                                           else signal.SIG_IGN)
+    except ValueError:
+        forwarded = {}   # not the main thread: no handlers
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, old in forwarded.items():
+            signal.signal(sig, old)
+    return 128 - rc if rc < 0 else rc

@@ -1,0 +1,760 @@
+"""A node's slices: the quota and usage files under the node directory.
+
+    <dir>/<name>/quota   written here, mapped read-only by the shim (csrc/vgpu_region.h)
+    <dir>/<name>/usage   written by the shim processes of the slice, read (and reaped) here
+
+Plain functions that return data; vgpu.cli is the command line over them.
+
+Safety rules, all enforced here:
+  - names follow the shim's rule (letters, digits, '-', '_', '.', not starting with '.'
+    or '-', under 64 characters), so a name is always one path component;
+  - below the node directory nothing is followed: the slice directory and its files are
+    opened relative to directory descriptors with O_NOFOLLOW, and a file that is not a
+    plain, singly linked file of the right size is refused;
+  - files appear atomically (written under a temporary name, then hard-linked into
+    place, which never replaces an existing file);
+  - a resize rewrites the quota IN PLACE: the shim (and a container's bind mount) holds
+    the file's inode, so a rename would go unseen.  Writers take an flock on the quota
+    file; the generation is odd while fields are being written and even when done, so
+    readers that see an even, unchanged generation saw one consistent quota;
+  - operations that check the whole node (overcommit) hold an flock on the node
+    directory, so two controllers cannot both squeeze into the last free gigabyte.
+"""
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+from dataclasses import asdict, dataclass, replace
+
+from ._region import ffi, lib
+from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
+
+DEFAULT_DIR = "/run/vgpu"
+QUOTA, USAGE = "quota", "usage"
+QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
+USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
+MAX_DEVICES = lib.VGPU_MAX_DEVICES
+MAX_PROCS = lib.VGPU_MAX_PROCS
+LOCK_BASE = 1 << 40          # usage slot i is owned by an OFD lock on byte LOCK_BASE + i (shim.c)
+_FLOCK = "hhqqi4x"           # struct flock on Linux (64-bit off_t)
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_RW = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+_RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# === errors: one line and a hint each ===
+
+class VgpuError(Exception):
+    """A runtime failure the operator can act on."""
+
+    def __init__(self, message, hint=None):
+        super().__init__(message)
+        self.hint = hint
+
+
+class InvalidRequest(VgpuError):
+    """The arguments contradict each other or the slice (a usage error)."""
+
+
+class NotFound(VgpuError):
+    pass
+
+
+class Exists(VgpuError):
+    pass
+
+
+class Busy(VgpuError):
+    pass
+
+
+class Overcommitted(VgpuError):
+    pass
+
+
+class BadFile(VgpuError):
+    pass
+
+
+class CapacityUnknown(VgpuError):
+    pass
+
+
+def _permission(path, action):
+    return VgpuError(f"cannot {action} {path}: permission denied",
+                     "run as root, or point --dir / VGPU_DIR at a directory you can write")
+
+
+# === names and paths ===
+
+def valid_name(name: str) -> bool:
+    return 0 < len(name) < lib.VGPU_NAME_MAX and bool(_NAME.fullmatch(name))
+
+
+def check_name(name: str) -> str:
+    if not valid_name(name):
+        raise InvalidRequest(f"{name!r} is not a valid container name",
+                             "use letters, digits, '-', '_' and '.', not starting with '.' or '-', "
+                             f"under {lib.VGPU_NAME_MAX} characters")
+    return name
+
+
+def node_dir(path=None) -> str:
+    return os.path.abspath(path or os.environ.get("VGPU_DIR") or DEFAULT_DIR)
+
+
+def paths(directory, name) -> dict:
+    base = os.path.join(node_dir(directory), check_name(name))
+    return {"dir": base, "quota": os.path.join(base, QUOTA), "usage": os.path.join(base, USAGE)}
+
+
+def auto_name(prefix="run") -> str:
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+# === the quota, as data ===
+
+@dataclass(frozen=True)
+class DeviceQuota:
+    """One device of a slice.  Memory in bytes (UNLIMITED: no cap), SM in 1/100 percent."""
+    memory_max: int = UNLIMITED
+    memory_request: int = UNLIMITED
+    memory_limit: int = UNLIMITED
+    sm_max: int = SHARE_FULL
+    sm_request: int = SHARE_FULL
+    sm_limit: int = SHARE_FULL
+
+    @property
+    def held(self) -> bool:
+        """Devices a slice was not given are in its quota with everything 0 (denied)."""
+        return self.memory_max > 0 or self.sm_max > 0
+
+    @property
+    def guaranteed_memory(self) -> int:
+        """What the slice is promised on the device: its request (never above its cap);
+        a slice without a cap and without a request is best effort (0)."""
+        g = min(self.memory_request, self.memory_max)
+        return 0 if g == UNLIMITED else g
+
+    def to_json(self) -> dict:
+        return {k: (None if k.startswith("memory") and v == UNLIMITED else v) for k, v in asdict(self).items()}
+
+
+DENIED = DeviceQuota(0, 0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Quota:
+    name: str
+    generation: int
+    device_count: int
+    devices: tuple    # DeviceQuota per index < device_count
+
+    def held(self) -> list:
+        return [d for d, q in enumerate(self.devices) if q.held]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "generation": self.generation, "device_count": self.device_count,
+                "devices": [{"index": d, **self.devices[d].to_json()} for d in self.held()]}
+
+
+def _quota_from(q) -> Quota:
+    n = min(q.device_count, MAX_DEVICES)
+    devs = tuple(DeviceQuota(q.devices[d].memory_max, q.devices[d].memory_request, q.devices[d].memory_limit,
+                             q.devices[d].sm_max, q.devices[d].sm_request, q.devices[d].sm_limit)
+                 for d in range(n))
+    return Quota(ffi.string(q.name).decode(errors="replace"), q.generation, q.device_count, devs)
+
+
+def _fill_device(qd, dq: DeviceQuota):
+    for field in ("memory_max", "memory_request", "memory_limit"):
+        lib.vgpu_store_u64(ffi.addressof(qd, field), getattr(dq, field))
+    for field in ("sm_max", "sm_request", "sm_limit"):
+        lib.vgpu_store_u32(ffi.addressof(qd, field), getattr(dq, field))
+
+
+def quota_bytes(name: str, devices: dict) -> bytes:
+    """A new quota file: `devices` maps index -> DeviceQuota; indices below the highest one
+    that are not in it are denied, and the shim denies every index >= device_count."""
+    q = ffi.new("struct vgpu_quota *")
+    q.magic, q.abi_version, q.size = lib.VGPU_QUOTA_MAGIC, lib.VGPU_ABI_VERSION, QUOTA_SIZE
+    q.generation = 2
+    q.device_count = max(devices) + 1
+    q.name = name.encode()
+    for d in range(q.device_count):
+        _fill_device(q.devices[d], devices.get(d, DENIED))
+    return bytes(ffi.buffer(q))
+
+
+# === low-level file handling ===
+
+def _flock_struct(kind, slot):
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, LOCK_BASE + slot, 1, 0)
+
+
+def slot_alive(fd, slot) -> bool:
+    """Does a live process own usage slot `slot`?  (Its OFD lock is held; works on a
+    read-only descriptor.)"""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock_struct(fcntl.F_WRLCK, slot))
+    return struct.unpack(_FLOCK, res)[0] != fcntl.F_UNLCK
+
+
+@contextlib.contextmanager
+def _mapped(fd, ctype, size, writable):
+    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    buf = ffi.from_buffer(mm, require_writable=writable)
+    try:
+        yield ffi.cast(ctype + " *", buf)
+    finally:
+        ffi.release(buf)
+        mm.close()
+
+
+@contextlib.contextmanager
+def _fd(fd):
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _open_node(directory, create=False, name=None):
+    path = node_dir(directory)
+    try:
+        if create:
+            os.makedirs(path, 0o755, exist_ok=True)
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFound(f"{f'container {name} not found: ' if name else ''}node directory {path} does not exist",
+                       "create a slice first (vgpu-ctl create), or set --dir / VGPU_DIR") from None
+    except PermissionError:
+        raise _permission(path, "create" if create else "open") from None
+    except NotADirectoryError:
+        raise BadFile(f"{path} is not a directory", "point --dir / VGPU_DIR at a directory") from None
+
+
+def _open_in(dir_fd, name, flags, shown, mode=0o600):
+    """os.open relative to dir_fd, never following a symbolic link."""
+    try:
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            kind = "directory" if flags & os.O_DIRECTORY else "file"
+            raise BadFile(f"{shown} is a symbolic link or not a {kind}; refusing it",
+                          "vgpu never follows links inside the node directory: remove it") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise _permission(shown, "open") from None
+        raise
+
+
+def _open_slice(node_fd, directory, name):
+    check_name(name)
+    shown = os.path.join(node_dir(directory), name)
+    try:
+        return _open_in(node_fd, name, _DIR, shown)
+    except FileNotFoundError:
+        raise NotFound(f"container {name} not found in {node_dir(directory)}",
+                       "`vgpu-ctl list` shows the containers; `vgpu-ctl create` makes one") from None
+
+
+def _check_regular(fd, shown, size):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        raise BadFile(f"{shown} is not a plain file with one link; refusing it",
+                      "remove it and create the container again")
+    if st.st_size != size:
+        raise BadFile(f"{shown} has {st.st_size} bytes, not {size}: not a vgpu file of ABI version "
+                      f"{lib.VGPU_ABI_VERSION}", "delete the container and create it again")
+
+
+def _check_header(p, magic, size, shown):
+    if (p.magic, p.abi_version, p.size) != (magic, lib.VGPU_ABI_VERSION, size):
+        raise BadFile(f"{shown} is not a vgpu file of ABI version {lib.VGPU_ABI_VERSION} "
+                      f"(magic {p.magic:#x}, version {p.abi_version})",
+                      "delete the container and create it again")
+
+
+@contextlib.contextmanager
+def _node_lock(node_fd):
+    fcntl.flock(node_fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(node_fd, fcntl.LOCK_UN)
+
+
+def _place(dir_fd, name, data, mode, shown, owner=None):
+    """Write `data` under a temporary name and link it to `name`: it appears complete or
+    not at all, and an existing `name` is never replaced (FileExistsError)."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = _open_in(dir_fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, shown, mode)
+    try:
+        with _fd(fd):
+            os.fchmod(fd, mode)          # not subject to the umask
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.write(fd, data)
+            os.fsync(fd)
+        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    finally:
+        os.unlink(tmp, dir_fd=dir_fd)
+
+
+# === reading ===
+
+def _read_quota_fd(fd, shown) -> Quota:
+    """Seqlock read: an even generation, unchanged across the copy, is one whole write."""
+    _check_regular(fd, shown, QUOTA_SIZE)
+    with _mapped(fd, "struct vgpu_quota", QUOTA_SIZE, writable=False) as q:
+        _check_header(q, lib.VGPU_QUOTA_MAGIC, QUOTA_SIZE, shown)
+        gen_p = ffi.cast("uint64_t *", ffi.addressof(q, "generation"))
+        deadline = time.monotonic() + 2.0
+        while True:
+            g1 = lib.vgpu_load_u64(gen_p)
+            snap = ffi.new("struct vgpu_quota *")
+            ffi.memmove(snap, q, QUOTA_SIZE)
+            if g1 % 2 == 0 and lib.vgpu_load_u64(gen_p) == g1:
+                break
+            if g1 % 2 and _no_writer(fd):
+                break   # a writer died half-way: its values are what there is (the next write evens it)
+            if time.monotonic() > deadline:
+                raise BadFile(f"{shown} keeps changing", "try again")
+            time.sleep(0.0005)
+    if snap.device_count > MAX_DEVICES:
+        raise BadFile(f"{shown} claims {snap.device_count} devices (max {MAX_DEVICES})",
+                      "delete the container and create it again")
+    return _quota_from(snap)
+
+
+def _no_writer(fd) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def read_quota(directory, name) -> Quota:
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        return _read_slice_quota(cfd, directory, name)
+
+
+def _read_slice_quota(cfd, directory, name):
+    shown = os.path.join(node_dir(directory), name, QUOTA)
+    try:
+        fd = _open_in(cfd, QUOTA, _RO, shown)
+    except FileNotFoundError:
+        raise NotFound(f"container {name} has no quota file ({shown})",
+                       "delete it and create it again") from None
+    with _fd(fd):
+        return _read_quota_fd(fd, shown)
+
+
+@dataclass
+class Proc:
+    slot: int
+    pid: int             # as the process sees itself (its container's pid namespace)
+    comm: str
+    started_ns: int      # CLOCK_REALTIME
+    memory: dict         # device -> bytes
+    alive: bool
+
+    def to_json(self):
+        return {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
+                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive}
+
+
+_USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
+
+
+@dataclass
+class Usage:
+    devices: dict        # device -> {counter: value}
+    procs: list          # Proc of every used slot
+    path: str
+    inode: tuple         # (st_dev, st_ino): how processes that map it are found
+
+    def to_json(self):
+        return {"devices": {str(d): c for d, c in self.devices.items()},
+                "processes": [p.to_json() for p in self.procs]}
+
+
+def _read_usage_fd(fd, shown) -> Usage:
+    _check_regular(fd, shown, USAGE_SIZE)
+    st = os.fstat(fd)
+    with _mapped(fd, "struct vgpu_usage", USAGE_SIZE, writable=False) as u:
+        _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
+        devices = {d: {c: getattr(u.devices[d], c) for c in _USAGE_COUNTERS} for d in range(MAX_DEVICES)}
+        procs = []
+        for i in range(MAX_PROCS):
+            p = u.procs[i]
+            pid = lib.vgpu_load_i32(ffi.addressof(p, "pid"))
+            if pid:
+                procs.append(Proc(i, pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
+                                  {d: p.memory[d] for d in range(MAX_DEVICES) if p.memory[d]},
+                                  slot_alive(fd, i)))
+    return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
+
+
+def read_usage(directory, name):
+    """The slice's usage, or None when no usage file exists yet."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        return _read_slice_usage(cfd, directory, name)
+
+
+def _read_slice_usage(cfd, directory, name):
+    shown = os.path.join(node_dir(directory), name, USAGE)
+    try:
+        fd = _open_in(cfd, USAGE, _RO, shown)
+    except FileNotFoundError:
+        return None
+    with _fd(fd):
+        return _read_usage_fd(fd, shown)
+
+
+def list_names(directory) -> list:
+    """Names of the slices in the node directory (sorted); none if it does not exist."""
+    try:
+        node_fd = _open_node(directory)
+    except NotFound:
+        return []
+    with _fd(node_fd):
+        names = []
+        for entry in os.scandir(node_fd):
+            if valid_name(entry.name) and entry.is_dir(follow_symlinks=False):
+                try:
+                    os.stat(f"{entry.name}/{QUOTA}", dir_fd=node_fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                names.append(entry.name)
+        return sorted(names)
+
+
+def read_all(directory) -> list:
+    """[(name, Quota or None, Usage or None, problem or None)] for every slice."""
+    out = []
+    for name in list_names(directory):
+        quota = usage = problem = None
+        try:
+            quota = read_quota(directory, name)
+            usage = read_usage(directory, name)
+        except VgpuError as e:
+            problem = str(e)
+        out.append((name, quota, usage, problem))
+    return out
+
+
+# === overcommit ===
+
+def _guaranteed_by_others(directory, exclude) -> dict:
+    """device -> bytes guaranteed by every other slice (unreadable ones count as 0)."""
+    total = {}
+    for name in list_names(directory):
+        if name == exclude:
+            continue
+        try:
+            q = read_quota(directory, name)
+        except VgpuError:
+            continue
+        for d in q.held():
+            total[d] = total.get(d, 0) + q.devices[d].guaranteed_memory
+    return total
+
+
+def _check_overcommit(directory, name, old: dict, new: dict, capacity):
+    """Refuse growing any device's guaranteed memory above its capacity.  `old`/`new`:
+    device -> DeviceQuota; `capacity(d)` -> bytes, None for a device the node does not
+    have (nothing there to overcommit), or raises CapacityUnknown."""
+    others = None
+    for d, q in sorted(new.items()):
+        before = old[d].guaranteed_memory if d in old else 0
+        if q.guaranteed_memory <= before:
+            continue    # shrinking (or equal) is always allowed, even on an overcommitted device
+        if capacity is None:
+            raise CapacityUnknown(f"cannot check device {d}'s capacity: no capacity source",
+                                  "pass --overcommit to skip the check")
+        cap = capacity(d)
+        if cap is None:
+            continue
+        if others is None:
+            others = _guaranteed_by_others(directory, name)
+        want = others.get(d, 0) + q.guaranteed_memory
+        if want > cap:
+            raise Overcommitted(
+                f"device {d} would be overcommitted: {format_memory(want)} guaranteed "
+                f"({name} {format_memory(q.guaranteed_memory)} + others {format_memory(others.get(d, 0))}) "
+                f"> {format_memory(cap)} physical",
+                "shrink other containers, ask for less, or pass --overcommit")
+
+
+def _check_exists(devices, capacity, count_hint):
+    """A new slice's devices must exist, where the capacity source can tell."""
+    for d in sorted(devices):
+        try:
+            missing = capacity is not None and capacity(d) is None
+        except CapacityUnknown:
+            return
+        if missing:
+            raise InvalidRequest(f"device {d} does not exist{count_hint()}", "pass a --device the node has")
+
+
+def _check_order(d, q: DeviceQuota):
+    if not q.memory_request <= q.memory_max <= q.memory_limit:
+        raise InvalidRequest(
+            f"device {d}: memory request {format_memory(q.memory_request)} <= max {format_memory(q.memory_max)}"
+            f" <= limit {format_memory(q.memory_limit)} does not hold",
+            "set --request / --limit so that request <= memory <= limit")
+    if not q.sm_request <= q.sm_max <= q.sm_limit:
+        raise InvalidRequest(
+            f"device {d}: SM request {format_share(q.sm_request)} <= max {format_share(q.sm_max)}"
+            f" <= limit {format_share(q.sm_limit)} does not hold",
+            "set --sm-request / --sm-limit so that request <= sm <= limit")
+
+
+def device_quota(memory=UNLIMITED, sm=SHARE_FULL, request=None, limit=None, sm_request=None, sm_limit=None):
+    """A device's quota from command-line values: request and limit default to the cap."""
+    return DeviceQuota(memory, memory if request is None else request, memory if limit is None else limit,
+                       sm, sm if sm_request is None else sm_request, sm if sm_limit is None else sm_limit)
+
+
+# === create / delete ===
+
+def create(directory, name, devices: dict, overcommit=False, capacity=None, owner=None,
+           count_hint=lambda: "") -> Quota:
+    """Create slice `name` holding `devices` (index -> DeviceQuota).
+
+    Files: <dir>/<name>/ 0755, quota 0644 (only the controller writes it), usage 0666 so
+    a container process of any uid can map it read-write -- or, with owner=(uid, gid),
+    0600 owned by that user."""
+    check_name(name)
+    if not devices:
+        raise InvalidRequest("a container needs at least one device", "pass --device")
+    for d, q in devices.items():
+        if not 0 <= d < MAX_DEVICES:
+            raise InvalidRequest(f"device {d} is out of range (0..{MAX_DEVICES - 1})", "pass --device 0, 1, ...")
+        if not q.held:
+            raise InvalidRequest(f"device {d}: a memory cap and SM share of 0 hold nothing",
+                                 "give it memory or a share, or leave the device out")
+        _check_order(d, q)
+    if not overcommit:
+        _check_exists(devices, capacity, count_hint)
+    path = node_dir(directory)
+    with _fd(_open_node(directory, create=True)) as node_fd, _node_lock(node_fd):
+        if not overcommit:
+            _check_overcommit(directory, name, {}, devices, capacity)
+        try:
+            os.mkdir(name, 0o755, dir_fd=node_fd)
+        except FileExistsError:
+            pass    # a left-over directory is reused; an existing quota is refused below
+        except PermissionError:
+            raise _permission(os.path.join(path, name), "create") from None
+        with _fd(_open_slice(node_fd, directory, name)) as cfd:
+            os.fchmod(cfd, 0o755)
+            shown = os.path.join(path, name)
+            if _exists(cfd, QUOTA):
+                raise Exists(f"container {name} already exists in {path}",
+                             f"resize it (vgpu-ctl resize {name} ...) or delete it first")
+            # usage first: the quota's appearance is what makes the slice usable
+            usage = ffi.new("struct vgpu_usage *")
+            usage.magic, usage.abi_version, usage.size = lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, USAGE_SIZE
+            try:
+                _place(cfd, USAGE, bytes(ffi.buffer(usage)), 0o600 if owner else 0o666,
+                       os.path.join(shown, USAGE), owner)
+            except FileExistsError:
+                _read_slice_usage(cfd, directory, name)   # a valid left-over is kept; anything else refused
+            try:
+                _place(cfd, QUOTA, quota_bytes(name, devices), 0o644, os.path.join(shown, QUOTA))
+            except FileExistsError:
+                raise Exists(f"container {name} already exists in {path}",
+                             f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
+            return _read_slice_quota(cfd, directory, name)
+
+
+def _exists(dir_fd, name):
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _live_pids(cfd, directory, name) -> list:
+    """Pids of the live processes of a slice; judged by the slot locks alone when the
+    usage file is damaged (pid then -1), so a broken slice can still be deleted safely."""
+    try:
+        usage = _read_slice_usage(cfd, directory, name)
+        return [p.pid for p in usage.procs if p.alive] if usage else []
+    except BadFile:
+        with _fd(_open_in(cfd, USAGE, _RO, USAGE)) as fd:
+            return [-1 for i in range(MAX_PROCS) if slot_alive(fd, i)]
+
+
+def delete(directory, name, force=False) -> dict:
+    """Remove slice `name`.  Refused while processes use it, unless force (they keep
+    running on the unlinked files, invisible to the controller)."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _node_lock(node_fd):
+        with _fd(_open_slice(node_fd, directory, name)) as cfd:
+            live = _live_pids(cfd, directory, name)
+            if live and not force:
+                raise Busy(f"container {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
+                           "stop them first, or pass --force")
+            for entry in os.scandir(cfd):
+                if entry.name in (QUOTA, USAGE) or (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    try:
+                        os.unlink(entry.name, dir_fd=cfd)
+                    except PermissionError:
+                        raise _permission(os.path.join(node_dir(directory), name, entry.name), "remove") from None
+        try:
+            os.rmdir(name, dir_fd=node_fd)
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise
+            raise VgpuError(f"{os.path.join(node_dir(directory), name)} holds files vgpu did not make; "
+                            "left in place", "remove them by hand") from None
+    return {"name": name, "deleted": True, "live_processes": live}
+
+
+# === resize ===
+
+def resize(directory, name, devices=None, memory=None, sm=None, request=None, limit=None,
+           sm_request=None, sm_limit=None, overcommit=False, capacity=None) -> dict:
+    """Change a slice's quota in place (devices: indices, default every device it holds).
+
+    Request and limit follow the cap while they equal it, so a slice created with one
+    number keeps one number.  Returns old and new quotas per device, the generation, and
+    warnings (memory shrunk below what the slice holds: its allocations fail until its use
+    drops below the new cap -- nothing is taken away)."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _node_lock(node_fd), \
+            _fd(_open_slice(node_fd, directory, name)) as cfd:
+        shown = os.path.join(node_dir(directory), name, QUOTA)
+        try:
+            fd = _open_in(cfd, QUOTA, _RW, shown)
+        except FileNotFoundError:
+            raise NotFound(f"container {name} has no quota file ({shown})",
+                           "delete it and create it again") from None
+        with _fd(fd):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = _read_quota_fd(fd, shown)
+            held = current.held()
+            targets = held if devices is None else list(devices)
+            for d in targets:
+                if d not in held:
+                    raise InvalidRequest(f"container {name} does not hold device {d} (it holds "
+                                         f"{', '.join(map(str, held)) or 'none'})",
+                                         "resize one of its devices, or create a container for that device")
+            old = {d: current.devices[d] for d in targets}
+            new = {d: _resized(old[d], memory, sm, request, limit, sm_request, sm_limit) for d in targets}
+            for d, q in new.items():
+                if not q.held:
+                    raise InvalidRequest(f"device {d}: a memory cap and SM share of 0 hold nothing",
+                                         f"delete the container (vgpu-ctl delete {name}) instead")
+                _check_order(d, q)
+            if not overcommit:
+                _check_overcommit(directory, name, old, new, capacity)
+            generation = current.generation
+            if any(new[d] != old[d] for d in targets):
+                generation = _write_devices(fd, new)
+            usage = _read_slice_usage(cfd, directory, name)
+    warnings = []
+    for d in targets:
+        used = usage.devices[d]["memory_current"] if usage else 0
+        if new[d].memory_max < old[d].memory_max and used > new[d].memory_max:
+            warnings.append(f"{name} device {d} holds {format_memory(used)}, above the new memory.max "
+                            f"{format_memory(new[d].memory_max)}: its allocations fail until its use drops "
+                            "below it")
+    return {"name": name, "generation": generation,
+            "devices": [{"index": d, "old": old[d].to_json(), "new": new[d].to_json()} for d in targets],
+            "changes": [{"device": d, "field": f, "old": old[d].to_json()[f], "new": new[d].to_json()[f]}
+                        for d in targets for f in DeviceQuota.__dataclass_fields__
+                        if getattr(old[d], f) != getattr(new[d], f)],
+            "warnings": warnings}
+
+
+def _follow(old_value, old_max, new_max, given):
+    if given is not None:
+        return given
+    return new_max if old_value == old_max else old_value
+
+
+def _resized(q: DeviceQuota, memory, sm, request, limit, sm_request, sm_limit) -> DeviceQuota:
+    mem = q.memory_max if memory is None else memory
+    share = q.sm_max if sm is None else sm
+    return replace(q, memory_max=mem,
+                   memory_request=_follow(q.memory_request, q.memory_max, mem, request),
+                   memory_limit=_follow(q.memory_limit, q.memory_max, mem, limit),
+                   sm_max=share,
+                   sm_request=_follow(q.sm_request, q.sm_max, share, sm_request),
+                   sm_limit=_follow(q.sm_limit, q.sm_max, share, sm_limit))
+
+
+def _write_devices(fd, new: dict) -> int:
+    """Write device quotas in place (caller holds the file's flock).  Each field is one
+    aligned atomic store, which the shim reads with one atomic load: a live resize."""
+    with _mapped(fd, "struct vgpu_quota", QUOTA_SIZE, writable=True) as q:
+        gen_p = ffi.cast("uint64_t *", ffi.addressof(q, "generation"))
+        g = lib.vgpu_load_u64(gen_p)
+        odd = g + 1 if g % 2 == 0 else g + 2     # after a writer that died half-way, stay odd
+        lib.vgpu_store_u64(gen_p, odd)
+        for d, dq in new.items():
+            _fill_device(q.devices[d], dq)
+        lib.vgpu_store_u64(gen_p, odd + 1)
+        return odd + 1
+
+
+# === reap ===
+
+def reap(directory, names=None) -> list:
+    """Clear the process slots of dead processes (lock free, pid still set): their memory
+    goes back to the slice's counters.  Returns what was reclaimed."""
+    out = []
+    for name in (list_names(directory) if names is None else names):
+        with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+            shown = os.path.join(node_dir(directory), name, USAGE)
+            try:
+                fd = _open_in(cfd, USAGE, _RW, shown)
+            except FileNotFoundError:
+                continue
+            with _fd(fd):
+                _check_regular(fd, shown, USAGE_SIZE)
+                with _mapped(fd, "struct vgpu_usage", USAGE_SIZE, writable=True) as u:
+                    _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
+                    for i in range(MAX_PROCS):
+                        rec = _reap_slot(fd, u, i)
+                        if rec:
+                            out.append({"container": name, **rec})
+    return out
+
+
+def _reap_slot(fd, u, i):
+    p = u.procs[i]
+    pid_p = ffi.addressof(p, "pid")
+    if not lib.vgpu_load_i32(pid_p):
+        return None
+    try:   # holding the slot's lock: no process can claim it while we drain it
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
+    except (BlockingIOError, PermissionError):
+        return None    # its owner is alive
+    try:
+        pid = lib.vgpu_load_i32(pid_p)
+        if not pid:
+            return None
+        memory = {}
+        for d in range(MAX_DEVICES):
+            held = lib.vgpu_exchange_u64(ffi.addressof(p.memory, d), 0)
+            if held:
+                lib.vgpu_sub_u64(ffi.addressof(u.devices[d], "memory_current"), held)
+                memory[d] = held
+        rec = {"slot": i, "pid": pid, "comm": ffi.string(p.comm).decode(errors="replace"),
+               "memory": {str(d): b for d, b in memory.items()}}
+        lib.vgpu_store_i32(pid_p, 0)
+        return rec
+    finally:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_UNLCK, i))

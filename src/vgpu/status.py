@@ -1,0 +1,247 @@
+"""What `vgpu-ctl status` shows: per container and per device, from the slice files, the
+process table, psutil and NVML.  collect() returns data; render() makes the tables.
+
+Pids in a usage file are as the container sees them.  The host pid of each process (what
+NVML and psutil know) is found through the usage file itself: every process of the slice
+has it mapped, so /proc/<pid>/maps names its inode, and /proc/<pid>/status's NSpid line
+gives the pid inside the container.  No assumption that the two pid spaces agree.
+"""
+import os
+import time
+
+from . import nvml
+from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
+from .slices import MAX_DEVICES, NotFound, list_names, node_dir, read_all
+
+
+# === host pids ===
+
+def _maps_inode(pid, dev, ino) -> bool:
+    needle = f" {ino} "
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if needle in line:
+                    fields = line.split()
+                    if len(fields) >= 5 and fields[4] == str(ino) and fields[3] == want:
+                        return True
+    except OSError:
+        pass
+    return False
+
+
+def _inner_pid(pid):
+    """The pid `pid` has in its innermost pid namespace."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def host_pids(usage) -> dict:
+    """{pid in the container: host pid} for the live processes of a usage file."""
+    dev, ino = usage.inode
+    wanted = {p.pid for p in usage.procs if p.alive}
+    found = {}
+    for pid in wanted:   # the common case: the same pid namespace as the controller
+        if _maps_inode(pid, dev, ino) and _inner_pid(pid) == pid:
+            found[pid] = pid
+    missing = wanted - set(found)
+    if missing:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            host = int(entry.name)
+            inner = _inner_pid(host)
+            if inner in missing and _maps_inode(host, dev, ino):
+                found[inner] = host
+                missing.discard(inner)
+                if not missing:
+                    break
+    return found
+
+
+def _command(host_pid, comm):
+    if host_pid is None:
+        return comm
+    try:
+        import psutil
+        cmd = psutil.Process(host_pid).cmdline()
+        return " ".join(cmd) if cmd else comm
+    except Exception:   # gone, or not ours to read
+        return comm
+
+
+# === collect ===
+
+def _shown_devices(quota, usage, nvml_count):
+    """The devices a container's rows cover: those it holds.  A quota made by a standalone
+    shim holds all 16 indices: then the ones that exist (or, without NVML to say, the
+    ones in use, or device 0)."""
+    held = quota.held()
+    if len(held) < MAX_DEVICES:
+        return held
+    if nvml_count is not None:
+        return held[:nvml_count]
+    return [d for d in held if usage and usage.devices[d]["memory_current"]] or [0]
+
+
+def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
+    """Everything status shows.  `previous`: the result of the last call (watch mode), so
+    SM use can come from the usage file's GPU-time counters over the interval."""
+    directory = node_dir(directory)
+    if name is not None and name not in list_names(directory):
+        raise NotFound(f"container {name} not found in {directory}", "`vgpu-ctl list` shows the containers")
+    now = time.monotonic()
+    ok, note = nvml.available() if use_nvml else (False, "NVML not used")
+    nv_devices = nvml.devices() if ok else None
+    nvml_count = len(nv_devices) if ok else None
+    util = {}   # device -> {host pid: percent}
+
+    def proc_util(d):
+        if d not in util:
+            util[d] = nvml.process_utilization(d) if ok else {}
+        return util[d]
+
+    prev = {(c["name"], cd["index"]): (previous["_t"], cd["gpu_time_ns"])
+            for c in (previous or {}).get("containers", []) for cd in c["devices"]}
+    containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
+    for cname, quota, usage, problem in read_all(directory):
+        entry = {"name": cname, "problem": problem, "generation": quota.generation if quota else None,
+                 "devices": [], "processes": []}
+        containers.append(entry)
+        if quota is None:
+            continue
+        hosts = host_pids(usage) if usage else {}
+        procs = usage.procs if usage else []
+        shown = _shown_devices(quota, usage, nvml_count)
+        for d in shown:
+            q = quota.devices[d]
+            counters = usage.devices[d] if usage else dict.fromkeys(
+                ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns"), 0)
+            sm_used, source = None, None
+            if (cname, d) in prev and counters["gpu_time_ns"]:
+                t0, g0 = prev[(cname, d)]
+                if now > t0:
+                    sm_used = round(max(counters["gpu_time_ns"] - g0, 0) / ((now - t0) * 1e9) * 10000)
+                    source = "usage"
+            if sm_used is None and ok:
+                pids = [hosts.get(p.pid) for p in procs if p.alive]
+                sm_used = sum(proc_util(d).get(h, 0) for h in pids if h is not None) * 100
+                source = "nvml"
+            entry["devices"].append({"index": d, **q.to_json(), **counters,
+                                     "sm_used": sm_used, "sm_used_source": source})
+        for p in procs:
+            host = hosts.get(p.pid) if p.alive else None
+            entry["processes"].append({
+                **p.to_json(), "host_pid": host, "command": _command(host, p.comm) if p.alive else p.comm,
+                "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host else None})
+
+    # per device: what is promised against what there is
+    indices = sorted({cd["index"] for c in containers for cd in c["devices"]}
+                     | ({d["index"] for d in nv_devices} if nv_devices else set()))
+    devices = []
+    for d in indices:
+        nd = nv_devices[d] if nv_devices and d < len(nv_devices) else {}
+        rows = [cd for c in containers for cd in c["devices"] if cd["index"] == d]
+        devices.append({
+            "index": d, "name": nd.get("name"), "uuid": nd.get("uuid"),
+            "memory_total": nd.get("memory_total"), "memory_used": nd.get("memory_used"),
+            "gpu_util": None if nd.get("gpu_util") is None else nd["gpu_util"] * 100,
+            "memory_allocated": sum(r["memory_max"] for r in rows if r["memory_max"] is not None),
+            "memory_unlimited": sum(1 for r in rows if r["memory_max"] is None),
+            "memory_guaranteed": sum(_guaranteed(r) for r in rows),
+            "memory_in_use": sum(r["memory_current"] for r in rows),
+            "sm_allocated": sum(r["sm_max"] for r in rows),
+            "containers": len(rows)})
+    if name is not None:
+        containers = [c for c in containers if c["name"] == name]
+    driver = nvml.driver_version() if ok else None
+    return {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
+            "containers": containers, "devices": devices, "_t": now}
+
+
+def _guaranteed(row):
+    """As DeviceQuota.guaranteed_memory, from a JSON row (None = unlimited)."""
+    g = min(UNLIMITED if v is None else v for v in (row["memory_request"], row["memory_max"]))
+    return 0 if g == UNLIMITED else g
+
+
+def public(data: dict) -> dict:
+    """The JSON form (no private fields)."""
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+# === render ===
+
+def table(headers, rows) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
+    return "\n".join(lines)
+
+
+def _mem(v):
+    return "max" if v is None else format_memory(v)
+
+
+def render(data: dict, wide=True) -> str:
+    out = []
+    rows = []
+    for c in data["containers"]:
+        if c["problem"]:
+            rows.append([c["name"], "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
+            continue
+        live = sum(1 for p in c["processes"] if p["alive"])
+        dead = len(c["processes"]) - live
+        for cd in c["devices"]:
+            mem_cap = cd["memory_max"]
+            gpu_mem = f"{format_memory(cd['memory_current'])}/{_mem(mem_cap)}"
+            if mem_cap:
+                gpu_mem += f" ({cd['memory_current'] * 100 // mem_cap}%)"
+            util = f"{format_share(cd['sm_used'])}/{format_share(cd['sm_max'])}"
+            procs = str(live) + (f" (+{dead} dead)" if dead else "")
+            rows.append([c["name"], cd["index"], gpu_mem, util, format_duration_ns(cd["throttled_ns"]),
+                         cd["oom_refusals"], procs, c["generation"]])
+    if rows:
+        out.append(table(["CONTAINER", "DEVICE", "GPU-MEMORY", "GPU-UTIL", "THROTTLED", "OOM", "PROCESSES",
+                           "GEN"], rows))
+    else:
+        out.append(f"no containers in {data['dir']}")
+
+    prow = []
+    for c in data["containers"]:
+        for p in c["processes"]:
+            mem = ", ".join(f"{format_memory(b)}" + (f" on {d}" if len(p["memory"]) > 1 else "")
+                            for d, b in p["memory"].items()) or "0"
+            sm = "-" if p["sm_util"] is None else ", ".join(format_share(v) for v in p["sm_util"].values())
+            cmd = p["command"] if p["alive"] else f"{p['command']} (dead: vgpu-ctl reap)"
+            prow.append([c["name"], p["pid"], p["host_pid"] if p["host_pid"] is not None else "-", mem, sm,
+                         cmd if len(cmd) <= 60 else cmd[:57] + "..."])
+    if prow and wide:
+        out.append("")
+        out.append(table(["CONTAINER", "PID", "HOST-PID", "GPU-MEMORY", "GPU-UTIL", "COMMAND"], prow))
+
+    drow = []
+    for d in data["devices"]:
+        alloc = format_memory(d["memory_allocated"]) + (f" + {d['memory_unlimited']} uncapped"
+                                                       if d["memory_unlimited"] else "")
+        total = d["memory_total"]
+        drow.append([d["index"], d["name"] or "-",
+                     f"{alloc}/{format_memory(total)}" if total else alloc,
+                     format_memory(d["memory_guaranteed"]),
+                     f"{format_memory(d['memory_used'])}/{format_memory(total)}" if total else "-",
+                     format_share(d["sm_allocated"]), format_share(d["gpu_util"]), d["containers"]])
+    if drow:
+        out.append("")
+        out.append(table(["DEVICE", "NAME", "MEMORY-ALLOCATED", "GUARANTEED", "MEMORY-USED", "SM-ALLOCATED",
+                           "GPU-UTIL", "CONTAINERS"], drow))
+    if not data["nvml"]["available"]:
+        out.append("")
+        out.append(f"note: NVML unavailable ({data['nvml']['note']}): no device capacity, real usage or "
+                   "per-process GPU-UTIL")
+    return "\n".join(out)
