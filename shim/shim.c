@@ -28,7 +28,9 @@
  *       unreadable, truncated, or of another magic or ABI version;
  *     - a usage file that cannot be opened, created or validated;
  *     - no free process slot in the usage file;
- *     - a device index beyond the quota's device count.
+ *     - a device index beyond the quota's device count, or with sm.max 0 (a device the
+ *       slice was not given): allocations refused, and launches refused with
+ *       CUDA_ERROR_NOT_PERMITTED (never made to wait forever).
  *   never: a crash or a hang.  A missing real driver symbol is CUDA_ERROR_NOT_FOUND.
  *
  * Hot path (an allocation under quota): no lock, no syscall, no log call — a CAS on the
@@ -1209,6 +1211,7 @@ static void forget_samples(void)   /* in a forked child: their events are the pa
 static uint32_t sm_gen_seen = 1;             /* (odd: never computed) */
 static int sm_any_limited;
 static uint64_t sm_wall_scale[VGPU_MAX_DEVICES];   /* SM_FULL / sm.max, 16.16; 0 = unlimited */
+#define SM_DENIED UINT64_MAX   /* scale of a device the slice was not given (sm.max 0) */
 static int sm_only_device = -1;              /* the device, when the process sees just one */
 
 /* Any device below 100%?  One load and a branch while the quota does not change. */
@@ -1220,8 +1223,8 @@ static inline int sm_limited(void)
     if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
         int any = 0, count = 0;
         for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
-            uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : SM_FULL;
-            uint64_t scale = sm > 0 && sm < SM_FULL ? ((uint64_t)SM_FULL << 16) / sm : 0;
+            uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : 0;
+            uint64_t scale = sm == 0 ? SM_DENIED : sm < SM_FULL ? ((uint64_t)SM_FULL << 16) / sm : 0;
             STORE(&sm_wall_scale[d], scale);
             any |= scale != 0;
         }
@@ -1431,12 +1434,15 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uin
           100.0 * sm / SM_FULL, (double)corr / CORR_ONE);
 }
 
-/* Wait for the container's share, charge the launch, and say whether to sample it. */
+/* Wait for the container's share, charge the launch, and say whether to sample it
+ * (1), not (0), or that the launch is refused (-1: a device the slice was not given). */
 static int pace(int dev, uint64_t key)
 {
     uint64_t scale = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_wall_scale[dev]) : 0;
     if (!scale)
         return 0;
+    if (scale == SM_DENIED)
+        return -1;   /* fail closed, like its memory; never a wait */
     struct vgpu_usage_device *u = &S.usage->devices[dev];
     struct estimate *e = estimate_for(key);
     uint64_t raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
@@ -1492,8 +1498,10 @@ static int pace(int dev, uint64_t key)
     ENTER(sym, __VA_ARGS__);                                                            \
     if (LIKELY(!sm_limited()))                                                          \
         return real_##sym(__VA_ARGS__);                                                 \
-    int dev_ = launch_device();                                                         \
-    struct sample *sp_ = pace(dev_, (key)) ? sample_begin((key), (stream), (per_thread)) : NULL;       \
+    int dev_ = launch_device(), paced_ = pace(dev_, (key));                            \
+    if (UNLIKELY(paced_ < 0))                                                           \
+        return CUDA_ERROR_NOT_PERMITTED;                                                \
+    struct sample *sp_ = paced_ ? sample_begin((key), (stream), (per_thread)) : NULL;   \
     CUresult r_ = real_##sym(__VA_ARGS__);                                              \
     if (sp_)                                                                            \
         sample_end(sp_, (stream), (per_thread), r_);                                    \

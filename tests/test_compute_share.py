@@ -13,8 +13,10 @@ import subprocess
 import time
 
 import pytest
+from click.testing import CliRunner
 
-from conftest import make_sim_env
+from conftest import make_sim_env, run_python
+from vgpu.cli import main
 from vgpu._region import ffi
 from vgpu.paths import SHIM
 from vgpu.referee import start as start_referee
@@ -134,3 +136,29 @@ def test_throttled_time_and_launches_are_counted(tmp_path, c_program):
     # a saturating tenant at 25% waits about three quarters of the time
     assert 1.0e9 < d.throttled_ns < 2.0e9, d.throttled_ns
     assert 0.3e9 < d.gpu_time_ns < 0.8e9, d.gpu_time_ns
+
+
+def test_a_device_the_slice_was_not_given_refuses_launches_instead_of_waiting(tmp_path):
+    """vgpu-ctl gives this slice device 1 only (sm.max 0 on device 0): launches on device 0
+    fail at once with CUDA_ERROR_NOT_PERMITTED (800); device 1 runs."""
+    r = CliRunner().invoke(main, ["create", "c1", "--memory", "1Gi", "--sm", "50%", "--device", "1",
+                                  "--overcommit", "--dir", str(tmp_path / "vgpu")])   # no NVML here
+    assert r.exit_code == 0, r.output
+    env = make_sim_env(tmp_path / "node", devices=2, LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
+                       VGPU_CONTAINER="c1")
+    out = run_python("""
+        import time
+        from cuda.bindings import driver as cu
+        cu.cuInit(0)
+        codes = []
+        for dev in (0, 1):
+            _, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+            cu.cuCtxSetCurrent(ctx)
+            _, mod = cu.cuModuleLoadData(b"image")
+            _, fn = cu.cuModuleGetFunction(mod, b"sim_1000us")
+            t = time.monotonic()
+            codes.append(int(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0]))
+            codes.append(time.monotonic() - t < 1.0)
+        print(codes)
+    """, env).stdout
+    assert out.strip() == "[800, True, 0, True]"

@@ -316,15 +316,17 @@ def test_reap_returns_a_dead_slots_memory(ctl):
 
 # === env ===
 
-def test_env_shell_exports_append_to_ld_preload(ctl):
+def test_env_shell_exports_put_the_shim_in_front_of_ld_preload(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     out = ctl("env", "c1").stdout
-    assert out.splitlines() == [f'export LD_PRELOAD="${{LD_PRELOAD:+$LD_PRELOAD:}}"{SHIM}',
+    assert out.splitlines() == [f'export LD_PRELOAD={SHIM}"${{LD_PRELOAD:+:$LD_PRELOAD}}"',
                                 f"export VGPU_DIR={ctl.dir}", "export VGPU_CONTAINER=c1",
                                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
-    got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_CONTAINER"'],
-                         env={"PATH": "/usr/bin:/bin", "LD_PRELOAD": ""}, capture_output=True, text=True).stdout
-    assert got == f"{SHIM}|c1"
+    for before, after in [("", f"{SHIM}"), ("libm.so.6", f"{SHIM}:libm.so.6")]:
+        got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_CONTAINER"'],
+                             env={"PATH": "/usr/bin:/bin", "LD_PRELOAD": before}, capture_output=True,
+                             text=True).stdout
+        assert got == f"{after}|c1"
 
 
 def test_env_docker_mounts_shim_and_quota_read_only_and_usage_writable(ctl):

@@ -230,7 +230,7 @@ def test_run_sim_passes_the_exit_code_through_and_keeps_an_existing_preload(node
                          timeout=60)
     assert out.returncode == 7, out.stderr
     r = json.loads(report.read_text())
-    assert r["preload"] == f"libm.so.6:{SHIM}"
+    assert r["preload"] == f"{SHIM}:libm.so.6"   # kept, with the shim first (its dlsym must win)
     assert r["ctr"].startswith("run-")
     assert r["info"] == [512 * MiB, 512 * MiB]
     assert r["over"] == OUT_OF_MEMORY

@@ -23,10 +23,12 @@ CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
 _STANDALONE = re.compile(r"(VGPU_MEMORY_LIMIT|VGPU_SM_LIMIT|CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)(_\d+)?")
 
 
-def append_preload(existing, shim) -> str:
-    """LD_PRELOAD with the shim added after what is there (never replacing it)."""
-    entries = [e for e in re.split(r"[: ]", existing or "") if e]
-    return ":".join(entries + ([] if str(shim) in entries else [str(shim)]))
+def add_preload(existing, shim) -> str:
+    """LD_PRELOAD with the shim added in front of what is there (never replacing it): the
+    first library to define dlsym wins it, and the shim's must, or programs that look the
+    driver up by handle would bypass the caps."""
+    entries = [e for e in re.split(r"[: ]", existing or "") if e and e != str(shim)]
+    return ":".join([str(shim)] + entries)
 
 
 def variables(name, directory, shim) -> dict:
@@ -37,16 +39,16 @@ def variables(name, directory, shim) -> dict:
 def child_environment(base, name, directory, shim) -> dict:
     env = {k: v for k, v in base.items() if not _STANDALONE.fullmatch(k)}
     env.update(variables(name, directory, shim))
-    env["LD_PRELOAD"] = append_preload(base.get("LD_PRELOAD"), shim)
+    env["LD_PRELOAD"] = add_preload(base.get("LD_PRELOAD"), shim)
     return env
 
 
 # === formats ===
 
 def shell(name, paths, shim) -> str:
-    """Exports for a shell on this host (appends to LD_PRELOAD when it is set)."""
+    """Exports for a shell on this host (the shim goes in front of any LD_PRELOAD)."""
     v = variables(name, os.path.dirname(paths["dir"]), shim)
-    lines = [f'export LD_PRELOAD="${{LD_PRELOAD:+$LD_PRELOAD:}}"{shlex.quote(v.pop("LD_PRELOAD"))}']
+    lines = [f'export LD_PRELOAD={shlex.quote(v.pop("LD_PRELOAD"))}"${{LD_PRELOAD:+:$LD_PRELOAD}}"']
     lines += [f"export {k}={shlex.quote(val)}" for k, val in v.items()]
     return "\n".join(lines) + "\n"
 
