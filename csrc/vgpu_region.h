@@ -66,7 +66,8 @@ struct vgpu_usage_device {
     uint64_t sm_correction;     /* scale on estimated cost, 16.16 fixed point (0 = 1.0) */
     uint64_t sm_check_ns;       /* when the correction was last computed (CLOCK_MONOTONIC) */
     uint64_t sm_check_throttled_ns;   /* throttled_ns at that moment */
-    uint64_t reserved[6];
+    uint64_t sm_check_share;    /* sm.max at that moment: a window across a resize is skipped */
+    uint64_t reserved[5];
 };
 
 struct vgpu_usage_proc {

@@ -1413,9 +1413,10 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uin
         return;
     uint64_t throttled = LOAD(&u->throttled_ns);
     uint64_t waited = throttled - __atomic_exchange_n(&u->sm_check_throttled_ns, throttled, __ATOMIC_ACQ_REL);
+    uint64_t share_then = __atomic_exchange_n(&u->sm_check_share, (uint64_t)sm, __ATOMIC_ACQ_REL);
     uint64_t window = now - last;
-    if (!last || window > 4 * SM_CHECK_NS || waited < window / 100)
-        return;   /* first period, a long pause, or not held back by the share */
+    if (!last || window > 4 * SM_CHECK_NS || waited < window / 100 || share_then != sm)
+        return;   /* first period, a long pause, not held back by the share, or resized */
     uint64_t actual = measured_ns(dev, window);
     if (actual == NOT_MEASURED)
         return;
