@@ -1,10 +1,13 @@
 """vgpu-ctl: version, and `sim env` whose output really points a program at simgpu."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from click.testing import CliRunner
+
+from conftest import ROOT
 
 from vgpu import __version__
 from vgpu.cli import main
@@ -58,3 +61,13 @@ def test_shim_path_prints_the_built_shim():
     r = CliRunner().invoke(main, ["shim-path"])
     assert r.exit_code == 0
     assert r.output.strip() == str(SHIM) and SHIM.exists()
+
+
+def test_gpu_check_ends_cleanly_without_a_gpu(tmp_path):
+    """bench/gpu_check.py is for machines with an NVIDIA GPU; elsewhere it says so, exit 0."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"gpu": None, "message": "no GPU found: this check needs an NVIDIA GPU, "
+                                      "its driver and nvidia-ml-py; nothing was run"}
