@@ -12,14 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def bench_program(tmp_path_factory):
-    """Compile bench/programs/<name>.c with optimisation and return its path."""
+    """Compile bench/programs/<name>.c (or <directory>/<name>.c) optimised; return its path."""
     out = tmp_path_factory.mktemp("bench")
 
-    def build(name):
+    def build(name, directory=ROOT / "bench" / "programs"):
         exe = out / name
         subprocess.run(["cc", "-std=gnu11", "-O2", "-Wall", "-Werror", "-I", str(ROOT / "csrc"),
-                        str(ROOT / "bench" / "programs" / f"{name}.c"), "-o", str(exe), "-ldl",
-                        "-pthread"], check=True)
+                        str(Path(directory) / f"{name}.c"), "-o", str(exe), "-ldl", "-pthread"], check=True)
         return exe
 
     return build
