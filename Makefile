@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 C_SOURCES := $(shell find csrc shim -name '*.[ch]' 2>/dev/null)
 
-.PHONY: venv build test demo bench clean
+.PHONY: venv build test demo bench clean wheel image
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,16 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m pytest bench -q -s -p no:cacheprovider --benchmark-json=bench/last-run.json --benchmark-columns=median
+
+# The node agent image's build steps (tools/image/, run by the Dockerfile and by
+# tests/test_image_steps.py).  `wheel` needs no Docker; `image` needs a Docker engine.
+IMAGE ?= vgpu:0.1.0
+
+wheel: venv
+	VGPU_BUILD_ISOLATION=0 PYTHON=$(BIN)/python tools/image/build-wheel.sh . dist
+
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) build src/vgpu/_lib src/vgpu/_region*.so src/*.egg-info

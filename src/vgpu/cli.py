@@ -465,9 +465,15 @@ def reap(names, directory, as_json):
 @click.argument("name", type=NAME)
 @click.option("--format", "fmt", type=click.Choice(["shell", "docker", "k8s", "json"]), default="shell",
               show_default=True, help="Shell exports, docker run flags, a Kubernetes YAML snippet, or JSON.")
+@click.option("--shim-dir", type=click.Path(file_okay=False), envvar="VGPU_SHIM_DIR",
+              help="Host directory `install-shim` wrote: mount its libvgpu.so [default: the package's own "
+                   "shim] [env: VGPU_SHIM_DIR].")
+@click.option("--ld-so-preload", "ld_so_preload", is_flag=True,
+              help="Load the shim through the container's /etc/ld.so.preload (the --shim-dir's ld.so.preload, "
+                   "from `install-shim --preload-file`) instead of LD_PRELOAD.")
 @json_option
 @dir_option
-def env(name, fmt, as_json, directory):
+def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
     """The variables and mounts that put a program or container in a slice.
 
     shell: exports for this host.  docker: `docker run` flags (shim and quota mounted
@@ -479,22 +485,53 @@ def env(name, fmt, as_json, directory):
       eval "$(vgpu-ctl env train)"; python train.py
       docker run $(vgpu-ctl env train --format docker) my-image python train.py
       vgpu-ctl env train --format k8s >> pod-patch.yaml
+      vgpu-ctl env train --format docker --shim-dir /opt/vgpu --ld-so-preload   # after install-shim
     """
     slices.read_quota(directory, name)   # it must exist (and be sound)
     files = slices.paths(directory, name)
-    shim = _shim()
     fmt = "json" if as_json else fmt
+    shim, preload = _installed_shim(shim_dir, ld_so_preload, fmt)
     if fmt == "shell":
         click.echo(runtime.shell(name, files, shim), nl=False)
     elif fmt == "docker":
-        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim)))
+        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim, preload)))
     elif fmt == "k8s":
-        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim),
+        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload),
                                    comment=f"vgpu slice {name}: env and volumeMounts go in the container, "
                                            "volumes in the pod spec"), nl=False)
     else:
         _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim),
-                    "docker": runtime.docker(name, files, shim), "k8s": runtime.k8s(name, files, shim)})
+                    "docker": runtime.docker(name, files, shim, preload),
+                    "k8s": runtime.k8s(name, files, shim, preload)})
+
+
+def _installed_shim(shim_dir, ld_so_preload, fmt):
+    """(host path of the shim, host path of the ld.so.preload file or None) for `env`."""
+    from . import install
+    if ld_so_preload and not shim_dir:
+        raise click.UsageError("--ld-so-preload needs --shim-dir (a directory made by `install-shim DIR "
+                               "--preload-file`)")
+    if ld_so_preload and fmt == "shell":
+        raise click.UsageError("--ld-so-preload is for containers (docker, k8s, json): this host's "
+                               "/etc/ld.so.preload would put every process of the host under the shim")
+    if not shim_dir:
+        return _shim(), None
+    shim = os.path.join(os.path.abspath(shim_dir), install.SHIM_NAME)
+    if not os.path.isfile(shim):
+        raise click.ClickException(f"no shim in {shim_dir}; hint: vgpu-ctl install-shim {shim_dir}")
+    if not ld_so_preload:
+        return shim, None
+    preload = os.path.join(os.path.abspath(shim_dir), install.PRELOAD_NAME)
+    try:
+        with open(preload, "rb") as f:
+            ok = f.read() == install.preload_line()
+    except FileNotFoundError:
+        raise click.ClickException(f"no {install.PRELOAD_NAME} in {shim_dir}; hint: vgpu-ctl install-shim "
+                                   f"{shim_dir} --preload-file") from None
+    if not ok:
+        raise click.ClickException(f"{preload} does not name {runtime.CONTAINER_SHIM}; hint: rewrite it with "
+                                   f"vgpu-ctl install-shim {shim_dir} --preload-file")
+    return shim, preload
 
 
 @main.command(context_settings={"allow_interspersed_args": False})
@@ -557,3 +594,184 @@ def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
             except slices.VgpuError as e:   # the child's exit status matters more
                 _warn(f"could not delete the temporary slice: {_line(e)}")
     ctx.exit(rc)
+
+
+@main.command("install-shim")
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--preload-file", is_flag=True,
+              help=f"Also write DEST/ld.so.preload naming the shim's path in containers "
+                   f"({runtime.CONTAINER_SHIM}); mount it read-only at /etc/ld.so.preload.")
+@json_option
+def install_shim_cmd(dest, preload_file, as_json):
+    """Copy the shim to a host directory that containers mount read-only.
+
+    Atomic: each file is written under a temporary name in DEST, flushed and renamed into
+    place, so a container or process never sees a half-copied library, and processes
+    holding the old one keep it.  Files already up to date are not rewritten.  DEST is
+    created if its parent exists.
+
+    \b
+    Example:
+      vgpu-ctl install-shim /opt/vgpu --preload-file
+      docker run $(vgpu-ctl env train --shim-dir /opt/vgpu --format docker) my-image python train.py
+    """
+    from . import install
+    try:
+        result = install.install_shim(dest, preload_file=preload_file)
+    except install.InstallError as e:
+        raise click.ClickException(_line(e)) from None
+    if as_json:
+        _emit_json(result)
+        return
+    for f in result["files"]:
+        what = "installed" if f["changed"] else "unchanged"
+        click.echo(f"{what} {f['path']} ({f['bytes']} bytes, sha256 {f['sha256'][:12]})")
+    click.echo(f"hint: mount {result['files'][0]['path']} read-only at {runtime.CONTAINER_SHIM}: "
+               f"vgpu-ctl env NAME --shim-dir {result['dest']} --format docker|k8s")
+
+
+# === autoscale and metrics ===
+
+class Duration(click.ParamType):
+    """Seconds: `30s`, `500ms`, `2m`, `1h`, or a plain number of seconds."""
+    name = "DURATION"
+    _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip()
+        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+        try:
+            seconds = float(text[:len(text) - len(unit)]) * self._UNITS.get(unit, 1.0)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (e.g. 30s, 500ms, 2m)", param, ctx)
+        if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+            self.fail(f"{value!r} must be a positive duration", param, ctx)
+        return seconds
+
+
+class Ratio(click.ParamType):
+    """A fraction: `90%` or `0.9`."""
+    name = "PERCENT"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            return value
+        text = str(value).strip()
+        try:
+            v = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            self.fail(f"{value!r} is not a percentage (e.g. 90% or 0.9)", param, ctx)
+        if not 0 < v <= 1:
+            self.fail(f"{value!r} is outside (0, 100%]", param, ctx)
+        return v
+
+
+DURATION, RATIO = Duration(), Ratio()
+
+
+def _until_signalled(stop):
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(3600):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--window", type=DURATION, default="30s", show_default=True,
+              help="How long use must stay above the high mark (grow) or below the low mark (shrink).")
+@click.option("--interval", type=DURATION, default="1s", show_default=True, help="Time between samples.")
+@click.option("--cooldown", type=DURATION, help="After a change, no further change for this long [default: the window].")
+@click.option("--high", type=RATIO, default="90%", show_default=True, help="Grow mark: use / quota.")
+@click.option("--low", type=RATIO, default="50%", show_default=True, help="Shrink mark: use / quota.")
+@click.option("--target", type=RATIO, default="70%", show_default=True,
+              help="Where a change puts use / quota (between the marks: hysteresis).")
+@click.option("--grow-step", type=RATIO, default="25%", show_default=True,
+              help="A grow adds at least this share of the quota (memory at least 256Mi, SM 5 points).")
+@click.option("--shrink-step", type=RATIO, default="25%", show_default=True,
+              help="A shrink takes at most this share of the quota.")
+@click.option("--device-memory", type=MEMORY,
+              help="Each device's memory, where NVML cannot say [default: NVML's]; without either, memory "
+                   "only shrinks.")
+@click.option("--dry-run", is_flag=True, help="Log the decisions without applying them.")
+@click.option("--once", is_flag=True, help="Watch one window, apply what it decides, exit.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Also serve Prometheus metrics on this port.")
+@click.option("--metrics-address", default="0.0.0.0", show_default=True, help="Address for --metrics-port.")
+@dir_option
+def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_step, device_memory, dry_run, once,
+              metrics_port, metrics_address, directory):
+    """Move each slice's memory.max and sm.max between its request and its limit.
+
+    Every --interval the loop reads each slice's usage file; a slice whose use stays
+    above --high of its quota for a whole --window grows (memory: at once after an
+    allocation refused by the cap), one below --low for a whole window shrinks, never
+    above its limit, below its request, or (memory) below its use plus a margin, and
+    never beyond the device (memory: its physical memory; SM: 100% summed).  When
+    several want more than is left, it is shared by request.  Decisions go through the
+    same code path as `vgpu-ctl resize`; each is one JSON line on stdout with its reason.
+    Slices whose request equals their limit are left alone.
+
+    \b
+    Example:
+      vgpu-ctl create infer --memory 4Gi --request 2Gi --limit 12Gi --sm 20% --sm-limit 60%
+      vgpu-ctl autoscale --metrics-port 9400
+      vgpu-ctl autoscale --window 1s --interval 200ms --dry-run --once
+    """
+    from . import autoscale as autoscale_mod
+    from .policy import Policy
+    if interval > window:
+        raise UsageFailure(f"--interval {interval:g}s is longer than --window {window:g}s; hint: sample at least "
+                           "once per window")
+    try:
+        policy = Policy(window=window, cooldown=cooldown, high=high, low=low, target=target, grow_step=grow_step,
+                        shrink_step=shrink_step)
+    except ValueError as e:
+        raise UsageFailure(f"{e}; hint: see vgpu-ctl autoscale --help") from None
+    scaler = autoscale_mod.Autoscaler(directory, policy, interval=interval, dry_run=dry_run,
+                                      device_memory=device_memory)
+    if metrics_port is not None:
+        from . import metrics
+        httpd = metrics.start(directory, metrics_port, metrics_address, autoscaler=scaler)
+        click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
+    import signal
+    import threading
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        scaler.run(once=once, stop=stop)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--port", type=click.IntRange(0, 65535), default=9400, show_default=True,
+              help="TCP port (0: any free one; the line on stderr says which).")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@dir_option
+def serve(port, address, directory):
+    """Serve Prometheus metrics for the node's slices at /metrics.
+
+    Per container and device: memory used/quota/request/limit (bytes), SM share
+    used/quota (ratio), throttled and GPU seconds, launches, OOM refusals; per container:
+    resize events and processes; per device: capacity and NVML's usage.  Read on each
+    scrape, nothing in between.
+
+    \b
+    Example:
+      vgpu-ctl serve --port 9400
+      curl -s localhost:9400/metrics | grep vgpu_memory_used_bytes
+    """
+    import threading
+    from . import metrics
+    try:
+        httpd = metrics.start(directory, port, address)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {e.strerror or e}; hint: pick another "
+                                   "--port") from None
+    click.echo(f"serving metrics on http://{address}:{httpd.server_port}/metrics", err=True)
+    _until_signalled(threading.Event())
+    httpd.shutdown()

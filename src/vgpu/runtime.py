@@ -19,6 +19,8 @@ import subprocess
 
 CONTAINER_DIR = "/run/vgpu"
 CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
+# the loader reads it in every process, whatever the environment says (install-shim --preload-file)
+CONTAINER_PRELOAD = "/etc/ld.so.preload"
 # limit variables are for the shim's standalone mode; in a slice its quota file rules
 _STANDALONE = re.compile(r"(VGPU_MEMORY_LIMIT|VGPU_SM_LIMIT|CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)(_\d+)?")
 
@@ -53,31 +55,40 @@ def shell(name, paths, shim) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mounts(name, paths, shim) -> list:
-    """(host path, container path, read-only) for the shim, quota and usage."""
+def mounts(name, paths, shim, preload_file=None) -> list:
+    """(host path, container path, read-only) for the shim, quota and usage, and with
+    preload_file (an ld.so.preload naming CONTAINER_SHIM) that file at /etc/ld.so.preload."""
     inside = f"{CONTAINER_DIR}/{name}"
     return [(str(shim), CONTAINER_SHIM, True),
             (paths["quota"], f"{inside}/quota", True),    # the container must not raise its own cap
-            (paths["usage"], f"{inside}/usage", False)]   # its processes account there
+            (paths["usage"], f"{inside}/usage", False)] + \
+        ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
-def docker(name, paths, shim) -> list:
+def _container_variables(name, preload_file) -> dict:
+    v = variables(name, CONTAINER_DIR, CONTAINER_SHIM)
+    if preload_file:   # the loader loads the shim; the image's own LD_PRELOAD stays as it is
+        del v["LD_PRELOAD"]
+    return v
+
+
+def docker(name, paths, shim, preload_file=None) -> list:
     """`docker run` arguments.  -e LD_PRELOAD replaces an image's own LD_PRELOAD: if the
-    image sets one, add CONTAINER_SHIM to it instead."""
+    image sets one, add CONTAINER_SHIM to it instead (or use preload_file)."""
     args = ["--gpus", "all"]
-    for host, inside, ro in mounts(name, paths, shim):
+    for host, inside, ro in mounts(name, paths, shim, preload_file):
         args += ["-v", f"{host}:{inside}:{'ro' if ro else 'rw'}"]
-    for k, v in variables(name, CONTAINER_DIR, CONTAINER_SHIM).items():
+    for k, v in _container_variables(name, preload_file).items():
         args += ["-e", f"{k}={v}"]
     return args
 
 
-def k8s(name, paths, shim) -> dict:
+def k8s(name, paths, shim, preload_file=None) -> dict:
     """env and volumeMounts for the container, volumes for the pod (hostPath)."""
-    names = ["vgpu-shim", "vgpu-quota", "vgpu-usage"]
-    ms = mounts(name, paths, shim)
+    names = ["vgpu-shim", "vgpu-quota", "vgpu-usage", "vgpu-preload"]
+    ms = mounts(name, paths, shim, preload_file)
     return {
-        "env": [{"name": k, "value": v} for k, v in variables(name, CONTAINER_DIR, CONTAINER_SHIM).items()],
+        "env": [{"name": k, "value": v} for k, v in _container_variables(name, preload_file).items()],
         "volumeMounts": [{"name": n, "mountPath": inside, "readOnly": ro}
                          for n, (_, inside, ro) in zip(names, ms)],
         "volumes": [{"name": n, "hostPath": {"path": host, "type": "File"}} for n, (host, _, _) in zip(names, ms)],

@@ -1,0 +1,469 @@
+"""The autoscale loop: sample every slice's usage file, keep windows, apply decisions.
+
+Every `interval` the loop reads each slice's quota generation and usage counters from
+mappings it keeps open (so a loop over 1,000 slices costs a few loads per slice, not
+file opens), turns them into samples (vgpu.policy.Sample), moves each track, asks the
+policy for decisions and applies them through slices.resize -- the code path of
+`vgpu-ctl resize`: the same locks, checks and in-place write the running shim obeys.
+Each decision is logged as one JSON line.
+
+What lives where: quotas (and request/limit) live in the quota files; the loop keeps
+only windows in memory.  A restart loses the windows in progress: it waits one whole
+window (and the cooldown) before it changes anything again, and picks up the quotas as
+the files say.
+
+Samples per (slice, device):
+  memory: use = memory.current; pressure = allocations refused by the cap (oom_refusals)
+          since the last sample;
+  sm:     use = GPU time charged to the slice's paced launches over the last few
+          samples / wall time (the shim counts it while sm.max < 100%); at sm.max 100%
+          NVML's per-process utilization of the slice's processes, where NVML is there;
+          pressure = time its launches waited for their share / wall time.
+"""
+import collections
+import json
+import math
+import mmap
+import os
+import threading
+import time
+
+from . import nvml, slices
+from ._region import ffi, lib
+from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
+                     restart, Bounds)
+from .quantities import UNLIMITED
+
+RESCAN_S = 10.0        # look for new / removed slices at least this often (and when the directory changes)
+HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
+SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples
+_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
+
+
+# === reading many slices cheaply ===
+
+class SliceView:
+    """One slice's quota and usage files, mapped read-only and kept mapped."""
+
+    def __init__(self, directory, node_fd, name):
+        self.name = name
+        shown = os.path.join(slices.node_dir(directory), name)
+        cfd = slices._open_slice(node_fd, directory, name)
+        try:
+            qfd = slices._open_in(cfd, slices.QUOTA, slices._RO, os.path.join(shown, slices.QUOTA))
+            try:
+                self.quota = slices._read_quota_fd(qfd, os.path.join(shown, slices.QUOTA))
+                st = os.fstat(qfd)
+                self.ident = (st.st_dev, st.st_ino)
+                self._qmm = mmap.mmap(qfd, slices.QUOTA_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(qfd)
+            self._umm = None
+            try:
+                ufd = slices._open_in(cfd, slices.USAGE, slices._RO, os.path.join(shown, slices.USAGE))
+            except FileNotFoundError:
+                ufd = None
+            if ufd is not None:
+                try:
+                    slices._check_regular(ufd, os.path.join(shown, slices.USAGE), slices.USAGE_SIZE)
+                    self._umm = mmap.mmap(ufd, slices.USAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+                finally:
+                    os.close(ufd)
+        finally:
+            os.close(cfd)
+        self._q = ffi.cast("struct vgpu_quota *", ffi.from_buffer(self._qmm))
+        self._gen_p = ffi.cast("uint64_t *", ffi.addressof(self._q, "generation"))
+        self.gen = self.quota.generation
+        self._u = None
+        if self._umm is not None:
+            u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(self._umm))
+            slices._check_header(u, lib.VGPU_USAGE_MAGIC, slices.USAGE_SIZE, os.path.join(shown, slices.USAGE))
+            self._u = u
+        self._ptrs = {}
+        self.state = {}          # the autoscaler's per-device state (autoscale._Dev)
+        self.host_pids = None    # (when, [host pids]) for NVML's per-process view
+        self._held()
+
+    def _held(self):
+        self.held = [(d, self.quota.devices[d]) for d in self.quota.held()]
+        # what the autoscaler moves: a capped memory (or a share) whose request is below its limit
+        self.rows = [(d, q, 0 < q.memory_max != UNLIMITED and q.memory_request < q.memory_limit,
+                      q.sm_max > 0 and q.sm_request < q.sm_limit,
+                      Bounds(q.memory_request, q.memory_limit), Bounds(q.sm_request, q.sm_limit))
+                     for d, q in self.held]
+        self.managed = {r[0] for r in self.rows if r[2] or r[3]}
+
+    def refresh_quota(self) -> bool:
+        """Re-read the quota if its generation moved (seqlock read of the mapping).
+        True when it changed."""
+        g = lib.vgpu_load_u64(self._gen_p)
+        if g == self.gen or g % 2:
+            return False     # unchanged, or a write in progress: next time
+        snap = ffi.new("struct vgpu_quota *")
+        ffi.memmove(snap, self._q, slices.QUOTA_SIZE)
+        if lib.vgpu_load_u64(self._gen_p) != g or snap.device_count > slices.MAX_DEVICES:
+            return False
+        self.quota = slices._quota_from(snap)
+        self.gen = g
+        self._held()
+        return True
+
+    def counters(self, d):
+        """(memory_current, oom_refusals, gpu_time_ns, throttled_ns) of device d."""
+        p = self._ptrs.get(d)
+        if p is None:
+            if self._u is None:
+                return (0, 0, 0, 0)
+            dev = self._u.devices[d]
+            p = self._ptrs[d] = tuple(ffi.addressof(dev, f) for f in
+                                      ("memory_current", "oom_refusals", "gpu_time_ns", "throttled_ns"))
+        load = lib.vgpu_load_u64
+        return (load(p[0]), load(p[1]), load(p[2]), load(p[3]))
+
+    def all_counters(self, d) -> dict:
+        if self._u is None:
+            return dict.fromkeys(_COUNTERS, 0)
+        dev = self._u.devices[d]
+        return {f: lib.vgpu_load_u64(ffi.addressof(dev, f)) for f in _COUNTERS}
+
+    def close(self):
+        self._q = self._u = self._gen_p = None
+        self._ptrs = {}
+        # the cdata buffers keep the mmaps alive until collected; let them be
+
+
+class NodeReader:
+    """Every slice of a node directory, mapped once; new and removed slices are found
+    when the directory changes (and every RESCAN_S)."""
+
+    def __init__(self, directory):
+        self.directory = slices.node_dir(directory)
+        self.views = {}          # name -> SliceView
+        self.problems = {}       # name -> why it cannot be read
+        self._mtime = None
+        self._scanned = -math.inf
+
+    def refresh(self, now=None):
+        now = time.monotonic() if now is None else now
+        try:
+            mtime = os.stat(self.directory).st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        if mtime == self._mtime and now - self._scanned < RESCAN_S:
+            return self.views
+        self._mtime, self._scanned = mtime, now
+        found = {}               # name -> (st_dev, st_ino) of its quota file
+        node_fd = None
+        if mtime is not None:
+            try:
+                node_fd = slices._open_node(self.directory)
+            except slices.NotFound:
+                node_fd = None
+        if node_fd is None:
+            for gone in list(self.views):
+                self.views.pop(gone).close()
+            self.problems = {}
+            return self.views
+        try:
+            for entry in os.scandir(node_fd):      # as slices.list_names, one stat per slice
+                if not (slices.valid_name(entry.name) and entry.is_dir(follow_symlinks=False)):
+                    continue
+                try:
+                    st = os.stat(f"{entry.name}/{slices.QUOTA}", dir_fd=node_fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                found[entry.name] = (st.st_dev, st.st_ino)
+            for gone in set(self.views) - set(found):
+                self.views.pop(gone).close()
+            self.problems = {k: v for k, v in self.problems.items() if k in found}
+            for name, ident in sorted(found.items()):
+                v = self.views.get(name)
+                if v is not None and v.ident == ident:
+                    continue
+                if v is not None:
+                    self.views.pop(name).close()
+                try:
+                    self.views[name] = SliceView(self.directory, node_fd, name)
+                    self.problems.pop(name, None)
+                except (slices.VgpuError, OSError) as e:
+                    self.problems[name] = str(e)
+        finally:
+            os.close(node_fd)
+        return self.views
+
+
+# === the loop ===
+
+class _Dev:
+    """What the loop keeps per (slice, device): the latest few counter readings, the
+    memory and SM tracks, and when a blocked hold was last logged (per resource).  It
+    lives on the slice's SliceView, so it goes when the slice goes."""
+    __slots__ = ("ring", "oom", "sm_max", "mem", "sm", "blocked")
+
+    def __init__(self, n):
+        self.ring = collections.deque(maxlen=n)
+        self.oom = self.sm_max = self.mem = self.sm = None
+        self.blocked = {}
+
+
+def _utc():
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+class Autoscaler:
+    """One node's autoscaler.  tick() samples, decides and applies once; run() loops."""
+
+    def __init__(self, directory=None, policy=None, interval=1.0, dry_run=False, device_memory=None,
+                 use_nvml=True, log=None):
+        self.directory = slices.node_dir(directory)
+        self.policy = policy or Policy()
+        self.interval = interval
+        self.dry_run = dry_run
+        self.device_memory = device_memory
+        self.use_nvml = use_nvml
+        self.log = log or (lambda line: print(line, flush=True))
+        self.reader = NodeReader(self.directory)
+        self.decisions_total = collections.Counter()   # (name, device, resource, action) -> n
+        self.ticks = 0
+        self.last_tick_s = 0.0
+        self._capacity = {}     # device -> (bytes or None, when asked)
+        self._problems = {}     # slices that cannot be read, as last logged
+        self._lock = threading.Lock()
+        # SM use over the last SMOOTH_S (at most a sixth of the window), never under one interval
+        lookback = max(interval, min(SMOOTH_S, self.policy.window / 6))
+        self._ring = max(2, int(round(lookback / interval)) + 1)
+
+    # --- capacity ---
+
+    def memory_capacity(self, d):
+        if self.device_memory is not None:
+            return self.device_memory
+        if not self.use_nvml:
+            return None
+        cached = self._capacity.get(d)
+        if cached and (cached[0] is not None or time.monotonic() - cached[1] < 60):
+            return cached[0]
+        try:
+            cap = nvml.memory_total(d) if d < nvml.device_count() else None
+        except nvml.NvmlUnavailable:
+            cap = None
+        self._capacity[d] = (cap, time.monotonic())
+        return cap
+
+    # --- sampling ---
+
+    def _nvml_sm(self, view, d, util):
+        """SM use of an unpaced slice on device d from NVML (1/100 percent), or None."""
+        if util is None:
+            return None
+        if d not in util:
+            try:
+                util[d] = nvml.process_utilization(d, max(self.interval, 1.0))
+            except nvml.NvmlUnavailable:
+                util[d] = None
+        if util[d] is None:
+            return None
+        now = time.monotonic()
+        cached = view.host_pids
+        if cached is None or now - cached[0] > HOST_PIDS_TTL_S:
+            from .status import host_pids
+            try:
+                usage = slices.read_usage(self.directory, view.name)
+                pids = list(host_pids(usage).values()) if usage else []
+            except (slices.VgpuError, OSError):
+                pids = []
+            cached = view.host_pids = (now, pids)
+        return sum(util[d].get(p, 0) for p in cached[1]) * 100
+
+    def tick(self, now=None) -> list:
+        """Sample every slice, decide, apply.  Returns the decisions (grows, shrinks, and
+        holds that wanted a change)."""
+        t0 = time.process_time()
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            decisions = self._tick(now)
+        self.ticks += 1
+        self.last_tick_s = time.process_time() - t0
+        return decisions
+
+    def _tick(self, now):
+        pol = self.policy
+        views = self.reader.refresh(now)
+        if self.reader.problems != self._problems:
+            for name, why in sorted(self.reader.problems.items()):
+                if self._problems.get(name) != why:
+                    self.log(json.dumps({"ts": _utc(), "event": "error", "container": name, "error": why},
+                                        separators=(",", ":")))
+            self._problems = dict(self.reader.problems)
+        items = []
+        mem_alloc, sm_alloc = {}, {}     # device -> sum of the quotas of every slice on it
+        nvml_util = {} if self.use_nvml else None
+        ring = self._ring
+        for name, v in views.items():
+            if v.refresh_quota():
+                v.state = {d: st for d, st in v.state.items() if d in v.managed}
+            state = v.state
+            for d, q, mem_managed, sm_managed, mem_bounds, sm_bounds in v.rows:
+                sm_alloc[d] = sm_alloc.get(d, 0) + q.sm_max
+                if not (mem_managed or sm_managed):
+                    # no cap: count what it holds
+                    mem_alloc[d] = mem_alloc.get(d, 0) + (q.memory_max if q.memory_max != UNLIMITED
+                                                          else v.counters(d)[0])
+                    continue
+                mem, oom, gpu, thr = v.counters(d)
+                mem_alloc[d] = mem_alloc.get(d, 0) + (q.memory_max if q.memory_max != UNLIMITED else mem)
+                st = state.get(d)
+                if st is None:
+                    st = state[d] = _Dev(ring)
+                refused = 0 if st.oom is None else max(0, oom - st.oom)
+                st.oom = oom
+                if st.sm_max != q.sm_max:
+                    st.ring.clear()     # a rate across a change of the share would judge the new one by the old
+                    st.sm_max = q.sm_max
+                st.ring.append((now, gpu, thr))
+                if mem_managed:
+                    tr = st.mem
+                    tr = new_track(MEMORY, now, q.memory_max) if tr is None else \
+                        observe_values(tr, now, mem, q.memory_max, refused, pol)
+                    st.mem = tr
+                    if (tr.quota < mem_bounds.limit or tr.cold_since is not None or self._worth(tr, st, now)) \
+                            and could_change(tr, pol, now, mem_bounds.request):
+                        items.append(Item(name, d, tr, mem_bounds))
+                else:
+                    st.mem = None
+                if sm_managed:
+                    tr = st.sm
+                    if tr is None:
+                        tr = new_track(SM, now, q.sm_max)
+                    else:
+                        t_a, g_a, th_a = st.ring[0]
+                        span = (now - t_a) * 1e9
+                        use, pressure = None, 0.0
+                        if span > 0:
+                            pressure = (thr - th_a) / span
+                            if q.sm_max < SM_CAPACITY:
+                                use = int((gpu - g_a) / span * SM_CAPACITY)
+                            else:
+                                use = self._nvml_sm(v, d, nvml_util)
+                        tr = observe_values(tr, now, use, q.sm_max, pressure, pol)
+                    st.sm = tr
+                    if (tr.quota < sm_bounds.limit or tr.cold_since is not None or self._worth(tr, st, now)) \
+                            and could_change(tr, pol, now, sm_bounds.request):
+                        items.append(Item(name, d, tr, sm_bounds))
+                else:
+                    st.sm = None
+        if not items:
+            return []
+        capacity, allocated = {}, {}
+        for d, total in mem_alloc.items():
+            capacity[(d, MEMORY)], allocated[(d, MEMORY)] = self.memory_capacity(d), total
+        for d, total in sm_alloc.items():
+            capacity[(d, SM)], allocated[(d, SM)] = SM_CAPACITY, total
+        decisions = plan(items, capacity, allocated, pol, now)
+        if decisions:
+            self._apply(decisions, now)
+        return decisions
+
+    def _worth(self, tr, st, now):
+        """A slice at its limit that wants more can only be told no: judge it (and log
+        the hold) once a window, not every interval.  (Asked of slices at their limit
+        that are not shrinking.)"""
+        last = st.blocked.get(tr.resource)
+        return last is None or now - last >= self.policy.window
+
+    def _state(self, name, device):
+        v = self.reader.views.get(name)
+        return None if v is None else v.state.get(device)
+
+    def track(self, name, device, resource):
+        """The window of one slice's device and resource (None: not managed)."""
+        st = self._state(name, device)
+        return None if st is None else (st.mem if resource == MEMORY else st.sm)
+
+    # --- applying ---
+
+    def _apply(self, decisions, now):
+        by_slice = collections.defaultdict(list)
+        for dec in decisions:
+            st = self._state(dec.container, dec.device)
+            if not dec.changes:     # wanted to change, could not: logged (and counted) once a window
+                last = st.blocked.get(dec.resource) if st else None
+                if last is None or now - last >= self.policy.window:
+                    if st:
+                        st.blocked[dec.resource] = now
+                    self._emit("hold", dec, applied=False)
+                    self.decisions_total[(dec.container, dec.device, dec.resource, "hold")] += 1
+                continue
+            if st:
+                st.blocked.pop(dec.resource, None)
+            by_slice[(dec.container, dec.device)].append(dec)
+        for (name, d), decs in by_slice.items():
+            generation, error = None, None
+            if not self.dry_run:
+                # request and limit given explicitly: resize would otherwise move a request
+                # that equals the cap along with it (one number stays one number), and the
+                # floor would follow the quota up
+                kw = {}
+                for dec in decs:
+                    if dec.resource == MEMORY:
+                        kw.update(memory=dec.new, request=dec.request, limit=dec.limit)
+                    else:
+                        kw.update(sm=dec.new, sm_request=dec.request, sm_limit=dec.limit)
+                try:
+                    result = slices.resize(self.directory, name, devices=[d], capacity=self.memory_capacity, **kw)
+                    generation = result["generation"]
+                except (slices.VgpuError, OSError) as e:
+                    error = slices_error(e)
+            st = self._state(name, d)
+            for dec in decs:
+                tr = self.track(name, d, dec.resource)
+                if tr is not None:
+                    # the window restarts under the new quota (a dry run pretends, and a
+                    # failure keeps the old one: retried after the cooldown, not every interval)
+                    tr = restart(tr, dec.new if error is None and not self.dry_run else tr.quota, now)
+                    if dec.resource == MEMORY:
+                        st.mem = tr
+                    else:
+                        st.sm = tr
+                if error is None:
+                    self.decisions_total[(name, d, dec.resource, dec.action)] += 1
+                self._emit("resize" if error is None and not self.dry_run else
+                           "dry-run" if error is None else "error", dec,
+                           applied=error is None and not self.dry_run, generation=generation, error=error)
+
+    def _emit(self, event, dec, **extra):
+        rec = {"ts": _utc(), "event": event, **dec.to_json(), **{k: v for k, v in extra.items() if v is not None}}
+        self.log(json.dumps(rec, separators=(",", ":")))
+
+    # --- looping ---
+
+    def run(self, once=False, stop=None):
+        """Tick every interval until `stop` is set (or, once: until one window and the
+        cooldown have passed -- the first moment anything can be decided -- and exit)."""
+        stop = stop or threading.Event()
+        self.log(json.dumps({"ts": _utc(), "event": "start", "dir": self.directory, "interval_s": self.interval,
+                             "dry_run": self.dry_run, "policy": self.policy.to_json()}, separators=(",", ":")))
+        start = time.monotonic()
+        horizon = start + max(self.policy.window, self.policy.cooldown_s)
+        next_at = start
+        while not stop.is_set():
+            now = time.monotonic()
+            try:
+                self.tick(now)
+            except Exception as e:     # one bad moment (a file vanishing mid-read) must not end the loop
+                self.log(json.dumps({"ts": _utc(), "event": "error", "error": f"{type(e).__name__}: {e}"},
+                                    separators=(",", ":")))
+            if once and now >= horizon:
+                break
+            next_at += self.interval
+            if next_at < now:            # fell behind (a suspended machine): do not catch up
+                next_at = now + self.interval
+            if once:
+                next_at = min(next_at, max(horizon, now))
+            stop.wait(max(0.0, next_at - time.monotonic()))
+
+
+def slices_error(e) -> str:
+    hint = getattr(e, "hint", None)
+    return f"{e}; hint: {hint}" if hint else str(e)

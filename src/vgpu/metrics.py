@@ -1,0 +1,206 @@
+"""Prometheus metrics for a node's slices (`vgpu-ctl serve`, `vgpu-ctl autoscale --metrics-port`).
+
+A custom collector: every scrape reads the slice files (kept mapped, see
+vgpu.autoscale.NodeReader) and, where it is there, NVML.  Nothing is sampled between
+scrapes, so an idle exporter costs nothing.
+
+Per container and device (labels container, device):
+  vgpu_memory_used_bytes, vgpu_memory_peak_bytes        memory.current, its peak
+  vgpu_memory_quota_bytes                               memory.max (+Inf: no cap)
+  vgpu_memory_request_bytes, vgpu_memory_limit_bytes    autoscale floor and ceiling
+  vgpu_memory_oom_refusals_total                        allocations refused by the cap
+  vgpu_sm_quota_ratio, vgpu_sm_request_ratio, vgpu_sm_limit_ratio   sm.max etc. (1 = 100%)
+  vgpu_sm_used_ratio                                    SM time used since the last scrape
+                                                        (paced slices), else NVML's
+                                                        per-process utilization
+  vgpu_sm_gpu_time_seconds_total                        GPU time charged to paced launches
+  vgpu_sm_throttled_seconds_total                       time launches waited for the share
+  vgpu_launches_total                                   paced launches
+Per container: vgpu_resize_events_total (quota writes: from the file's generation, so it
+survives restarts), vgpu_processes (live processes).
+Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_used_bytes,
+  vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
+  vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
+  of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_containers.
+vgpu_nvml_up: 1 when NVML answered.  With the autoscaler: vgpu_autoscale_decisions_total
+{container,device,resource,action}, vgpu_autoscale_ticks_total,
+vgpu_autoscale_tick_cpu_seconds.
+"""
+import math
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import nvml, slices
+from .autoscale import NodeReader
+from .quantities import SHARE_FULL, UNLIMITED
+
+_CD = ["container", "device"]
+
+
+def _inf(v):
+    return math.inf if v == UNLIMITED else float(v)
+
+
+class NodeCollector:
+    """Collects a node directory's metrics on each scrape (thread-safe)."""
+
+    def __init__(self, directory=None, use_nvml=True, autoscaler=None):
+        self.directory = slices.node_dir(directory)
+        self.use_nvml = use_nvml
+        self.autoscaler = autoscaler
+        self.reader = NodeReader(self.directory)
+        self._prev = {}          # (container, device) -> (monotonic s, gpu_time_ns, sm_max)
+        self._lock = threading.Lock()
+
+    def describe(self):
+        return []                # no collect() at registration
+
+    def collect(self):
+        with self._lock:
+            return self._collect()
+
+    def _collect(self):
+        now = time.monotonic()
+        ok = False
+        nv_devices = None
+        if self.use_nvml:
+            ok, _ = nvml.available()
+            if ok:
+                try:
+                    nv_devices = nvml.devices()
+                except Exception:   # a driver going away mid-scrape: report what the files say
+                    ok = False
+        views = self.reader.refresh(now)
+
+        g = {name: GaugeMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
+            ("memory_used_bytes", "Device memory the container holds (memory.current)."),
+            ("memory_peak_bytes", "Most device memory the container has held."),
+            ("memory_quota_bytes", "The container's memory cap (memory.max); +Inf: no cap."),
+            ("memory_request_bytes", "Guaranteed memory: the autoscaler's floor."),
+            ("memory_limit_bytes", "The autoscaler's memory ceiling."),
+            ("sm_quota_ratio", "The container's share of SM time (sm.max; 1 = the whole GPU)."),
+            ("sm_request_ratio", "Guaranteed SM share: the autoscaler's floor."),
+            ("sm_limit_ratio", "The autoscaler's SM share ceiling."),
+            ("sm_used_ratio", "SM time the container used over the last interval, as a share of the GPU."),
+        )}
+        c = {name: CounterMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
+            ("memory_oom_refusals", "Allocations refused because they would exceed memory.max."),
+            ("sm_gpu_time_seconds", "GPU time charged to the container's paced launches (sm.max < 100%)."),
+            ("sm_throttled_seconds", "Time the container's launches waited for its SM share."),
+            ("launches", "Kernel launches paced against sm.max (none are counted at 100%)."),
+        )}
+        resizes = CounterMetricFamily("vgpu_resize_events", "Quota changes since the container was created "
+                                      "(resize and autoscale).", labels=["container"])
+        procs = GaugeMetricFamily("vgpu_processes", "Live processes of the container.", labels=["container"])
+        per_dev = {}
+        util_cache = {}
+
+        for name, v in sorted(views.items()):
+            v.refresh_quota()
+            resizes.add_metric([name], max(0, (v.gen - 2) // 2))
+            usage = None
+            try:
+                usage = slices.read_usage(self.directory, name)
+            except (slices.VgpuError, OSError):
+                pass
+            alive = [p for p in usage.procs if p.alive] if usage else []
+            procs.add_metric([name], len(alive))
+            hosts = None
+            for d, q in v.held:
+                if ok and nv_devices is not None and len(v.held) == slices.MAX_DEVICES and d >= len(nv_devices):
+                    continue     # a standalone quota holds every index: show the devices that exist
+                k = v.all_counters(d)
+                lab = [name, str(d)]
+                g["memory_used_bytes"].add_metric(lab, k["memory_current"])
+                g["memory_peak_bytes"].add_metric(lab, k["memory_peak"])
+                g["memory_quota_bytes"].add_metric(lab, _inf(q.memory_max))
+                g["memory_request_bytes"].add_metric(lab, _inf(q.memory_request))
+                g["memory_limit_bytes"].add_metric(lab, _inf(q.memory_limit))
+                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
+                g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
+                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
+                c["memory_oom_refusals"].add_metric(lab, k["oom_refusals"])
+                c["sm_gpu_time_seconds"].add_metric(lab, k["gpu_time_ns"] / 1e9)
+                c["sm_throttled_seconds"].add_metric(lab, k["throttled_ns"] / 1e9)
+                c["launches"].add_metric(lab, k["launches"])
+                used = None
+                prev = self._prev.get((name, d))
+                if q.sm_max < SHARE_FULL and prev and prev[2] == q.sm_max and now > prev[0]:
+                    used = max(0, k["gpu_time_ns"] - prev[1]) / ((now - prev[0]) * 1e9)
+                elif ok and usage is not None:
+                    if hosts is None:
+                        from .status import host_pids
+                        hosts = list(host_pids(usage).values())
+                    if d not in util_cache:
+                        util_cache[d] = nvml.process_utilization(d)
+                    used = sum(util_cache[d].get(h, 0) for h in hosts) / 100
+                self._prev[(name, d)] = (now, k["gpu_time_ns"], q.sm_max)
+                if used is not None:
+                    g["sm_used_ratio"].add_metric(lab, used)
+                acc = per_dev.setdefault(d, {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
+                acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
+                acc["guaranteed"] += q.guaranteed_memory
+                acc["sm"] += q.sm_max
+                acc["containers"] += 1
+        self._prev = {k: p for k, p in self._prev.items() if k[0] in views}
+
+        out = [*g.values(), *c.values(), resizes, procs]
+        dev = {name: GaugeMetricFamily(f"vgpu_device_{name}", doc, labels=["device"]) for name, doc in (
+            ("memory_quota_bytes", "Sum of the memory caps handed out on the device."),
+            ("memory_guaranteed_bytes", "Sum of the memory requests (guarantees) on the device."),
+            ("sm_quota_ratio", "Sum of the SM shares handed out on the device (1 = the whole GPU)."),
+            ("containers", "Containers holding the device."),
+        )}
+        for d, acc in sorted(per_dev.items()):
+            dev["memory_quota_bytes"].add_metric([str(d)], acc["quota"])
+            dev["memory_guaranteed_bytes"].add_metric([str(d)], acc["guaranteed"])
+            dev["sm_quota_ratio"].add_metric([str(d)], acc["sm"] / SHARE_FULL)
+            dev["containers"].add_metric([str(d)], acc["containers"])
+        out += dev.values()
+        up = GaugeMetricFamily("vgpu_nvml_up", "1 when NVML answered this scrape.")
+        up.add_metric([], 1 if ok else 0)
+        out.append(up)
+        if ok and nv_devices:
+            total = GaugeMetricFamily("vgpu_device_memory_total_bytes", "Physical memory of the device (NVML).",
+                                      labels=["device"])
+            used = GaugeMetricFamily("vgpu_device_memory_used_bytes", "Memory in use on the device, all "
+                                     "processes (NVML).", labels=["device"])
+            util = GaugeMetricFamily("vgpu_device_utilization_ratio", "Share of time the device was busy "
+                                     "(NVML).", labels=["device"])
+            info = GaugeMetricFamily("vgpu_device_info", "The device's name and UUID.",
+                                     labels=["device", "name", "uuid"])
+            for nd in nv_devices:
+                lab = [str(nd["index"])]
+                if nd["memory_total"] is not None:
+                    total.add_metric(lab, nd["memory_total"])
+                if nd["memory_used"] is not None:
+                    used.add_metric(lab, nd["memory_used"])
+                if nd["gpu_util"] is not None:
+                    util.add_metric(lab, nd["gpu_util"] / 100)
+                info.add_metric([*lab, nd["name"] or "", nd["uuid"] or ""], 1)
+            out += [total, used, util, info]
+        a = self.autoscaler
+        if a is not None:
+            dec = CounterMetricFamily("vgpu_autoscale_decisions", "Autoscale decisions (hold: wanted to change, "
+                                      "could not; counted once a window).",
+                                      labels=["container", "device", "resource", "action"])
+            for (name, d, r, action), n in sorted(a.decisions_total.items()):
+                dec.add_metric([name, str(d), r, action], n)
+            ticks = CounterMetricFamily("vgpu_autoscale_ticks", "Autoscale loop iterations.")
+            ticks.add_metric([], a.ticks)
+            cpu = GaugeMetricFamily("vgpu_autoscale_tick_cpu_seconds", "CPU time of the last loop iteration.")
+            cpu.add_metric([], a.last_tick_s)
+            out += [dec, ticks, cpu]
+        return out
+
+
+def start(directory=None, port=9400, address="0.0.0.0", use_nvml=True, autoscaler=None):
+    """Serve /metrics in a background thread; returns the HTTP server (its
+    server_port is the port, also when 0 asked for any free one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(directory, use_nvml=use_nvml, autoscaler=autoscaler))
+    httpd, _ = start_http_server(port, address, registry=registry)
+    return httpd
