@@ -195,6 +195,7 @@ def test_a_workload_short_of_memory_grows_and_succeeds_while_an_idle_one_shrinks
     node.stop()
 
     assert node.quota("idle") == slices.DeviceQuota(GiB, GiB, 4 * GiB, 10000, 10000, 10000)
+    assert node.quota("hungry").memory_request == GiB             # the floor did not follow the cap up
     assert node.quota("fixed").memory_max == 2 * GiB
     assert watcher.polls > 20 and watcher.bad == [] and watcher.worst <= A10
     log = decisions(scaler)
@@ -274,3 +275,63 @@ def test_once_and_dry_run_and_a_restart_continue_from_the_files(node):
         assert (d["event"], d["applied"], d["new"]) == ("resize", True, expect)
         assert d["reason"] == f"use < 50% of memory.max for 0.5s (peak 0 of {was})"
         assert node.quota("idle").memory_max == expect
+
+
+def poke(directory, name, **counters):
+    """Set usage counters of device 0 as the shim would (atomic stores into the mapped file)."""
+    import mmap
+    import os
+    from vgpu._region import ffi, lib
+    fd = os.open(os.path.join(directory, name, "usage"), os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, slices.USAGE_SIZE)
+    finally:
+        os.close(fd)
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
+    for k, v in counters.items():
+        lib.vgpu_store_u64(ffi.addressof(u.devices[0], k), v)
+
+
+def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp_path):
+    """In process, on a clock of its own: an operator's resize restarts the window; a usage
+    file cut short by its container crashes nothing and moves nothing; a slice whose files
+    are broken is reported once and skipped; one deleted is forgotten."""
+    import os
+    from vgpu.autoscale import RESCAN_S, Autoscaler
+    from vgpu.policy import Policy
+    d = tmp_path / "vgpu"
+    for name in ("a", "b"):
+        slices.create(d, name, {0: slices.device_quota(4 * GiB, request=GiB, limit=8 * GiB)}, overcommit=True)
+    lines = []
+    scaler = Autoscaler(d, Policy(window=2.0), interval=0.5, use_nvml=False, device_memory=24 * GiB,
+                        log=lambda line: lines.append(json.loads(line)))
+    now = 100.0
+
+    def run(seconds):
+        nonlocal now
+        out = []
+        for _ in range(int(seconds / 0.5)):
+            now += 0.5
+            out += scaler.tick(now)
+        return out
+
+    poke(d, "a", memory_current=2 * GiB)          # 50%: in band
+    poke(d, "b", memory_current=3 * GiB)
+    assert run(1.5) == []
+    slices.resize(d, "a", memory=6 * GiB)        # an operator: 2Gi of 6Gi is now cold, but the window restarts
+    assert run(1.5) == []                         # 1.5 s < 2 s under the new quota
+    (dec,) = run(1.0)
+    assert (dec.container, dec.action, dec.old, dec.new) == ("a", "shrink", 6 * GiB, 4608 * MiB)
+
+    os.truncate(d / "b" / "usage", 0)            # its container can (read-write mount): no SIGBUS, no zeros
+    assert [x for x in run(3.0) if x.container == "b"] == []
+
+    (d / "b" / "quota").unlink()
+    (d / "b" / "quota").write_bytes(b"garbage")  # a new file, broken: seen at the next re-scan
+    run(RESCAN_S + 1)
+    run(RESCAN_S + 1)
+    errors = [x for x in lines if x["event"] == "error"]
+    assert [(x["container"], "refusing it" in x["error"] or "not a vgpu file" in x["error"]) for x in errors] == \
+        [("b", True)]                             # once, not every interval
+    slices.delete(d, "a", force=True)
+    assert run(1.0) == [] and set(scaler.reader.views) == set()

@@ -1,11 +1,11 @@
 """The autoscale loop: sample every slice's usage file, keep windows, apply decisions.
 
-Every `interval` the loop reads each slice's quota generation and usage counters from
-mappings it keeps open (so a loop over 1,000 slices costs a few loads per slice, not
-file opens), turns them into samples (vgpu.policy.Sample), moves each track, asks the
-policy for decisions and applies them through slices.resize -- the code path of
-`vgpu-ctl resize`: the same locks, checks and in-place write the running shim obeys.
-Each decision is logged as one JSON line.
+Every `interval` the loop reads each slice's quota generation (from a mapping) and usage
+counters (one pread) from files it keeps open (so a loop over 1,000 slices costs a load
+and a read per slice, not file opens), turns them into samples (vgpu.policy.Sample),
+moves each track, asks the policy for decisions and applies them through slices.resize
+-- the code path of `vgpu-ctl resize`: the same locks, checks and in-place write the
+running shim obeys.  Each decision is logged as one JSON line.
 
 What lives where: quotas (and request/limit) live in the quota files; the loop keeps
 only windows in memory.  A restart loses the windows in progress: it waits one whole
@@ -25,6 +25,7 @@ import json
 import math
 import mmap
 import os
+import struct
 import threading
 import time
 
@@ -42,12 +43,25 @@ _COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_t
 
 # === reading many slices cheaply ===
 
+_DEV_SIZE = ffi.sizeof("struct vgpu_usage_device")
+_DEV_BASE = ffi.offsetof("struct vgpu_usage", "devices")
+_FIELD = {f: ffi.offsetof("struct vgpu_usage_device", f) for f in _COUNTERS}
+assert [_FIELD[f] for f in _COUNTERS] == [8 * i for i in range(len(_COUNTERS))], "usage counters moved"
+_SPAN = 8 * len(_COUNTERS)
+_UNPACK = struct.Struct("<%dQ" % len(_COUNTERS)).unpack
+
+
 class SliceView:
-    """One slice's quota and usage files, mapped read-only and kept mapped."""
+    """One slice's files, kept open: the quota mapped read-only (only the controller
+    writes it; containers mount it read-only), the usage file read with pread on a kept
+    descriptor -- never mapped, because a container can truncate its own usage file, and
+    touching a mapping beyond the end of a file is SIGBUS: that would end the node's
+    autoscaler and metrics."""
 
     def __init__(self, directory, node_fd, name):
         self.name = name
         shown = os.path.join(slices.node_dir(directory), name)
+        self._ufd = None
         cfd = slices._open_slice(node_fd, directory, name)
         try:
             qfd = slices._open_in(cfd, slices.QUOTA, slices._RO, os.path.join(shown, slices.QUOTA))
@@ -58,7 +72,6 @@ class SliceView:
                 self._qmm = mmap.mmap(qfd, slices.QUOTA_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
             finally:
                 os.close(qfd)
-            self._umm = None
             try:
                 ufd = slices._open_in(cfd, slices.USAGE, slices._RO, os.path.join(shown, slices.USAGE))
             except FileNotFoundError:
@@ -66,20 +79,20 @@ class SliceView:
             if ufd is not None:
                 try:
                     slices._check_regular(ufd, os.path.join(shown, slices.USAGE), slices.USAGE_SIZE)
-                    self._umm = mmap.mmap(ufd, slices.USAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
-                finally:
+                    magic, version, size = struct.unpack("<QII", os.pread(ufd, 16, 0))
+                    if (magic, version, size) != (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, slices.USAGE_SIZE):
+                        raise slices.BadFile(f"{os.path.join(shown, slices.USAGE)} is not a vgpu usage file of ABI "
+                                             f"version {lib.VGPU_ABI_VERSION}", "delete the container and create "
+                                             "it again")
+                except BaseException:
                     os.close(ufd)
+                    raise
+                self._ufd = ufd
         finally:
             os.close(cfd)
         self._q = ffi.cast("struct vgpu_quota *", ffi.from_buffer(self._qmm))
         self._gen_p = ffi.cast("uint64_t *", ffi.addressof(self._q, "generation"))
         self.gen = self.quota.generation
-        self._u = None
-        if self._umm is not None:
-            u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(self._umm))
-            slices._check_header(u, lib.VGPU_USAGE_MAGIC, slices.USAGE_SIZE, os.path.join(shown, slices.USAGE))
-            self._u = u
-        self._ptrs = {}
         self.state = {}          # the autoscaler's per-device state (autoscale._Dev)
         self.host_pids = None    # (when, [host pids]) for NVML's per-process view
         self._held()
@@ -108,35 +121,43 @@ class SliceView:
         self._held()
         return True
 
-    def counters(self, d):
-        """(memory_current, oom_refusals, gpu_time_ns, throttled_ns) of device d."""
-        p = self._ptrs.get(d)
-        if p is None:
-            if self._u is None:
-                return (0, 0, 0, 0)
-            dev = self._u.devices[d]
-            p = self._ptrs[d] = tuple(ffi.addressof(dev, f) for f in
-                                      ("memory_current", "oom_refusals", "gpu_time_ns", "throttled_ns"))
-        load = lib.vgpu_load_u64
-        return (load(p[0]), load(p[1]), load(p[2]), load(p[3]))
+    def read(self, d):
+        """Device d's counters, in _COUNTERS order (memory_current, memory_peak,
+        oom_refusals, launches, gpu_time_ns, throttled_ns); zeros without a usage file;
+        None when the file has been cut short (its container's doing: skip it)."""
+        if self._ufd is None:
+            return (0,) * len(_COUNTERS)
+        data = os.pread(self._ufd, _SPAN, _DEV_BASE + d * _DEV_SIZE)
+        return _UNPACK(data) if len(data) == _SPAN else None
 
-    def all_counters(self, d) -> dict:
-        if self._u is None:
-            return dict.fromkeys(_COUNTERS, 0)
-        dev = self._u.devices[d]
-        return {f: lib.vgpu_load_u64(ffi.addressof(dev, f)) for f in _COUNTERS}
+    def all_counters(self, d):
+        c = self.read(d)
+        return None if c is None else dict(zip(_COUNTERS, c))
 
     def close(self):
-        self._q = self._u = self._gen_p = None
-        self._ptrs = {}
-        # the cdata buffers keep the mmaps alive until collected; let them be
+        if self._ufd is not None:
+            os.close(self._ufd)
+            self._ufd = None
+        self._q = self._gen_p = None      # the mapping goes when its last reference does
+
+
+def _raise_open_files_limit():
+    """One descriptor per slice is kept open: let the soft limit go up to the hard one."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 class NodeReader:
-    """Every slice of a node directory, mapped once; new and removed slices are found
+    """Every slice of a node directory, opened once; new and removed slices are found
     when the directory changes (and every RESCAN_S)."""
 
     def __init__(self, directory):
+        _raise_open_files_limit()
         self.directory = slices.node_dir(directory)
         self.views = {}          # name -> SliceView
         self.problems = {}       # name -> why it cannot be read
@@ -306,13 +327,19 @@ class Autoscaler:
             state = v.state
             for d, q, mem_managed, sm_managed, mem_bounds, sm_bounds in v.rows:
                 sm_alloc[d] = sm_alloc.get(d, 0) + q.sm_max
+                if q.memory_max != UNLIMITED:
+                    mem_alloc[d] = mem_alloc.get(d, 0) + q.memory_max
                 if not (mem_managed or sm_managed):
-                    # no cap: count what it holds
-                    mem_alloc[d] = mem_alloc.get(d, 0) + (q.memory_max if q.memory_max != UNLIMITED
-                                                          else v.counters(d)[0])
+                    if q.memory_max == UNLIMITED:    # no cap: count what it holds
+                        c = v.read(d)
+                        mem_alloc[d] = mem_alloc.get(d, 0) + (c[0] if c else 0)
                     continue
-                mem, oom, gpu, thr = v.counters(d)
-                mem_alloc[d] = mem_alloc.get(d, 0) + (q.memory_max if q.memory_max != UNLIMITED else mem)
+                c = v.read(d)
+                if c is None:
+                    continue            # usage file cut short: no sample (its windows wait)
+                mem, _, oom, _, gpu, thr = c
+                if q.memory_max == UNLIMITED:
+                    mem_alloc[d] = mem_alloc.get(d, 0) + mem
                 st = state.get(d)
                 if st is None:
                     st = state[d] = _Dev(ring)
@@ -398,9 +425,13 @@ class Autoscaler:
             if st:
                 st.blocked.pop(dec.resource, None)
             by_slice[(dec.container, dec.device)].append(dec)
-        for (name, d), decs in by_slice.items():
+        failed_shrinks = set()      # (device, resource): grows may have counted on what they free
+        for (name, d), decs in sorted(by_slice.items(), key=lambda kv: any(x.action == "grow" for x in kv[1])):
             generation, error = None, None
-            if not self.dry_run:
+            if any(x.action == "grow" and (d, x.resource) in failed_shrinks for x in decs):
+                error = "not applied: a shrink on the device that this grow counted on failed; hint: retried " \
+                        "after the cooldown"
+            elif not self.dry_run:
                 # request and limit given explicitly: resize would otherwise move a request
                 # that equals the cap along with it (one number stays one number), and the
                 # floor would follow the quota up
@@ -415,6 +446,7 @@ class Autoscaler:
                     generation = result["generation"]
                 except (slices.VgpuError, OSError) as e:
                     error = slices_error(e)
+                    failed_shrinks |= {(d, x.resource) for x in decs if x.action == "shrink"}
             st = self._state(name, d)
             for dec in decs:
                 tr = self.track(name, d, dec.resource)

@@ -1,6 +1,6 @@
 """Prometheus metrics for a node's slices (`vgpu-ctl serve`, `vgpu-ctl autoscale --metrics-port`).
 
-A custom collector: every scrape reads the slice files (kept mapped, see
+A custom collector: every scrape reads the slice files (kept open, see
 vgpu.autoscale.NodeReader) and, where it is there, NVML.  Nothing is sampled between
 scrapes, so an idle exporter costs nothing.
 
@@ -112,16 +112,23 @@ class NodeCollector:
             for d, q in v.held:
                 if ok and nv_devices is not None and len(v.held) == slices.MAX_DEVICES and d >= len(nv_devices):
                     continue     # a standalone quota holds every index: show the devices that exist
-                k = v.all_counters(d)
                 lab = [name, str(d)]
-                g["memory_used_bytes"].add_metric(lab, k["memory_current"])
-                g["memory_peak_bytes"].add_metric(lab, k["memory_peak"])
                 g["memory_quota_bytes"].add_metric(lab, _inf(q.memory_max))
                 g["memory_request_bytes"].add_metric(lab, _inf(q.memory_request))
                 g["memory_limit_bytes"].add_metric(lab, _inf(q.memory_limit))
                 g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
                 g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
                 g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
+                acc = per_dev.setdefault(d, {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
+                acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
+                acc["guaranteed"] += q.guaranteed_memory
+                acc["sm"] += q.sm_max
+                acc["containers"] += 1
+                k = v.all_counters(d)
+                if k is None:
+                    continue     # its usage file was cut short: no counters rather than wrong ones
+                g["memory_used_bytes"].add_metric(lab, k["memory_current"])
+                g["memory_peak_bytes"].add_metric(lab, k["memory_peak"])
                 c["memory_oom_refusals"].add_metric(lab, k["oom_refusals"])
                 c["sm_gpu_time_seconds"].add_metric(lab, k["gpu_time_ns"] / 1e9)
                 c["sm_throttled_seconds"].add_metric(lab, k["throttled_ns"] / 1e9)
@@ -140,11 +147,6 @@ class NodeCollector:
                 self._prev[(name, d)] = (now, k["gpu_time_ns"], q.sm_max)
                 if used is not None:
                     g["sm_used_ratio"].add_metric(lab, used)
-                acc = per_dev.setdefault(d, {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
-                acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
-                acc["guaranteed"] += q.guaranteed_memory
-                acc["sm"] += q.sm_max
-                acc["containers"] += 1
         self._prev = {k: p for k, p in self._prev.items() if k[0] in views}
 
         out = [*g.values(), *c.values(), resizes, procs]

@@ -237,8 +237,9 @@ def decide(track: Track, bounds: Bounds, policy: Policy, now) -> Want:
         # use of the hot streak; after a refusal, at least the quota) would sit below the
         # low mark -- else a steady load could be grown and then shrunk back
         demand = max(q, track.hot_low if hot else 0) if oom else track.hot_low
-        base = min(base, max(int(demand / ((policy.low + policy.target) / 2)), q + a))
-        new = min(bounds.limit, max(_align_up(base, a), q + 1))
+        cap = max(int(demand / ((policy.low + policy.target) / 2)), q + 1)
+        # rounded up to whole MiB / percent, unless that would pass the cap (tiny quotas)
+        new = min(bounds.limit, max(min(_align_up(min(base, cap), a), cap), q + 1))
         return Want("grow", new, reason)
     cold = track.cold_since is not None and track.cold_since <= w
     if cold:
