@@ -30,3 +30,30 @@ def sim_env(state_dir, **extra):
     env.update(sim_environment("a10", 1, str(state_dir), base_env=env))
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def _flatten(prefix, value, rows):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix} / {k}" if prefix else str(k), v, rows)
+    elif isinstance(value, (list, tuple)):
+        rows.append((prefix, "  ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in value)))
+    else:
+        rows.append((prefix, f"{value:.3g}" if isinstance(value, float) else str(value)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """All figures of the run in one table (the same as in the saved JSON's extra_info)."""
+    session = getattr(config, "_benchmarksession", None)
+    benchmarks = getattr(session, "benchmarks", None) or []
+    rows = []
+    for b in benchmarks:
+        name = b.name.replace("test_", "", 1)
+        for key, value in (b.extra_info or {}).items():
+            _flatten(f"{name}: {key}", value, rows)
+    if not rows:
+        return
+    width = max(len(r[0]) for r in rows)
+    terminalreporter.write_sep("=", "vgpu benchmark figures (one run, side by side on simgpu)")
+    for label, value in rows:
+        terminalreporter.write_line(f"{label:<{width}}  {value}")
