@@ -182,3 +182,18 @@ def test_two_controllers_resizing_at_once_never_leave_a_torn_quota(tmp_path):
     assert final.generation == 2 + 2 * 2000      # every write changed something: each bumped it by 2
     assert final.devices[0].sm_max == share_of[final.devices[0].memory_max]
     assert consistent > 0
+
+
+def test_resize_with_an_expected_generation_loses_to_a_change_made_in_between(tmp_path):
+    """The autoscaler decides from generation g and writes only if the quota is still g,
+    so an operator's resize in between is never overwritten."""
+    make(tmp_path, "c1", memory=GiB)
+    g = slices.read_quota(tmp_path, "c1").generation
+    slices.resize(tmp_path, "c1", memory=3 * GiB, overcommit=True)          # the operator
+    with pytest.raises(slices.Changed):
+        slices.resize(tmp_path, "c1", memory=2 * GiB, overcommit=True, expect_generation=g)
+    q = slices.read_quota(tmp_path, "c1")
+    assert q.devices[0].memory_max == 3 * GiB
+    result = slices.resize(tmp_path, "c1", memory=2 * GiB, overcommit=True, expect_generation=q.generation)
+    assert result["generation"] == q.generation + 2
+    assert slices.read_quota(tmp_path, "c1").devices[0].memory_max == 2 * GiB

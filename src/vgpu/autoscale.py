@@ -426,6 +426,8 @@ class Autoscaler:
                 st.blocked.pop(dec.resource, None)
             by_slice[(dec.container, dec.device)].append(dec)
         failed_shrinks = set()      # (device, resource): grows may have counted on what they free
+        # the generation each slice's decisions were made at (moved on by our own resizes)
+        expected = {name: v.gen for name, v in self.reader.views.items()}
         for (name, d), decs in sorted(by_slice.items(), key=lambda kv: any(x.action == "grow" for x in kv[1])):
             generation, error = None, None
             if any(x.action == "grow" and (d, x.resource) in failed_shrinks for x in decs):
@@ -442,8 +444,11 @@ class Autoscaler:
                     else:
                         kw.update(sm=dec.new, sm_request=dec.request, sm_limit=dec.limit)
                 try:
-                    result = slices.resize(self.directory, name, devices=[d], capacity=self.memory_capacity, **kw)
-                    generation = result["generation"]
+                    # only if the quota is still the one decided on: an operator's resize
+                    # in between wins, and the next interval decides from it
+                    result = slices.resize(self.directory, name, devices=[d], capacity=self.memory_capacity,
+                                           expect_generation=expected.get(name), **kw)
+                    generation = expected[name] = result["generation"]
                 except (slices.VgpuError, OSError) as e:
                     error = slices_error(e)
                     failed_shrinks |= {(d, x.resource) for x in decs if x.action == "shrink"}

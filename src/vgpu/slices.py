@@ -87,6 +87,10 @@ class CapacityUnknown(VgpuError):
     pass
 
 
+class Changed(VgpuError):
+    """The quota moved on since the caller read it (a compare-and-swap that lost)."""
+
+
 def _permission(path, action):
     return VgpuError(f"cannot {action} {path}: permission denied",
                      "run as root, or point --dir / VGPU_DIR at a directory you can write")
@@ -625,7 +629,7 @@ def delete(directory, name, force=False) -> dict:
 # === resize ===
 
 def resize(directory, name, devices=None, memory=None, sm=None, request=None, limit=None,
-           sm_request=None, sm_limit=None, overcommit=False, capacity=None) -> dict:
+           sm_request=None, sm_limit=None, overcommit=False, capacity=None, expect_generation=None) -> dict:
     """Change a slice's quota in place (devices: indices, default every device it holds).
 
     Request and limit follow the cap while they equal it, so a slice created with one
@@ -643,6 +647,10 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
         with _fd(fd):
             fcntl.flock(fd, fcntl.LOCK_EX)
             current = _read_quota_fd(fd, shown)
+            if expect_generation is not None and current.generation != expect_generation:
+                # someone (an operator's resize) changed it after the caller decided
+                raise Changed(f"container {name}'s quota changed (generation {expect_generation} -> "
+                              f"{current.generation}) since it was read", "decide again from the new quota")
             held = current.held()
             targets = held if devices is None else list(devices)
             for d in targets:
