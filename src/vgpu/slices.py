@@ -394,7 +394,13 @@ class Usage:
 def _read_usage_fd(fd, shown) -> Usage:
     _check_regular(fd, shown, USAGE_SIZE)
     st = os.fstat(fd)
-    with _mapped(fd, "struct vgpu_usage", USAGE_SIZE, writable=False) as u:
+    # a copy, not a mapping: the file is writable from inside the container, and a mapping
+    # of a file truncated under us would kill this process with SIGBUS
+    data = os.pread(fd, USAGE_SIZE, 0)
+    if len(data) < USAGE_SIZE:
+        raise BadFile(f"{shown} is truncated ({len(data)} bytes, need {USAGE_SIZE})",
+                      "the container's processes recreate it; `vgpu-ctl delete` and `create` resets it")
+    with contextlib.nullcontext(ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))) as u:
         _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
         devices = {d: {c: getattr(u.devices[d], c) for c in _USAGE_COUNTERS} for d in range(MAX_DEVICES)}
         procs = []
