@@ -106,9 +106,8 @@ static const struct hook nvml_hooks[] = {VGPU_NVML_HOOKS(AS_NVML_HOOK)};
 
 enum mode { MODE_PASS, MODE_ENFORCE, MODE_DENY };
 #define LOCK_BASE (1ll << 40)   /* usage slot i is owned by an OFD lock on this byte + i */
-#define KEY_PTR 0ull            /* allocation table key spaces (top two bits) */
-#define KEY_VMM (1ull << 62)
-#define KEY_ARRAY (2ull << 62)
+#define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
+#define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings) */
 #define TABLE_BITS 20
 #define TABLE_SIZE (1u << TABLE_BITS)
 #define TOMBSTONE 1ull
@@ -1188,11 +1187,11 @@ SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 #define SAMPLE_EVERY 64
 #define SAMPLE_AGE_NS 50000000ull      /* ... or when the last sample is older than this */
 #define MAX_SAMPLES 16
-#define ESTIMATES 4096
+#define ESTIMATE_BITS 12
 #define CORR_ONE 65536ull
 
 struct estimate { uint64_t key, ns, sampled_at; uint32_t launches, sampling; };
-static struct estimate estimates[ESTIMATES];   /* per process; races only blur an average */
+static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
 static uint64_t typical_ns;                    /* for launches not measured yet */
 
 /* busy: 0 free, 1 being started, 2 in flight, 3 being read.  A slot keeps its two events
@@ -1259,7 +1258,7 @@ static void flush_counters(void)
 
 static struct estimate *estimate_for(uint64_t key)
 {
-    return &estimates[(key * 0x9E3779B97F4A7C15ull) >> (64 - 12)];
+    return &estimates[(key * 0x9E3779B97F4A7C15ull) >> (64 - ESTIMATE_BITS)];
 }
 
 static void learn(uint64_t key, uint64_t ns)
