@@ -12,7 +12,6 @@ import shutil
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

@@ -100,7 +100,7 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
                  for _ in range(32)]
         inits = [float(p.communicate()[0].split()[0].split("=")[1]) for p in procs]
         results[name] = (statistics.median(inits), max(inits), time.monotonic() - t)
-    print(f"\n32 processes at once   median cuInit   max cuInit   all done")
+    print("\n32 processes at once   median cuInit   max cuInit   all done")
     for name, (med, mx, wall) in results.items():
         print(f"{name + ' shim':22} {med / 1000:10.0f} us {mx / 1000:9.0f} us {wall:8.2f} s")
     benchmark.extra_info.update({f"{k}_median_init_us": v[0] / 1000 for k, v in results.items()})
@@ -110,7 +110,6 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
 def test_memory_cap_under_a_16_process_storm(tmp_path, bench_program, benchmark):
     """16 processes allocate and free random sizes for 5 s against a 2 GiB cap; a sampler
     outside the container (simgpu's NVML) records the most the device ever held."""
-    from vgpu._region import ffi   # noqa: F401  (the sampler reads the usage file itself)
     programs = ROOT / "tests" / "programs"
     storm, sampler_exe = bench_program("shim_storm", programs), bench_program("shim_sampler", programs)
     node, vdir = tmp_path / "storm-node", tmp_path / "storm-vgpu"

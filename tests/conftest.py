@@ -75,3 +75,19 @@ def c_program(tmp_path_factory):
         return built[name]
 
     return build
+
+
+def write_usage_counters(directory, name, device=0, **counters):
+    """Set a slice's usage counters on `device` as the shim does (atomic stores into the
+    mapped file): lets controller tests stage any usage without a workload."""
+    import mmap
+
+    from vgpu._region import ffi, lib
+    fd = os.open(os.path.join(directory, name, "usage"), os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, ffi.sizeof("struct vgpu_usage"))
+    finally:
+        os.close(fd)
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
+    for k, v in counters.items():
+        lib.vgpu_store_u64(ffi.addressof(u.devices[device], k), v)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
+from conftest import make_sim_env, write_usage_counters
 from vgpu import slices
 from vgpu.paths import SHIM
 
@@ -277,19 +277,6 @@ def test_once_and_dry_run_and_a_restart_continue_from_the_files(node):
         assert node.quota("idle").memory_max == expect
 
 
-def poke(directory, name, **counters):
-    """Set usage counters of device 0 as the shim would (atomic stores into the mapped file)."""
-    import mmap
-    import os
-    from vgpu._region import ffi, lib
-    fd = os.open(os.path.join(directory, name, "usage"), os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, slices.USAGE_SIZE)
-    finally:
-        os.close(fd)
-    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
-    for k, v in counters.items():
-        lib.vgpu_store_u64(ffi.addressof(u.devices[0], k), v)
 
 
 def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp_path):
@@ -315,8 +302,8 @@ def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp
             out += scaler.tick(now)
         return out
 
-    poke(d, "a", memory_current=2 * GiB)          # 50%: in band
-    poke(d, "b", memory_current=3 * GiB)
+    write_usage_counters(d, "a", memory_current=2 * GiB)          # 50%: in band
+    write_usage_counters(d, "b", memory_current=3 * GiB)
     assert run(1.5) == []
     slices.resize(d, "a", memory=6 * GiB)        # an operator: 2Gi of 6Gi is now cold, but the window restarts
     assert run(1.5) == []                         # 1.5 s < 2 s under the new quota

@@ -1,7 +1,5 @@
 """Prometheus metrics (`vgpu-ctl serve`, `autoscale --metrics-port`), scraped over HTTP on
 loopback and parsed with prometheus_client's own parser."""
-import mmap
-import os
 import re
 import select
 import subprocess
@@ -13,9 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_sim_env
+from conftest import make_sim_env, write_usage_counters
 from vgpu import metrics, slices
-from vgpu._region import ffi, lib
 from vgpu.paths import SHIM
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -34,16 +31,6 @@ def scrape(port):
     return fams, values
 
 
-def poke(directory, name, device=0, **counters):
-    """Write usage counters as the shim would (atomic stores into the mapped file)."""
-    fd = os.open(os.path.join(directory, name, "usage"), os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, slices.USAGE_SIZE)
-    finally:
-        os.close(fd)
-    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
-    for k, v in counters.items():
-        lib.vgpu_store_u64(ffi.addressof(u.devices[device], k), v)
 
 
 def cd(container, device=0):
@@ -72,7 +59,7 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
     slices.create(d, "notebook", {0: slices.device_quota()}, overcommit=True)      # no cap at all
     slices.resize(d, "train", memory=11 * GiB, request=8 * GiB, limit=12 * GiB, overcommit=True)
     slices.resize(d, "train", sm=6000, sm_request=2500, sm_limit=7500, overcommit=True)
-    poke(d, "train", memory_current=3 * GiB, memory_peak=4 * GiB, oom_refusals=2, launches=1234,
+    write_usage_counters(d, "train", memory_current=3 * GiB, memory_peak=4 * GiB, oom_refusals=2, launches=1234,
          gpu_time_ns=5_500_000_000, throttled_ns=1_250_000_000)
     port = server(d)
 
@@ -103,7 +90,7 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
     assert ("vgpu_sm_used_ratio", cd("train")) not in v       # no earlier scrape, no NVML: not known yet
 
     # SM use: GPU time charged between two scrapes over the time between them
-    poke(d, "train", gpu_time_ns=5_500_000_000 + 300_000_000)
+    write_usage_counters(d, "train", gpu_time_ns=5_500_000_000 + 300_000_000)
     time.sleep(0.5)
     t2 = time.monotonic()
     _, v = scrape(port)

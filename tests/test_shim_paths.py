@@ -4,7 +4,6 @@
 PyTorch and cuda-python use), 4. NVML via dlopen + dlsym — plus NVIDIA's own clients
 (cuda-bindings, pynvml, the real libcudart) and the recorded cudart request sequence.
 """
-import ctypes
 import re
 import subprocess
 from pathlib import Path

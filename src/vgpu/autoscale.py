@@ -354,8 +354,7 @@ class Autoscaler:
                     tr = new_track(MEMORY, now, q.memory_max) if tr is None else \
                         observe_values(tr, now, mem, q.memory_max, refused, pol)
                     st.mem = tr
-                    if (tr.quota < mem_bounds.limit or tr.cold_since is not None or self._worth(tr, st, now)) \
-                            and could_change(tr, pol, now, mem_bounds.request):
+                    if self._candidate(tr, st, mem_bounds, pol, now):
                         items.append(Item(name, d, tr, mem_bounds))
                 else:
                     st.mem = None
@@ -375,8 +374,7 @@ class Autoscaler:
                                 use = self._nvml_sm(v, d, nvml_util)
                         tr = observe_values(tr, now, use, q.sm_max, pressure, pol)
                     st.sm = tr
-                    if (tr.quota < sm_bounds.limit or tr.cold_since is not None or self._worth(tr, st, now)) \
-                            and could_change(tr, pol, now, sm_bounds.request):
+                    if self._candidate(tr, st, sm_bounds, pol, now):
                         items.append(Item(name, d, tr, sm_bounds))
                 else:
                     st.sm = None
@@ -391,6 +389,12 @@ class Autoscaler:
         if decisions:
             self._apply(decisions, now)
         return decisions
+
+    def _candidate(self, tr, st, bounds, pol, now):
+        """Worth asking the policy about: below its limit, cooling down, or (at its limit
+        and still wanting more) due for its once-a-window hold."""
+        return (tr.quota < bounds.limit or tr.cold_since is not None or self._worth(tr, st, now)) \
+            and could_change(tr, pol, now, bounds.request)
 
     def _worth(self, tr, st, now):
         """A slice at its limit that wants more can only be told no: judge it (and log
