@@ -775,3 +775,61 @@ def serve(port, address, directory):
     click.echo(f"serving metrics on http://{address}:{httpd.server_port}/metrics", err=True)
     _until_signalled(threading.Event())
     httpd.shutdown()
+
+
+@main.command("k8s-plugin")
+@click.option("--node-name", envvar="NODE_NAME", required=True,
+              help="This node's name: the ResourceSlice's nodeName and pool [env: NODE_NAME].")
+@click.option("--driver-name", envvar="VGPU_DRIVER_NAME", default="vgpu.dev", show_default=True,
+              help="The DRA driver name (DeviceClass selectors, CDI vendor) [env: VGPU_DRIVER_NAME].")
+@click.option("--plugin-dir", type=click.Path(file_okay=False),
+              help="Where dra.sock and the checkpoint live [default: /var/lib/kubelet/plugins/DRIVER].")
+@click.option("--registry-dir", type=click.Path(file_okay=False), default="/var/lib/kubelet/plugins_registry",
+              show_default=True, help="The kubelet's plugin registration directory (DRIVER-reg.sock).")
+@click.option("--cdi-dir", type=click.Path(file_okay=False), default="/var/run/cdi", show_default=True,
+              help="Where the container runtime reads CDI specs.")
+@click.option("--shim-dir", type=click.Path(file_okay=False), envvar="VGPU_SHIM_DIR", required=True,
+              help="Host directory made by `vgpu-ctl install-shim` [env: VGPU_SHIM_DIR].")
+@click.option("--ld-so-preload", is_flag=True,
+              help="Load the shim through the container's /etc/ld.so.preload instead of LD_PRELOAD.")
+@click.option("--gpu-cdi-device", default="nvidia.com/gpu=all", show_default=True,
+              help="A CDI device returned with every vgpu device, giving the container the GPU device nodes "
+                   "and driver libraries (NVIDIA container toolkit's spec); '' for none.")
+@click.option("--lend-memory", is_flag=True,
+              help="Let autoscale grow a slice's memory into memory no claim holds (given back when a claim "
+                   "is prepared, but only as its holder frees it).  SM share is always lent.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), envvar="KUBECONFIG",
+              help="Kubeconfig to reach the API server [default: the pod's service account].")
+@click.option("--rescan", type=DURATION, default="30s", show_default=True,
+              help="How often to look for GPUs that appeared or vanished.")
+@dir_option
+def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, shim_dir, ld_so_preload, gpu_cdi_device,
+               lend_memory, kubeconfig, rescan, directory):
+    """Run the Kubernetes DRA driver for this node (a DaemonSet's container).
+
+    Publishes this node's GPUs as one ResourceSlice (resource.k8s.io/v1, consumable
+    `memory` and `sm` capacity), registers with the kubelet, and serves its DRA gRPC API:
+    preparing a claim creates a slice with what the scheduler allocated and a CDI spec
+    that mounts the shim and the slice's files into the pod; unpreparing removes both.
+
+    \b
+    Example (what deploy/dra/daemonset.yaml runs):
+      vgpu-ctl k8s-plugin --node-name "$NODE_NAME" --shim-dir /opt/vgpu
+    """
+    import signal
+    import threading
+    from .k8s import agent
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    config = agent.Config(node_name=node_name, driver_name=driver_name,
+                          plugin_dir=plugin_dir or agent.default_plugin_dir(driver_name),
+                          registry_dir=registry_dir, cdi_dir=cdi_dir, slice_dir=slices.node_dir(directory),
+                          shim_dir=shim_dir, ld_so_preload=ld_so_preload,
+                          gpu_cdi_devices=[gpu_cdi_device] if gpu_cdi_device else [],
+                          lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan)
+    try:
+        agent.run(config, stop, log=lambda line: click.echo(line, err=True))
+    except agent.AgentError as e:
+        raise click.ClickException(_line(e)) from None
+    except KeyboardInterrupt:
+        pass

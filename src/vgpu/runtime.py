@@ -65,7 +65,8 @@ def mounts(name, paths, shim, preload_file=None) -> list:
         ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
-def _container_variables(name, preload_file) -> dict:
+def container_variables(name, preload_file) -> dict:
+    """The variables inside a container whose files are mounted as `mounts` says."""
     v = variables(name, CONTAINER_DIR, CONTAINER_SHIM)
     if preload_file:   # the loader loads the shim; the image's own LD_PRELOAD stays as it is
         del v["LD_PRELOAD"]
@@ -78,7 +79,7 @@ def docker(name, paths, shim, preload_file=None) -> list:
     args = ["--gpus", "all"]
     for host, inside, ro in mounts(name, paths, shim, preload_file):
         args += ["-v", f"{host}:{inside}:{'ro' if ro else 'rw'}"]
-    for k, v in _container_variables(name, preload_file).items():
+    for k, v in container_variables(name, preload_file).items():
         args += ["-e", f"{k}={v}"]
     return args
 
@@ -88,7 +89,7 @@ def k8s(name, paths, shim, preload_file=None) -> dict:
     names = ["vgpu-shim", "vgpu-quota", "vgpu-usage", "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
-        "env": [{"name": k, "value": v} for k, v in _container_variables(name, preload_file).items()],
+        "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file).items()],
         "volumeMounts": [{"name": n, "mountPath": inside, "readOnly": ro}
                          for n, (_, inside, ro) in zip(names, ms)],
         "volumes": [{"name": n, "hostPath": {"path": host, "type": "File"}} for n, (host, _, _) in zip(names, ms)],

@@ -11,6 +11,7 @@ import sys
 import zipfile
 
 REQUIRED = ("vgpu/_lib/libvgpu.so", "vgpu/_lib/simgpu/libcuda.so.1", "vgpu/_lib/simgpu/libnvidia-ml.so.1")
+STUBS = ("vgpu/k8s/protos/dra_v1_pb2.py", "vgpu/k8s/protos/pluginregistration_v1_pb2_grpc.py")   # the DRA driver's
 
 
 def glibc_floor(elf: bytes) -> str:
@@ -23,6 +24,7 @@ def check(path) -> list:
     problems, lines = [], []
     with zipfile.ZipFile(path) as zf:
         names = set(zf.namelist())
+        problems += [f"{member} missing" for member in STUBS if member not in names]
         for member in REQUIRED:
             if member not in names:
                 problems.append(f"{member} missing")

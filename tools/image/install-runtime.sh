@@ -29,7 +29,7 @@ fi
 if [ ! -x "$prefix/bin/python" ]; then
     "$python" -m venv "$prefix"
 fi
-"$prefix/bin/python" -m pip install "$@" "${wheels[0]}"
+"$prefix/bin/python" -m pip install "$@" "${wheels[0]}[k8s]"
 prefix=$(cd "$prefix" && pwd -P)
 
 # the checks the image is worth: the command runs, and the shim it would install is there
@@ -41,3 +41,5 @@ case "$shim" in
 esac
 test -f "$shim"
 echo "shim: $shim"
+"$prefix/bin/python" -c "import vgpu.k8s.agent, vgpu.k8s.plugin"
+echo "k8s-plugin: loads"

@@ -1,0 +1,161 @@
+"""The node agent's main loop: publish the GPUs, serve the kubelet, keep both current.
+
+Fail closed where a mistake would break isolation or lose claims (a checkpoint that
+cannot be read, a socket another agent holds, no GPUs to publish: refuse to start);
+carry on where the next round repairs it (the API server unreachable: logged and
+retried every --rescan, the kubelet's calls keep working).
+"""
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .. import install, slices
+from . import checkpoint, resourceslice
+
+
+class AgentError(slices.VgpuError):
+    pass
+
+
+def default_plugin_dir(driver_name: str) -> str:
+    """Where the kubelet expects a DRA driver's own socket."""
+    return f"/var/lib/kubelet/plugins/{driver_name}"
+
+
+@dataclass
+class Config:
+    node_name: str
+    driver_name: str = "vgpu.dev"
+    plugin_dir: str = "/var/lib/kubelet/plugins/vgpu.dev"
+    registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    cdi_dir: str = "/var/run/cdi"
+    slice_dir: str = slices.DEFAULT_DIR
+    shim_dir: str = "/opt/vgpu"
+    ld_so_preload: bool = False
+    gpu_cdi_devices: list = field(default_factory=list)
+    lend_memory: bool = False
+    kubeconfig: str = None
+    rescan: float = 30.0
+
+    @property
+    def dra_socket(self):
+        return os.path.join(self.plugin_dir, "dra.sock")
+
+    @property
+    def registration_socket(self):
+        return os.path.join(self.registry_dir, f"{self.driver_name}-reg.sock")
+
+
+def api_client(kubeconfig=None):
+    """An ApiClient of its own (the kubernetes package's global default is left alone)."""
+    from kubernetes import client, config
+    configuration = client.Configuration()
+    try:
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+    except (config.ConfigException, OSError) as e:
+        raise AgentError(f"cannot configure the Kubernetes client: {e}",
+                         "run it in a pod with a service account, or pass --kubeconfig") from None
+    return client.ApiClient(configuration)
+
+
+def claim_reader(api):
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    resource = client.ResourceV1Api(api)
+
+    def read(namespace, name):
+        try:
+            return api.sanitize_for_serialization(resource.read_namespaced_resource_claim(name, namespace))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise OSError(f"reading ResourceClaim {namespace}/{name}: API server said {e.status} {e.reason}") \
+                from None
+    return read
+
+
+def _shim_files(config):
+    shim = os.path.join(os.path.abspath(config.shim_dir), install.SHIM_NAME)
+    if not os.path.isfile(shim):
+        raise AgentError(f"no shim in {config.shim_dir}", f"vgpu-ctl install-shim {config.shim_dir}")
+    preload = None
+    if config.ld_so_preload:
+        preload = os.path.join(os.path.abspath(config.shim_dir), install.PRELOAD_NAME)
+        if not os.path.isfile(preload):
+            raise AgentError(f"no {install.PRELOAD_NAME} in {config.shim_dir}",
+                             f"vgpu-ctl install-shim {config.shim_dir} --preload-file")
+    return shim, preload
+
+
+def _gpus():
+    from .. import nvml
+    try:
+        return resourceslice.inventory()
+    except nvml.NvmlUnavailable as e:
+        raise AgentError(f"cannot list this node's GPUs: {e}",
+                         "run on a GPU node with the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES=all)") from None
+
+
+def _logger(log):
+    return lambda event: log(json.dumps({"time": round(time.time(), 3), **event}))
+
+
+def _require_extras():
+    import importlib.util
+
+    def absent(module):
+        try:
+            return importlib.util.find_spec(module) is None
+        except ModuleNotFoundError:    # its parent package is missing
+            return True
+    missing = [m for m in ("grpc", "kubernetes", "google.protobuf") if absent(m)]
+    if missing:
+        raise AgentError(f"the DRA driver needs the k8s extra ({', '.join(missing)} missing)",
+                         "pip install 'vgpu[k8s]'")
+
+
+def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flush=True), api=None):
+    """Serve until `stop` (a threading.Event) is set."""
+    _require_extras()
+    from . import plugin
+    from .driver import Driver
+    emit = _logger(log)
+    shim, preload = _shim_files(config)
+    gpus = _gpus()
+    if not gpus:
+        raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
+    api = api or api_client(config.kubeconfig)
+    try:
+        driver = Driver(config.driver_name, config.node_name, config.plugin_dir, config.cdi_dir, config.slice_dir,
+                        shim, preload, claim_reader(api), lambda: gpus, gpu_cdi_devices=config.gpu_cdi_devices,
+                        lend_memory=config.lend_memory, log=emit)
+    except checkpoint.CheckpointError as e:
+        raise AgentError(str(e), e.hint) from None
+    publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit)
+    try:
+        servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit)
+    except plugin.SocketBusy as e:
+        raise AgentError(str(e), "stop the other agent first") from None
+    emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
+          "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,
+          "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims)})
+    try:
+        while True:
+            try:
+                publisher.sync(gpus)
+            except Exception as e:   # the API server is down or refused: the next round retries
+                emit({"event": "publish_failed", "error": f"{type(e).__name__}: {e}"[:500]})
+            if stop.wait(config.rescan):
+                break
+            try:
+                gpus[:] = _gpus()    # GPUs that appeared or vanished (the driver reads the same list)
+            except AgentError as e:
+                emit({"event": "rescan_failed", "error": str(e)})
+    finally:
+        servers.stop()
+        emit({"event": "stopped"})

@@ -1,0 +1,215 @@
+"""Preparing and unpreparing ResourceClaims on this node: claims become slices.
+
+A claim's devices from this driver become ONE slice (one VGPU_CONTAINER per container),
+named by the share ID of its first device -- for the usual one-GPU claim, exactly its
+share ID.  Each device's quota is what the scheduler allocated (consumedCapacity; a
+device allocated without it is taken whole): memory.max = memory.request = the bytes,
+sm.max = sm.request = the percent, so the shim enforces the scheduler's numbers.
+
+Lending (the scheduler's accounting is fixed at allocation): sm.limit is 100%, so the
+autoscaler may grow a throttled slice's SM share into time no claim holds; memory.limit
+is the claim's memory unless lend_memory.  When a claim is prepared on a GPU, every
+slice there that grew above its request is set back to it first, so the new claim finds
+the capacity the scheduler promised it.  SM time comes back at once; lent memory comes
+back only as its holder frees it (why memory is not lent by default).
+
+Everything is serialised by one lock and recorded in the checkpoint before it exists
+on disk, so a restarted agent unprepares what it prepared.  Errors for one claim are
+that claim's error string (the kubelet retries); the others proceed.
+"""
+import os
+import threading
+
+from .. import slices
+from ..quantities import SHARE_FULL, format_memory
+from . import cdi, checkpoint
+
+
+class ClaimError(Exception):
+    """Why one claim cannot be prepared, as the kubelet (and `kubectl describe pod`) shows it."""
+
+
+def _quantity(value, what, claim):
+    from kubernetes.utils import parse_quantity
+    try:
+        return parse_quantity(value)
+    except (ValueError, TypeError):
+        raise ClaimError(f"claim {claim}: consumed {what} {value!r} is not a quantity") from None
+
+
+class Driver:
+    def __init__(self, driver_name, node_name, plugin_dir, cdi_dir, slice_dir, shim, preload_file, read_claim,
+                 gpus, gpu_cdi_devices=(), lend_memory=False, log=lambda event: None):
+        """read_claim(namespace, name) -> the ResourceClaim as an API dict, or None when it
+        does not exist; gpus() -> this node's Gpu list (vgpu.k8s.resourceslice)."""
+        self.driver, self.node = driver_name, node_name
+        self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
+        self.cdi_dir, self.slice_dir, self.shim, self.preload_file = cdi_dir, slice_dir, shim, preload_file
+        self.read_claim, self.gpus, self.log = read_claim, gpus, log
+        self.gpu_cdi_devices, self.lend_memory = list(gpu_cdi_devices), lend_memory
+        self.lock = threading.Lock()
+        self.claims = checkpoint.load(self.checkpoint_path)   # CheckpointError: refuse to start
+
+    # === the kubelet's two calls ===
+
+    def prepare(self, claims) -> dict:
+        """claims: [(namespace, uid, name)] -> {uid: {"devices": [...]} or {"error": text}}."""
+        out = {}
+        with self.lock:
+            for namespace, uid, name in claims:
+                try:
+                    out[uid] = {"devices": self._prepare(namespace, uid, name)}
+                except (ClaimError, slices.VgpuError, OSError) as e:
+                    text = f"{e}; hint: {e.hint}" if getattr(e, "hint", None) else str(e)
+                    self.log({"event": "prepare_failed", "claim": f"{namespace}/{name}", "uid": uid, "error": text})
+                    out[uid] = {"error": text}
+        return out
+
+    def unprepare(self, claims) -> dict:
+        """claims: [(namespace, uid, name)] -> {uid: error text, "" when done}."""
+        out = {}
+        with self.lock:
+            for namespace, uid, name in claims:
+                try:
+                    self._unprepare(uid)
+                    out[uid] = ""
+                except (slices.VgpuError, OSError) as e:
+                    out[uid] = str(e)
+                    self.log({"event": "unprepare_failed", "claim": f"{namespace}/{name}", "uid": uid,
+                              "error": str(e)})
+        return out
+
+    # === prepare ===
+
+    def _prepare(self, namespace, uid, name):
+        shown = f"{namespace}/{name}"
+        entry = self.claims.get(uid)
+        if entry and entry["state"] == "prepared":
+            return entry["devices"]         # the kubelet retries; the answer does not change
+        if entry:                           # an agent died half-way: start over
+            self._remove_files(entry)
+        obj = self.read_claim(namespace, name)
+        if obj is None:
+            raise ClaimError(f"ResourceClaim {shown} not found")
+        have_uid = obj.get("metadata", {}).get("uid")
+        if have_uid != uid:
+            raise ClaimError(f"ResourceClaim {shown} has UID {have_uid}, not {uid}: "
+                             "it was deleted and made again since the kubelet asked")
+        allocation = (obj.get("status") or {}).get("allocation")
+        if not allocation:
+            raise ClaimError(f"ResourceClaim {shown} is not allocated")
+        results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == self.driver]
+        if not results:
+            return []
+        quota = self._quota(shown, results)
+        slice_name = results[0].get("shareID") or f"claim-{uid}"
+        if not slices.valid_name(slice_name):
+            raise ClaimError(f"claim {shown}: share ID {slice_name!r} cannot name a slice")
+        owner = next((u for u, e in self.claims.items() if e["slice"] == slice_name), None)
+        if owner:
+            raise ClaimError(f"claim {shown}: slice {slice_name} already belongs to claim {owner}")
+        spec_path = cdi.spec_path(self.cdi_dir, self.driver, uid)
+        ids = [cdi.device_id(self.driver, slice_name)] + self.gpu_cdi_devices
+        answer, seen_requests = [], set()
+        for r in results:   # the IDs once per request: the runtime gets each device once
+            request = r.get("request", "")
+            answer.append({"request_names": [request] if request else [], "pool_name": r["pool"],
+                           "device_name": r["device"], "cdi_device_ids": [] if request in seen_requests else ids})
+            seen_requests.add(request)
+        entry = {"namespace": namespace, "name": name, "state": "preparing", "slice": slice_name,
+                 "cdi_spec": spec_path, "devices": answer}
+        self.claims[uid] = entry
+        checkpoint.save(self.checkpoint_path, self.claims)
+        created = False
+        try:
+            self._give_back(quota)
+            slices.create(self.slice_dir, slice_name, quota, capacity=self._capacity)
+            created = True
+            paths = slices.paths(self.slice_dir, slice_name)
+            cdi.write(spec_path, cdi.spec(self.driver, slice_name, paths, self.shim, self.preload_file))
+        except BaseException as e:
+            cdi.remove(spec_path)
+            if created:
+                slices.delete(self.slice_dir, slice_name, force=True)
+            del self.claims[uid]
+            checkpoint.save(self.checkpoint_path, self.claims)
+            if isinstance(e, slices.Exists):
+                raise ClaimError(f"claim {shown}: a slice named {slice_name} already exists on this node "
+                                 "(made by hand?)") from None
+            if isinstance(e, slices.Overcommitted):
+                raise ClaimError(f"claim {shown} does not fit: {e}") from None
+            raise
+        entry["state"] = "prepared"
+        checkpoint.save(self.checkpoint_path, self.claims)
+        self.log({"event": "prepared", "claim": shown, "uid": uid, "slice": slice_name,
+                  "devices": {str(d): q.to_json() for d, q in quota.items()}})
+        return answer
+
+    def _quota(self, shown, results):
+        """{index: DeviceQuota} for the results, checked against this node and summed per
+        GPU (two requests of one claim may share one GPU)."""
+        gpus = {g.name: g for g in self.gpus()}
+        memory, sm = {}, {}
+        for r in results:
+            if r.get("pool") != self.node:
+                raise ClaimError(f"claim {shown}: device {r.get('device')} was allocated from pool "
+                                 f"{r.get('pool')}, not this node's ({self.node})")
+            gpu = gpus.get(r.get("device"))
+            if gpu is None:
+                raise ClaimError(f"claim {shown}: device {r.get('device')} is not on this node "
+                                 f"(it has {', '.join(sorted(gpus)) or 'no GPUs'})")
+            consumed = r.get("consumedCapacity") or {}
+            mem = int(_quantity(consumed["memory"], "memory", shown)) if "memory" in consumed else gpu.memory
+            share = int(_quantity(consumed["sm"], "sm", shown) * 100) if "sm" in consumed else SHARE_FULL
+            memory[gpu.index] = memory.get(gpu.index, 0) + mem
+            sm[gpu.index] = min(SHARE_FULL, sm.get(gpu.index, 0) + share)
+        quota = {}
+        for d in memory:
+            if memory[d] <= 0 or sm[d] <= 0:
+                raise ClaimError(f"claim {shown}: device gpu-{d} was given {format_memory(memory[d])} and "
+                                 f"{sm[d] / 100:g}% SM: nothing to run on")
+            lent = max(memory[d], self._capacity(d) or 0) if self.lend_memory else memory[d]
+            quota[d] = slices.DeviceQuota(memory_max=memory[d], memory_request=memory[d], memory_limit=lent,
+                                          sm_max=sm[d], sm_request=sm[d], sm_limit=SHARE_FULL)
+        return quota
+
+    def _capacity(self, d):
+        return next((g.memory for g in self.gpus() if g.index == d), None)
+
+    def _give_back(self, quota):
+        """Slices that grew above their request on these GPUs go back to it."""
+        for name in slices.list_names(self.slice_dir):
+            try:
+                q = slices.read_quota(self.slice_dir, name)
+            except slices.VgpuError:
+                continue
+            for d in set(q.held()) & set(quota):
+                dq = q.devices[d]
+                memory = dq.memory_request if dq.memory_max > dq.memory_request else None
+                sm = dq.sm_request if dq.sm_max > dq.sm_request else None
+                if memory is None and sm is None:
+                    continue
+                r = slices.resize(self.slice_dir, name, devices=[d], memory=memory, sm=sm,
+                                  request=dq.memory_request, limit=dq.memory_limit, sm_request=dq.sm_request,
+                                  sm_limit=dq.sm_limit, overcommit=True)
+                self.log({"event": "gave_back", "slice": name, "device": d, "changes": r["changes"],
+                          "warnings": r["warnings"]})
+
+    # === unprepare ===
+
+    def _unprepare(self, uid):
+        entry = self.claims.get(uid)
+        if entry is None:
+            return                   # never prepared here, or already unprepared: nothing to undo
+        self._remove_files(entry)
+        del self.claims[uid]
+        checkpoint.save(self.checkpoint_path, self.claims)
+        self.log({"event": "unprepared", "claim": f"{entry['namespace']}/{entry['name']}", "uid": uid,
+                  "slice": entry["slice"]})
+
+    def _remove_files(self, entry):
+        cdi.remove(entry["cdi_spec"])
+        try:   # the pod is gone when the kubelet unprepares; a straggler keeps its unlinked files
+            slices.delete(self.slice_dir, entry["slice"], force=True)
+        except slices.NotFound:
+            pass

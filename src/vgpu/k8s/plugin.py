@@ -1,0 +1,132 @@
+"""The kubelet-facing gRPC services, on unix sockets.
+
+- dra.sock: the DRA plugin service, as k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin and, for
+  kubelets before 1.34, ...v1beta1.DRAPlugin.  The two versions' messages are identical
+  on the wire, so v1beta1 is served with the v1 message classes under its own name.
+- <driver>-reg.sock in the kubelet's plugins_registry: pluginregistration.Registration.
+  The kubelet notices the socket, asks GetInfo, dials the endpoint it names and reports
+  back with NotifyRegistrationStatus.  dra.sock is up before the registration socket
+  appears, so the kubelet never dials an endpoint that is not there yet.
+"""
+import os
+import socket
+from concurrent import futures
+
+import grpc
+
+from .protos import dra_v1_pb2 as dra
+from .protos import dra_v1_pb2_grpc as dra_grpc
+from .protos import pluginregistration_v1_pb2 as reg
+from .protos import pluginregistration_v1_pb2_grpc as reg_grpc
+
+DRA_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+DRA_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+SERVICES = (DRA_V1, DRA_V1BETA1)      # newest first, as the kubelet prefers
+PLUGIN_TYPE = "DRAPlugin"
+
+
+class SocketBusy(Exception):
+    pass
+
+
+def _claims(request):
+    return [(c.namespace, c.uid, c.name) for c in request.claims]
+
+
+class DraService(dra_grpc.DRAPluginServicer):
+    def __init__(self, driver):
+        self.driver = driver
+
+    def NodePrepareResources(self, request, context):
+        response = dra.NodePrepareResourcesResponse()
+        for uid, result in self.driver.prepare(_claims(request)).items():
+            one = response.claims[uid]
+            if "error" in result:
+                one.error = result["error"]
+            for d in result.get("devices", []):
+                one.devices.add(**d)
+        return response
+
+    def NodeUnprepareResources(self, request, context):
+        response = dra.NodeUnprepareResourcesResponse()
+        for uid, error in self.driver.unprepare(_claims(request)).items():
+            response.claims[uid].error = error
+        return response
+
+
+def _v1beta1_handler(service):
+    calls = {"NodePrepareResources": (service.NodePrepareResources, dra.NodePrepareResourcesRequest,
+                                      dra.NodePrepareResourcesResponse),
+             "NodeUnprepareResources": (service.NodeUnprepareResources, dra.NodeUnprepareResourcesRequest,
+                                        dra.NodeUnprepareResourcesResponse)}
+    return grpc.method_handlers_generic_handler(DRA_V1BETA1, {
+        name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=req.FromString,
+                                                  response_serializer=resp.SerializeToString)
+        for name, (fn, req, resp) in calls.items()})
+
+
+class RegistrationService(reg_grpc.RegistrationServicer):
+    def __init__(self, driver_name, endpoint, log):
+        self.driver_name, self.endpoint, self.log = driver_name, endpoint, log
+        self.status = None      # (registered, error) once the kubelet said
+
+    def GetInfo(self, request, context):
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
+                              supported_versions=list(SERVICES))
+
+    def NotifyRegistrationStatus(self, request, context):
+        self.status = (request.plugin_registered, request.error)
+        self.log({"event": "registration", "registered": request.plugin_registered, "error": request.error})
+        return reg.RegistrationStatusResponse()
+
+
+def _claim_socket(path):
+    """Remove a stale socket left by a dead agent; refuse one a live agent answers on."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), 0o750, exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise SocketBusy(f"{path} is in use by a running process (another vgpu k8s-plugin?)")
+
+
+def _serve(path, add):
+    _claim_socket(path)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add(server)
+    if server.add_insecure_port(f"unix://{path}") == 0:
+        raise SocketBusy(f"cannot listen on {path}")
+    server.start()
+    return server
+
+
+class Servers:
+    """Both services, started in the right order; stop() removes the sockets."""
+
+    def __init__(self, driver, driver_name, dra_socket, registration_socket, log):
+        self.paths = (registration_socket, dra_socket)
+        service = DraService(driver)
+        self.dra = _serve(dra_socket, lambda s: (dra_grpc.add_DRAPluginServicer_to_server(service, s),
+                                                 s.add_generic_rpc_handlers((_v1beta1_handler(service),))))
+        self.registration = RegistrationService(driver_name, dra_socket, log)
+        try:
+            self.reg = _serve(registration_socket,
+                              lambda s: reg_grpc.add_RegistrationServicer_to_server(self.registration, s))
+        except BaseException:
+            self.dra.stop(None)
+            raise
+
+    def stop(self, grace=5):
+        for server in (self.reg, self.dra):   # unregister first: the kubelet stops dialling
+            server.stop(grace).wait()
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

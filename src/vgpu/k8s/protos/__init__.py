@@ -1,0 +1,1 @@
+"""gRPC stubs generated from the .proto files here by tools/gen_protos.py (checked in)."""

@@ -1,0 +1,128 @@
+"""This node's GPUs as a resource.k8s.io/v1 ResourceSlice, and keeping it published.
+
+Each GPU is one device with allowMultipleAllocations (KEP-5075 consumable capacity), so
+the scheduler hands out parts of it: `memory` in bytes and `sm` in percent of SM time.
+A claim that names no amount gets the requestPolicy default; amounts are rounded up to
+the step.  The pool is the node's name, one slice per pool; its generation goes up each
+time the devices change, as the API asks.
+"""
+from dataclasses import dataclass
+
+MiB, GiB = 1 << 20, 1 << 30
+MEMORY_STEP = 256 * MiB
+MEMORY_DEFAULT = 1 * GiB
+SM_DEFAULT = 10          # percent: a claim naming only memory does not take a whole GPU's time
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    model: str
+    uuid: str
+    memory: int          # bytes
+
+    @property
+    def name(self) -> str:
+        return f"gpu-{self.index}"
+
+
+def inventory() -> list:
+    """The GPUs NVML sees (simgpu's on a machine without one)."""
+    from .. import nvml
+    return [Gpu(d["index"], d["name"], d["uuid"] or f"index-{d['index']}", d["memory_total"] or 0)
+            for d in nvml.devices()]
+
+
+def device(gpu: Gpu) -> dict:
+    return {
+        "name": gpu.name,
+        "allowMultipleAllocations": True,
+        "attributes": {"model": {"string": gpu.model}, "uuid": {"string": gpu.uuid}, "index": {"int": gpu.index}},
+        "capacity": {
+            "memory": {"value": str(gpu.memory),
+                       "requestPolicy": {"default": str(MEMORY_DEFAULT),
+                                         "validRange": {"min": str(MEMORY_STEP), "step": str(MEMORY_STEP)}}},
+            "sm": {"value": "100",
+                   "requestPolicy": {"default": str(SM_DEFAULT),
+                                     "validRange": {"min": "1", "max": "100", "step": "1"}}},
+        },
+    }
+
+
+def slice_name(node: str, driver: str) -> str:
+    return f"{node}-{driver}"
+
+
+def resource_slice(node: str, driver: str, gpus: list, generation: int, node_uid=None) -> dict:
+    meta = {"name": slice_name(node, driver)}
+    if node_uid:   # garbage-collected with the Node object
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid,
+                                    "controller": True}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": meta,
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+                     "devices": [device(g) for g in sorted(gpus, key=lambda g: g.index)]}}
+
+
+def _comparable(devices: list):
+    """Devices with every capacity quantity as a number: the API server may write "24Gi"
+    for the "25769803776" we sent, which is the same slice."""
+    from kubernetes.utils import parse_quantity
+
+    def walk(v, in_capacity):
+        if isinstance(v, dict):
+            return {k: walk(x, in_capacity or k == "capacity") for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x, in_capacity) for x in v]
+        return parse_quantity(v) if in_capacity and isinstance(v, str) else v
+    return walk(devices, False)
+
+
+class Publisher:
+    """Keeps exactly one ResourceSlice for (node, driver) equal to the GPUs it is given."""
+
+    def __init__(self, api_client, node: str, driver: str, log):
+        from kubernetes import client
+        self.resource = client.ResourceV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.api_client = api_client
+        self.node, self.driver, self.log = node, driver, log
+        self.node_uid = None
+
+    def _owner(self):
+        if self.node_uid is None:
+            from kubernetes.client.exceptions import ApiException
+            try:
+                self.node_uid = self.core.read_node(self.node).metadata.uid
+            except ApiException as e:
+                self.log({"event": "no_owner_reference", "node": self.node, "status": e.status,
+                          "reason": e.reason})
+                self.node_uid = ""
+        return self.node_uid
+
+    def sync(self, gpus: list) -> str:
+        """Publish `gpus`; returns "created", "updated" or "unchanged".  API errors propagate
+        (the caller retries on its next round)."""
+        from kubernetes import client
+        existing = self.resource.list_resource_slice(
+            field_selector=f"spec.nodeName={self.node},spec.driver={self.driver}").items
+        mine = slice_name(self.node, self.driver)
+        for other in existing:
+            if other.metadata.name != mine:    # e.g. left by an older agent under another name
+                self.resource.delete_resource_slice(other.metadata.name)
+        current = next((s for s in existing if s.metadata.name == mine), None)
+        if current is None:
+            body = resource_slice(self.node, self.driver, gpus, 1, self._owner())
+            self.resource.create_resource_slice(client.V1ResourceSlice.from_dict(body))
+            self.log({"event": "resourceslice_created", "name": mine, "devices": [g.name for g in gpus]})
+            return "created"
+        have = self.api_client.sanitize_for_serialization(current)
+        same = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation)["spec"]
+        if _comparable(have.get("spec", {}).get("devices") or []) == _comparable(same["devices"]):
+            return "unchanged"
+        body = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation + 1, self._owner())
+        body["metadata"]["resourceVersion"] = current.metadata.resource_version
+        self.resource.replace_resource_slice(mine, client.V1ResourceSlice.from_dict(body))
+        self.log({"event": "resourceslice_updated", "name": mine, "generation": body["spec"]["pool"]["generation"],
+                  "devices": [g.name for g in gpus]})
+        return "updated"

@@ -1,0 +1,573 @@
+"""A fake Kubernetes API server for the DRA node agent's tests, faked only at the HTTP boundary.
+
+The agent talks to it with the real `kubernetes` client over real HTTP on loopback; the fake
+serves just what the agent uses:
+
+    GET    /api/v1/nodes/{name}
+    GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}
+    GET    /apis/resource.k8s.io/v1/resourceslices          (fieldSelector, labelSelector)
+    POST   /apis/resource.k8s.io/v1/resourceslices
+    GET    /apis/resource.k8s.io/v1/resourceslices/{name}
+    PUT    /apis/resource.k8s.io/v1/resourceslices/{name}
+    DELETE /apis/resource.k8s.io/v1/resourceslices/{name}
+
+Anything else answers a 404 (405 for another method on a served path).  Errors are `Status`
+objects, as a real API server sends them, so the client raises ApiException with the code.
+
+Stricter than a real server on purpose: every POSTed/PUT body must survive
+`k8s_models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
+real server, by default, drops an unknown field with only a warning header.  Not served:
+watch, PATCH, pagination (`limit` is ignored and everything comes back in one list).
+
+    with FakeApiServer() as api:
+        api.write_kubeconfig(tmp_path / "kubeconfig")
+        node_uid = api.add_node("node-a")
+        api.put_claim(allocated_claim("default", "claim-1", DRIVER, "node-a", [...]))
+        ... run the agent with --kubeconfig ...
+        assert [s["spec"]["pool"]["name"] for s in api.slices()] == ["node-a"]
+"""
+import copy
+import datetime
+import http.server
+import json
+import random
+import re
+import secrets
+import socket
+import threading
+import uuid
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from k8s_models import roundtrip
+
+RESOURCE_API = "resource.k8s.io/v1"
+_SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+_NODE_RE = re.compile(r"^/api/v1/nodes/([^/]+)$")
+_CLAIM_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
+_SLICE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/resourceslices/([^/]+)$")
+_SLICE_FIELDS = {
+    "metadata.name": lambda o: o.get("metadata", {}).get("name"),
+    "spec.nodeName": lambda o: o.get("spec", {}).get("nodeName"),
+    "spec.driver": lambda o: o.get("spec", {}).get("driver"),
+}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?$")
+_GENERATE_CHARS = "bcdfghjklmnpqrstvwxz2456789"   # the alphabet the API server uses for generateName
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+            405: "MethodNotAllowed", 409: "Conflict", 410: "Expired", 422: "Invalid",
+            429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+            504: "Timeout"}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP code, Status reason, message."""
+
+    def __init__(self, code, message, reason=None, details=None):
+        super().__init__(message)
+        self.code, self.message = code, message
+        self.reason = reason or _REASONS.get(code, "Unknown")
+        self.details = details
+
+
+def status_object(code, message, reason=None, details=None) -> dict:
+    """A `Status` failure body, as the API server sends with every error."""
+    body = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason or _REASONS.get(code, "Unknown"), "code": code}
+    if details:
+        body["details"] = details
+    return body
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_model(obj: dict):
+    """`k8s_models.roundtrip(obj)` (AssertionError naming what the client's model would not keep)."""
+    return roundtrip(obj)
+
+
+def _validate_slice_spec(spec) -> list:
+    """What a real API server's validation would refuse in a ResourceSlice spec (a subset)."""
+    if not isinstance(spec, dict):
+        return ["spec: Required value"]
+    out = []
+    driver = spec.get("driver")
+    if not driver:
+        out.append("spec.driver: Required value")
+    elif not _DNS_SUBDOMAIN.match(driver):
+        out.append(f"spec.driver: Invalid value: {driver!r}: must be a DNS subdomain")
+    pool = spec.get("pool")
+    if not isinstance(pool, dict):
+        out.append("spec.pool: Required value")
+    else:
+        if not pool.get("name"):
+            out.append("spec.pool.name: Required value")
+        for key in ("generation", "resourceSliceCount"):
+            if key not in pool or pool[key] is None:
+                out.append(f"spec.pool.{key}: Required value")
+        if isinstance(pool.get("resourceSliceCount"), int) and pool["resourceSliceCount"] < 1:
+            out.append("spec.pool.resourceSliceCount: Invalid value: must be greater than zero")
+        if isinstance(pool.get("generation"), int) and pool["generation"] < 0:
+            out.append("spec.pool.generation: Invalid value: must be non-negative")
+    placement = [k for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
+                 if spec.get(k) not in (None, False, "")]
+    if len(placement) != 1:
+        out.append("spec: Invalid value: exactly one of `nodeName`, `nodeSelector`, `allNodes`, "
+                   f"`perDeviceNodeSelection` is required (got {placement or 'none'})")
+    seen = set()
+    for i, dev in enumerate(spec.get("devices") or []):
+        name = (dev or {}).get("name")
+        if not name:
+            out.append(f"spec.devices[{i}].name: Required value")
+            continue
+        if not _DNS_LABEL.match(name):
+            out.append(f"spec.devices[{i}].name: Invalid value: {name!r}: must be a DNS label")
+        if name in seen:
+            out.append(f"spec.devices[{i}].name: Duplicate value: {name!r}")
+        seen.add(name)
+        for cap, val in ((dev or {}).get("capacity") or {}).items():
+            value = (val or {}).get("value")
+            if not isinstance(value, str) or not _QUANTITY.match(value):
+                out.append(f"spec.devices[{i}].capacity[{cap}].value: Invalid value: {value!r}: "
+                           "not a quantity")
+    if len(spec.get("devices") or []) > 128:
+        out.append("spec.devices: Too many: must have at most 128 items")
+    return out
+
+
+def _parse_selector(text, what):
+    """[(key, op, value)] from `k=v,k==v,k!=v` (what a field or simple label selector holds)."""
+    terms = []
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        m = re.match(r"^([^=!\s]+)\s*(==|=|!=)\s*([^=!\s]*)$", part)
+        if not m:
+            raise ApiError(400, f"unable to parse requirement: {part!r} in {what} {text!r} "
+                                "(the fake serves only k=v, k==v, k!=v)")
+        key, op, value = m.groups()
+        terms.append((key, "!=" if op == "!=" else "=", value))
+    return terms
+
+
+def _matches(terms, get) -> bool:
+    for key, op, value in terms:
+        have = get(key)
+        have = "" if have is None else str(have)
+        if (have == value) != (op == "="):
+            return False
+    return True
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"     # keep-alive, as urllib3's connection pool expects
+    server_version = "vgpu-fake-apiserver"
+
+    def log_message(self, format, *args):   # quiet: pytest shows failures, not traffic
+        pass
+
+    def setup(self):
+        super().setup()
+        self.server.fake._track(self.connection, True)
+
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            self.server.fake._track(self.connection, False)
+
+    def _serve(self):
+        fake = self.server.fake
+        url = urlsplit(self.path)
+        path = unquote(url.path)
+        query = dict(parse_qsl(url.query, keep_blank_values=True))
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            code, body = fake._handle(self.command, path, query, self.headers, raw)
+        except ApiError as e:
+            code, body = e.code, status_object(e.code, e.message, e.reason, e.details)
+        except Exception as e:   # a bug in the fake: say so rather than hang the client
+            code, body = 500, status_object(500, f"fake API server error: {e!r}")
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+
+
+class FakeApiServer:
+    """An in-memory API server on 127.0.0.1 (a random free port unless `port` is given).
+
+    Use as a context manager, or start()/stop().  stop() closes open client connections too,
+    and a later start() serves the same store on the same port (an API server restart).
+    """
+
+    def __init__(self, port=0, token=None):
+        self.token = token or secrets.token_hex(16)
+        self.requests = []          # (method, path, query dict), every request, in order
+        self._port = port
+        self._lock = threading.RLock()
+        self._rv = 0
+        self._nodes = {}            # name -> Node
+        self._claims = {}           # (namespace, name) -> ResourceClaim
+        self._slices = {}           # name -> ResourceSlice
+        self._failures = []         # [method, path prefix, code, times left]
+        self._conns = set()
+        self._httpd = None
+        self._thread = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self):
+        if self._httpd is not None:
+            return self
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        httpd.daemon_threads = True
+        httpd.fake = self
+        self._port = httpd.server_address[1]
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"fake-apiserver-{self._port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        self._thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:   # keep-alive connections would otherwise still be served
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def write_kubeconfig(self, path, namespace="default"):
+        """A kubeconfig for this server (bearer token auth); returns the path."""
+        config = {
+            "apiVersion": "v1", "kind": "Config", "preferences": {},
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake-user", "user": {"token": self.token}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake-user",
+                                                      "namespace": namespace}}],
+            "current-context": "fake",
+        }
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)   # JSON is YAML
+        return path
+
+    # --- helpers for tests -----------------------------------------------------------------
+    def add_node(self, name, labels=None) -> str:
+        """Store a Node; returns its uid."""
+        with self._lock:
+            node = {"apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": name,
+                                 "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+                    "spec": {}, "status": {}}
+            self._stamp(node)
+            self._nodes[name] = node
+            return node["metadata"]["uid"]
+
+    def delete_node(self, name):
+        with self._lock:
+            self._nodes.pop(name, None)
+
+    def put_claim(self, obj) -> dict:
+        """Store (or replace) a ResourceClaim dict as given (AssertionError unless the client's
+        model keeps every field: see check_model); fills uid and creationTimestamp if absent
+        and sets a fresh resourceVersion, as the server would.  Returns a copy of what is
+        stored."""
+        obj = copy.deepcopy(obj)
+        check_model(obj)
+        meta = obj.setdefault("metadata", {})
+        with self._lock:
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta["resourceVersion"] = self._next_rv()
+            self._claims[(meta.get("namespace", "default"), meta["name"])] = obj
+            return copy.deepcopy(obj)
+
+    def delete_claim(self, namespace, name):
+        with self._lock:
+            self._claims.pop((namespace, name), None)
+
+    def slices(self) -> list:
+        """Copies of the stored ResourceSlices, by name."""
+        with self._lock:
+            return [copy.deepcopy(self._slices[n]) for n in sorted(self._slices)]
+
+    def fail_next(self, method, path_prefix, code, times=1, message=None):
+        """The next `times` requests with this method (or "*") whose path starts with
+        `path_prefix` get an error `code` (a Status body) instead of being served."""
+        with self._lock:
+            self._failures.append([method.upper(), path_prefix, code, times, message])
+
+    def garbage_collect(self) -> list:
+        """What the garbage collector would do: delete ResourceSlices owned by a Node that is
+        gone (no stored node has the ownerReference's name and uid).  Returns their names."""
+        with self._lock:
+            gone = []
+            for name, obj in list(self._slices.items()):
+                refs = [r for r in obj["metadata"].get("ownerReferences") or []
+                        if r.get("kind") == "Node"]
+                if refs and all(self._nodes.get(r.get("name"), {}).get("metadata", {}).get("uid")
+                                != r.get("uid") for r in refs):
+                    del self._slices[name]
+                    gone.append(name)
+            return gone
+
+    # --- the API -----------------------------------------------------------------------------
+    def _track(self, conn, alive):
+        with self._lock:
+            (self._conns.add if alive else self._conns.discard)(conn)
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _stamp(self, obj):
+        meta = obj.setdefault("metadata", {})
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = self._next_rv()
+        meta["creationTimestamp"] = _now()
+
+    def _handle(self, method, path, query, headers, raw):
+        with self._lock:
+            self.requests.append((method, path, dict(query)))
+        if headers.get("Authorization") != f"Bearer {self.token}":
+            raise ApiError(401, "Unauthorized")
+        with self._lock:
+            for failure in self._failures:
+                fmethod, prefix, code, times, message = failure
+                if fmethod in ("*", method) and path.startswith(prefix) and times > 0:
+                    failure[3] -= 1
+                    if failure[3] == 0:
+                        self._failures.remove(failure)
+                    raise ApiError(code, message or f"injected failure {code} for {method} {path}")
+
+        if m := _NODE_RE.match(path):
+            self._only(method, "GET")
+            return 200, self._get(self._nodes, m.group(1), "nodes", m.group(1))
+        if m := _CLAIM_RE.match(path):
+            self._only(method, "GET")
+            return 200, self._get(self._claims, (m.group(1), m.group(2)),
+                                  "resourceclaims.resource.k8s.io", m.group(2))
+        if path.rstrip("/") == _SLICES:
+            self._only(method, "GET", "POST")
+            if method == "GET":
+                return 200, self._list_slices(query)
+            return 201, self._create_slice(self._body(raw), query)
+        if m := _SLICE_RE.match(path):
+            name = m.group(1)
+            self._only(method, "GET", "PUT", "DELETE")
+            if method == "GET":
+                return 200, self._get(self._slices, name, "resourceslices.resource.k8s.io", name)
+            if method == "PUT":
+                return 200, self._replace_slice(name, self._body(raw), query)
+            return 200, self._delete_slice(name, self._body(raw) if raw else None, query)
+        raise ApiError(404, "the server could not find the requested resource")
+
+    @staticmethod
+    def _only(method, *allowed):
+        if method not in allowed:
+            raise ApiError(405, f"the server does not allow this method on the requested resource "
+                                f"({method}; the fake serves {', '.join(allowed)})")
+
+    @staticmethod
+    def _body(raw):
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError as e:
+            raise ApiError(400, f"the body of the request was in an unknown format: {e}")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body of the request must be a JSON object")
+        return body
+
+    def _get(self, store, key, resource, name):
+        with self._lock:
+            if key not in store:
+                raise ApiError(404, f'{resource} "{name}" not found',
+                               details={"name": name, "kind": resource.split(".")[0]})
+            return copy.deepcopy(store[key])
+
+    def _list_slices(self, query):
+        if query.get("watch") not in (None, "", "0", "false"):
+            raise ApiError(400, "watch is not served by the fake API server")
+        fields = _parse_selector(query.get("fieldSelector"), "field selector")
+        for key, _, _ in fields:
+            if key not in _SLICE_FIELDS:
+                raise ApiError(400, f'field label not supported: {key}')
+        labels = _parse_selector(query.get("labelSelector"), "label selector")
+        with self._lock:
+            items = []
+            for name in sorted(self._slices):
+                obj = self._slices[name]
+                if (_matches(fields, lambda k: _SLICE_FIELDS[k](obj)) and
+                        _matches(labels, lambda k: (obj["metadata"].get("labels") or {}).get(k))):
+                    item = copy.deepcopy(obj)
+                    # a real server's JSON list items carry no apiVersion/kind
+                    item.pop("apiVersion", None)
+                    item.pop("kind", None)
+                    items.append(item)
+            return {"apiVersion": RESOURCE_API, "kind": "ResourceSliceList",
+                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    def _checked_slice(self, body, name_hint):
+        body.setdefault("apiVersion", RESOURCE_API)
+        body.setdefault("kind", "ResourceSlice")
+        if (body["apiVersion"], body["kind"]) != (RESOURCE_API, "ResourceSlice"):
+            raise ApiError(400, f"expected {RESOURCE_API} ResourceSlice, got "
+                                f"{body['apiVersion']} {body['kind']}")
+        meta = body.get("metadata")
+        if not isinstance(meta, dict):
+            meta = body["metadata"] = {}
+        # the server sets creationTimestamp itself; a client echoing one back may write it
+        # in another (equally valid) format, which is no error
+        checked = copy.deepcopy(body)
+        checked["metadata"].pop("creationTimestamp", None)
+        invalid = lambda msg: ApiError(   # noqa: E731
+            422, f'ResourceSlice.resource.k8s.io "{meta.get("name") or name_hint}" is invalid: {msg}',
+            details={"name": meta.get("name") or name_hint, "group": "resource.k8s.io",
+                     "kind": "ResourceSlice"})
+        problems = []
+        try:
+            problems += _validate_slice_spec(body.get("spec"))
+        except Exception:    # a mistyped spec: the model check below names the field
+            pass
+        try:
+            check_model(checked)
+        except AssertionError as e:
+            problems.append(str(e))
+        if problems:
+            raise invalid("; ".join(problems))
+        return body
+
+    def _create_slice(self, body, query):
+        body = self._checked_slice(body, "")
+        meta = body["metadata"]
+        with self._lock:
+            if not meta.get("name"):
+                if not meta.get("generateName"):
+                    raise ApiError(422, 'ResourceSlice.resource.k8s.io "" is invalid: metadata.name: '
+                                        "Required value: name or generateName is required")
+                while True:
+                    name = meta["generateName"] + "".join(random.choices(_GENERATE_CHARS, k=5))
+                    if name not in self._slices:
+                        break
+                meta["name"] = name
+            name = meta["name"]
+            if name in self._slices:
+                raise ApiError(409, f'resourceslices.resource.k8s.io "{name}" already exists',
+                               reason="AlreadyExists",
+                               details={"name": name, "group": "resource.k8s.io",
+                                        "kind": "resourceslices"})
+            self._stamp(body)
+            meta["generation"] = 1
+            if query.get("dryRun") != "All":
+                self._slices[name] = body
+            return copy.deepcopy(body)
+
+    def _replace_slice(self, name, body, query):
+        body = self._checked_slice(body, name)
+        meta = body["metadata"]
+        if meta.get("name") != name:
+            raise ApiError(400, f"the name of the object ({meta.get('name')}) does not match the "
+                                f"name on the URL ({name})")
+        with self._lock:
+            stored = self._slices.get(name)
+            if stored is None:
+                raise ApiError(404, f'resourceslices.resource.k8s.io "{name}" not found',
+                               details={"name": name, "kind": "resourceslices"})
+            old = stored["metadata"]
+            if meta.get("uid") and meta["uid"] != old["uid"]:
+                raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, "
+                                    f"UID in object meta: {old['uid']}")
+            if meta.get("resourceVersion") and meta["resourceVersion"] != old["resourceVersion"]:
+                raise ApiError(409, f'Operation cannot be fulfilled on resourceslices.resource.k8s.io '
+                                    f'"{name}": the object has been modified; please apply your '
+                                    f'changes to the latest version and try again',
+                               details={"name": name, "group": "resource.k8s.io",
+                                        "kind": "resourceslices"})
+            meta["uid"] = old["uid"]
+            meta["creationTimestamp"] = old["creationTimestamp"]
+            meta["generation"] = old["generation"] + (body.get("spec") != stored.get("spec"))
+            meta["resourceVersion"] = self._next_rv()
+            if query.get("dryRun") != "All":
+                self._slices[name] = body
+            return copy.deepcopy(body)
+
+    def _delete_slice(self, name, options, query):
+        with self._lock:
+            stored = self._slices.get(name)
+            if stored is None:
+                raise ApiError(404, f'resourceslices.resource.k8s.io "{name}" not found',
+                               details={"name": name, "kind": "resourceslices"})
+            pre = (options or {}).get("preconditions") or {}
+            for key in ("uid", "resourceVersion"):
+                if pre.get(key) and pre[key] != stored["metadata"][key]:
+                    raise ApiError(409, f"Precondition failed: {key} in precondition: {pre[key]}, "
+                                        f"{key} in object meta: {stored['metadata'][key]}")
+            if query.get("dryRun") != "All":
+                del self._slices[name]
+            return copy.deepcopy(stored)
+
+
+def allocated_claim(namespace, name, driver, pool, results, node=None) -> dict:
+    """A resource.k8s.io/v1 ResourceClaim as the scheduler leaves it once allocated.
+
+    `results`: [{request, device, share_id, memory: "4Gi", sm: "50"}, ...]; None (or a
+    missing key) leaves that field out.  One spec request per distinct request name, for
+    the driver's device class (`deviceClassName` = driver) with the capacity asked for;
+    `status.allocation` holds a result per entry and a nodeSelector for `node` (the pool's
+    name unless given).
+    """
+    requests, order = {}, []
+    for r in results:
+        req = r["request"]
+        caps = {k: r[k] for k in ("memory", "sm") if r.get(k) is not None}
+        if req not in requests:
+            order.append(req)
+            exactly = {"deviceClassName": driver}
+            if caps:
+                exactly["capacity"] = {"requests": caps}
+            requests[req] = {"name": req, "exactly": exactly}
+        else:
+            exactly = requests[req]["exactly"]
+            exactly["allocationMode"] = "ExactCount"
+            exactly["count"] = exactly.get("count", 1) + 1
+    out_results = []
+    for r in results:
+        res = {"request": r["request"], "driver": driver, "pool": pool, "device": r["device"]}
+        if r.get("share_id") is not None:
+            res["shareID"] = r["share_id"]
+        caps = {k: r[k] for k in ("memory", "sm") if r.get(k) is not None}
+        if caps:
+            res["consumedCapacity"] = caps
+        out_results.append(res)
+    return {
+        "apiVersion": RESOURCE_API, "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4())},
+        "spec": {"devices": {"requests": [requests[q] for q in order]}},
+        "status": {"allocation": {
+            "devices": {"results": out_results},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node or pool]}]}]},
+        }},
+    }

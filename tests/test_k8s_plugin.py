@@ -1,0 +1,374 @@
+"""The DRA node agent end to end: `vgpu-ctl k8s-plugin` as a real process on simgpu,
+the kubelet played by tests/kubelet_standin.py over unix sockets, the API server faked
+at its HTTP boundary (tests/k8s_fake_api.py) and talked to by the official client.
+
+Judged from outside: what the stand-in gets back, the quota and CDI files on disk,
+`vgpu-ctl status`, the ResourceSlice the fake API server received.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_sim_env
+from containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
+from k8s_fake_api import FakeApiServer, allocated_claim
+from k8s_models import roundtrip
+from kubelet_standin import Kubelet
+
+GiB, MiB = 1 << 30, 1 << 20
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
+
+
+class Agent:
+    """One `vgpu-ctl k8s-plugin` process; its log lines are JSON."""
+
+    def __init__(self, node, *extra):
+        self.node = node
+        self.log_path = node.tmp / f"agent-{time.monotonic_ns()}.log"
+        self.log_file = open(self.log_path, "w")
+        self.proc = subprocess.Popen([CTL, "k8s-plugin", *node.args, *extra], env=node.env,
+                                     stdout=self.log_file, stderr=subprocess.STDOUT, text=True)
+
+    def events(self):
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def wait_for(self, predicate, what, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events() if predicate(e)]
+            if found:
+                return found[-1]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited {self.proc.returncode} waiting for {what}:\n"
+                                     f"{self.log_path.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} in 30 s:\n{self.log_path.read_text()}")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+
+class Node:
+    """A simulated GPU node: simgpu with two A10s, the shim installed, a fake API server."""
+
+    def __init__(self, tmp, api):
+        self.tmp, self.api = tmp, api
+        self.env = make_sim_env(tmp / "simgpu", profile="a10", devices=2)
+        self.plugin_dir, self.registry_dir = tmp / "plugins" / DRIVER, tmp / "plugins_registry"
+        self.cdi_dir, self.slice_dir, self.shim_dir = tmp / "cdi", tmp / "run-vgpu", tmp / "opt-vgpu"
+        self.registration_socket = self.registry_dir / f"{DRIVER}-reg.sock"
+        self.checkpoint = self.plugin_dir / "checkpoint.json"
+        subprocess.run([CTL, "install-shim", str(self.shim_dir)], env=self.env, check=True, capture_output=True)
+        api.add_node(NODE)
+        api.write_kubeconfig(tmp / "kubeconfig")
+        self.args = ["--node-name", NODE, "--plugin-dir", str(self.plugin_dir), "--registry-dir",
+                     str(self.registry_dir), "--cdi-dir", str(self.cdi_dir), "--dir", str(self.slice_dir),
+                     "--shim-dir", str(self.shim_dir), "--gpu-cdi-device", "", "--kubeconfig",
+                     str(tmp / "kubeconfig"), "--rescan", "300ms"]
+        self.agents, self.kubelets = [], []
+
+    def start(self, *extra):
+        agent = Agent(self, *extra)
+        self.agents.append(agent)
+        agent.wait_for(lambda e: e["event"] == "serving", "serving line")
+        return agent
+
+    def kubelet(self, **kw):
+        k = Kubelet(str(self.registration_socket), **kw)
+        k.register()
+        self.kubelets.append(k)
+        return k
+
+    def claim(self, name, uid=None, results=({"device": "gpu-0", "memory": "4Gi", "sm": "50"},), pool=NODE):
+        """An allocated claim in the API server; returns (namespace, uid, name) as the kubelet sends it."""
+        rs = [{"request": "gpu", "share_id": f"{name}-share-{i}", **r} for i, r in enumerate(results)]
+        obj = allocated_claim(NS, name, DRIVER, pool, rs)
+        if uid:
+            obj["metadata"]["uid"] = uid
+        stored = self.api.put_claim(obj)
+        return NS, stored["metadata"]["uid"], name
+
+    def ctl(self, *args):
+        out = subprocess.run([CTL, *args, "--dir", str(self.slice_dir)], env=self.env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    def status(self):
+        return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["containers"]}
+
+
+@pytest.fixture
+def node(tmp_path):
+    with FakeApiServer() as api:
+        n = Node(tmp_path, api)
+        yield n
+        for k in n.kubelets:
+            k.close()
+        for a in n.agents:
+            a.stop(signal.SIGKILL)
+
+
+def cdi_spec(node, uid):
+    return json.loads((node.cdi_dir / f"{DRIVER}-{uid}.json").read_text())
+
+
+# === registration and the ResourceSlice ===
+
+def test_registers_with_the_kubelet_as_a_dra_plugin_of_both_api_versions(node):
+    agent = node.start()
+    info = node.kubelet().info
+    assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(node.plugin_dir / "dra.sock"))
+    assert list(info.supported_versions) == ["k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
+                                             "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"]
+    assert agent.wait_for(lambda e: e["event"] == "registration", "registration")["registered"] is True
+
+
+def test_publishes_each_gpu_once_with_consumable_memory_and_sm(node):
+    node.start()
+    deadline = time.monotonic() + 10
+    while not node.api.slices() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [published] = node.api.slices()
+    roundtrip(published)
+    spec = published["spec"]
+    assert (spec["driver"], spec["nodeName"], spec["pool"]["name"], spec["pool"]["resourceSliceCount"]) == \
+        (DRIVER, NODE, NODE, 1)
+    assert published["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    assert [d["name"] for d in spec["devices"]] == ["gpu-0", "gpu-1"]
+    for i, d in enumerate(spec["devices"]):
+        assert d["allowMultipleAllocations"] is True
+        assert d["attributes"]["index"] == {"int": i}
+        assert d["attributes"]["model"]["string"] == "NVIDIA A10"
+        assert d["attributes"]["uuid"]["string"].startswith("GPU-")
+        assert int(d["capacity"]["memory"]["value"]) == 24 * GiB
+        assert d["capacity"]["sm"]["value"] == "100"
+        assert d["capacity"]["sm"]["requestPolicy"]["validRange"] == {"min": "1", "max": "100", "step": "1"}
+    # unchanged GPUs: later rounds write nothing
+    time.sleep(1.0)
+    writes = [r for r in node.api.requests if r[0] in ("POST", "PUT", "DELETE")]
+    assert len(writes) == 1, writes
+
+
+# === prepare and unprepare ===
+
+def test_prepare_makes_the_slice_and_cdi_spec_unprepare_removes_both(node):
+    node.start()
+    kubelet = node.kubelet()
+    claim = node.claim("train")
+    [(uid, answer)] = kubelet.prepare(claim).items()
+    assert answer.error == ""
+    [device] = answer.devices
+    assert (list(device.request_names), device.pool_name, device.device_name) == (["gpu"], NODE, "gpu-0")
+    assert list(device.cdi_device_ids) == [f"{DRIVER}/slice=train-share-0"]
+
+    # the quota is what the scheduler allocated, seen by the controller
+    seen = node.status()["train-share-0"]["devices"]
+    assert [(d["index"], d["memory_max"], d["sm_max"]) for d in seen] == [(0, 4 * GiB, 5000)]
+    [listed] = json.loads(node.ctl("list", "--json"))
+    [q] = listed["devices"]
+    # the claim is guaranteed (request), SM time may be lent up to 100%, memory is not lent
+    assert (q["memory_request"], q["memory_limit"], q["sm_request"], q["sm_limit"]) == (4 * GiB, 4 * GiB, 5000, 10000)
+
+    spec = cdi_spec(node, uid)
+    assert (spec["cdiVersion"], spec["kind"]) == ("1.1.0", f"{DRIVER}/slice")
+    [cdev] = spec["devices"]
+    assert cdev["name"] == "train-share-0"
+    env = dict(e.split("=", 1) for e in cdev["containerEdits"]["env"])
+    assert env["VGPU_CONTAINER"] == "train-share-0" and env["LD_PRELOAD"] == "/usr/local/lib/vgpu/libvgpu.so"
+    mounts = {m["containerPath"]: m for m in cdev["containerEdits"]["mounts"]}
+    assert "ro" in mounts["/run/vgpu/train-share-0/quota"]["options"]
+    assert "rw" in mounts["/run/vgpu/train-share-0/usage"]["options"]
+    for m in mounts.values():
+        assert os.path.isfile(m["hostPath"]), m
+
+    assert kubelet.unprepare(claim)[uid].error == ""
+    assert not (node.cdi_dir / f"{DRIVER}-{uid}.json").exists()
+    assert node.status() == {}
+    assert json.loads(node.checkpoint.read_text())["claims"] == {}
+
+
+def test_prepare_twice_gives_the_same_answer_and_unprepare_twice_is_fine(node):
+    node.start()
+    kubelet = node.kubelet()
+    claim = node.claim("infer")
+    first = kubelet.prepare(claim)[claim[1]]
+    again = kubelet.prepare(claim)[claim[1]]
+    assert first == again and first.error == ""
+    assert list(node.status()) == ["infer-share-0"]
+    assert kubelet.unprepare(claim)[claim[1]].error == ""
+    assert kubelet.unprepare(claim)[claim[1]].error == ""
+
+
+def test_a_restarted_agent_unprepares_what_it_prepared(node):
+    agent = node.start()
+    claim = node.claim("train")
+    assert node.kubelet().prepare(claim)[claim[1]].error == ""
+    agent.stop(signal.SIGKILL)                     # no goodbye: sockets and all left behind
+    node.api.delete_claim(NS, "train")             # gone from the API: only the checkpoint knows it
+    node.start()
+    kubelet = node.kubelet()
+    again = kubelet.prepare(claim)[claim[1]]       # still prepared, same answer, no API needed
+    assert again.error == "" and [d.device_name for d in again.devices] == ["gpu-0"]
+    assert kubelet.unprepare(claim)[claim[1]].error == ""
+    assert node.status() == {} and not list(node.cdi_dir.glob("*.json"))
+
+
+def test_clear_errors_for_unknown_claims_wrong_uids_and_a_full_gpu(node):
+    node.start()
+    kubelet = node.kubelet()
+    assert "not found" in kubelet.prepare((NS, "0000-missing", "ghost"))["0000-missing"].error
+
+    ns, uid, name = node.claim("renamed")
+    wrong = kubelet.prepare((ns, "1111-old-uid", name))["1111-old-uid"].error
+    assert f"has UID {uid}, not 1111-old-uid" in wrong
+
+    big = [{"device": "gpu-1", "memory": "16Gi", "sm": "40"}]
+    first, second = node.claim("big-a", results=big), node.claim("big-b", results=big)
+    answers = kubelet.prepare(first, second)
+    assert answers[first[1]].error == ""
+    assert "does not fit" in answers[second[1]].error and "device 1" in answers[second[1]].error
+    assert not answers[second[1]].devices
+    assert sorted(node.status()) == ["big-a-share-0"]   # the failed claim left nothing behind
+
+    other_pool = node.claim("elsewhere", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10"}], pool="node-b")
+    assert "not this node's (node-a)" in kubelet.prepare(other_pool)[other_pool[1]].error
+
+    nowhere = node.claim("nowhere", results=[{"device": "gpu-7", "memory": "1Gi", "sm": "10"}])
+    assert "gpu-7 is not on this node (it has gpu-0, gpu-1)" in kubelet.prepare(nowhere)[nowhere[1]].error
+
+
+def test_v1beta1_kubelets_are_served_too(node):
+    node.start()
+    kubelet = node.kubelet(prefer=("k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin",))
+    claim = node.claim("old")
+    assert kubelet.prepare(claim)[claim[1]].devices[0].cdi_device_ids == [f"{DRIVER}/slice=old-share-0"]
+    assert kubelet.unprepare(claim)[claim[1]].error == ""
+
+
+def test_a_new_claim_takes_back_the_sm_share_lent_to_a_neighbour(node):
+    node.start()
+    kubelet = node.kubelet()
+    first = node.claim("lender", results=[{"device": "gpu-0", "memory": "2Gi", "sm": "30"}])
+    assert kubelet.prepare(first)[first[1]].error == ""
+    # what autoscale does for a busy slice: the cap grows, the request stays the claim
+    node.ctl("resize", "lender-share-0", "--sm", "80%", "--sm-request", "30%")
+    second = node.claim("late", results=[{"device": "gpu-0", "memory": "2Gi", "sm": "60"}])
+    assert kubelet.prepare(second)[second[1]].error == ""
+    shares = {n: c["devices"][0]["sm_max"] for n, c in node.status().items()}
+    assert shares == {"lender-share-0": 3000, "late-share-0": 6000}
+
+
+# === refusing to start ===
+
+def test_a_corrupt_checkpoint_stops_the_agent_and_is_kept(node):
+    node.plugin_dir.mkdir(parents=True)
+    node.checkpoint.write_text("{not json")
+    agent = Agent(node)
+    assert agent.proc.wait(30) == 1
+    assert "checkpoint" in agent.log_path.read_text() and "hint:" in agent.log_path.read_text()
+    assert node.checkpoint.read_text() == "{not json"
+
+
+def test_a_second_agent_on_the_same_sockets_is_refused(node):
+    node.start()
+    second = Agent(node)
+    assert second.proc.wait(30) == 1
+    assert "in use" in second.log_path.read_text()
+    assert node.kubelet().info.name == DRIVER                 # the first one still serves
+
+
+# === a workload in the container the CDI spec describes ===
+
+def cdi_edits(spec, name):
+    """(mounts, env) of CDI device `name`'s containerEdits, as a runtime applies them."""
+    [device] = [d for d in spec["devices"] if d["name"] == name]
+    edits = device["containerEdits"]
+    assert set(edits) <= {"env", "mounts"}, f"edits this test does not apply: {set(edits)}"
+    mounts = []
+    for m in edits["mounts"]:
+        assert m["type"] == "bind" and "bind" in m["options"], m
+        mounts.append((m["hostPath"], m["containerPath"], "ro" in m["options"]))
+    return mounts, dict(e.split("=", 1) for e in edits["env"])
+
+
+def test_a_workload_started_with_the_cdi_edits_is_held_to_its_claim(node, tmp_path):
+    if not namespaces_work(tmp_path / "probe"):
+        pytest.skip("needs root, mount namespaces and overlayfs")
+    node.start()
+    kubelet = node.kubelet()
+    claim = node.claim("pod-a", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "50"}])
+    [device] = kubelet.prepare(claim)[claim[1]].devices
+    [cdi_id] = device.cdi_device_ids
+    kind, name = cdi_id.split("=")
+    spec = cdi_spec(node, claim[1])
+    assert spec["kind"] == kind
+    container = Container(*cdi_edits(spec, name), node.env, tmp_path / "scratch")
+    try:
+        assert container.hello["total"] == GiB                       # cuMemGetInfo shows the claim
+        assert container.hello["shim"] == ["/usr/local/lib/vgpu/libvgpu.so"]
+        assert (container.hello["quota_writable"], container.hello["usage_writable"]) == ("EROFS", "yes")
+        assert container.alloc(768 * MiB) == SUCCESS
+        assert container.alloc(512 * MiB) == OUT_OF_MEMORY           # 1.25 GiB > the claim's 1 GiB
+        seen = node.status()[name]
+        assert seen["devices"][0]["memory_current"] == 768 * MiB
+        assert [p["host_pid"] for p in seen["processes"]] == [container.hello["pid"]]
+    finally:
+        container.stop()
+    assert kubelet.unprepare(claim)[claim[1]].error == ""
+
+
+# === keeping the ResourceSlice current ===
+
+def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
+    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.resourceslice import Gpu, Publisher
+    gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB), Gpu(1, "NVIDIA H200", "GPU-1", 141 * GiB)]
+    events = []
+    with FakeApiServer() as api:
+        api.add_node(NODE)
+        publisher = Publisher(api_client(str(api.write_kubeconfig(tmp_path / "kubeconfig"))), NODE, DRIVER,
+                              events.append)
+        assert publisher.sync(gpus) == "created"
+        assert publisher.sync(gpus) == "unchanged"
+        assert publisher.sync(gpus[1:]) == "updated"               # gpu-0 fell off the bus
+        [published] = api.slices()
+        assert [d["name"] for d in published["spec"]["devices"]] == ["gpu-1"]
+        assert published["spec"]["pool"]["generation"] == 2
+        assert publisher.sync(gpus) == "updated"                   # and came back
+        assert api.slices()[0]["spec"]["pool"]["generation"] == 3
+    assert [e["event"] for e in events] == ["resourceslice_created", "resourceslice_updated",
+                                            "resourceslice_updated"]
+
+
+def test_an_api_server_outage_is_retried_and_prepared_claims_keep_working(node):
+    node.api.fail_next("GET", "/apis/resource.k8s.io/v1/resourceslices", 503, times=3)
+    agent = node.start()
+    failed = agent.wait_for(lambda e: e["event"] == "publish_failed", "publish_failed")
+    assert "503" in failed["error"]
+    agent.wait_for(lambda e: e["event"] == "resourceslice_created", "resourceslice_created")
+    assert len(node.api.slices()) == 1
+
+    kubelet = node.kubelet()
+    prepared, new = node.claim("before"), node.claim("during")
+    assert kubelet.prepare(prepared)[prepared[1]].error == ""
+    node.api.fail_next("*", "/", 503, times=10_000)               # the API server is down
+    assert kubelet.prepare(prepared)[prepared[1]].error == ""      # the checkpoint answers
+    assert "503" in kubelet.prepare(new)[new[1]].error             # a new claim says why it waits
+    assert kubelet.unprepare(prepared)[prepared[1]].error == ""
+    assert node.status() == {}
