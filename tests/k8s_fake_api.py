@@ -161,6 +161,9 @@ def _matches(terms, get) -> bool:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"     # keep-alive, as urllib3's connection pool expects
+    # headers and body leave in separate writes: with Nagle on, each answer on a kept-alive
+    # connection would wait ~40 ms for the client's delayed ACK (a real API server sets TCP_NODELAY)
+    disable_nagle_algorithm = True
     server_version = "vgpu-fake-apiserver"
 
     def log_message(self, format, *args):   # quiet: pytest shows failures, not traffic
@@ -206,8 +209,11 @@ class FakeApiServer:
     and a later start() serves the same store on the same port (an API server restart).
     """
 
-    def __init__(self, port=0, token=None):
+    def __init__(self, port=0, token=None, consumable_capacity=True):
+        """consumable_capacity=False: the DRAConsumableCapacity feature gate is off, and
+        ResourceSlices are stored without allowMultipleAllocations and requestPolicy."""
         self.token = token or secrets.token_hex(16)
+        self.consumable_capacity = consumable_capacity
         self.requests = []          # (method, path, query dict), every request, in order
         self._port = port
         self._lock = threading.RLock()
@@ -457,6 +463,11 @@ class FakeApiServer:
             problems.append(str(e))
         if problems:
             raise invalid("; ".join(problems))
+        if not self.consumable_capacity:   # as an API server with the feature gate off: dropped, no error
+            for device in (body.get("spec") or {}).get("devices") or []:
+                device.pop("allowMultipleAllocations", None)
+                for capacity in (device.get("capacity") or {}).values():
+                    capacity.pop("requestPolicy", None)
         return body
 
     def _create_slice(self, body, query):

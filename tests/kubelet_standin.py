@@ -1,8 +1,8 @@
 """A stand-in for the kubelet's side of DRA, built from the same .proto files as the agent.
 
 It does what the kubelet does with a DRA plugin: finds the registration socket, asks
-GetInfo, checks the plugin type, picks the newest DRA service the plugin lists that it
-knows, reports registration, then calls NodePrepareResources / NodeUnprepareResources on
+GetInfo, checks the plugin type, picks the newest DRA version the plugin lists that it
+knows (by the exact strings the kubelet compares), reports registration, then calls NodePrepareResources / NodeUnprepareResources on
 the endpoint the plugin named -- all over unix sockets with real gRPC.
 """
 import grpc
@@ -11,11 +11,14 @@ from vgpu.k8s.protos import dra_v1_pb2 as dra
 from vgpu.k8s.protos import pluginregistration_v1_pb2 as reg
 from vgpu.k8s.protos import pluginregistration_v1_pb2_grpc as reg_grpc
 
-KNOWN_SERVICES = ("k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin")
+# the kubelet's table, newest first: what a plugin lists at registration -> the gRPC
+# service it then calls (k8s.io/kubelet/pkg/apis/dra/*: DRAPluginService and the proto package)
+KNOWN_SERVICES = {"v1.DRAPlugin": "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
+                  "v1beta1.DRAPlugin": "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"}
 
 
 class Kubelet:
-    def __init__(self, registration_socket, prefer=KNOWN_SERVICES):
+    def __init__(self, registration_socket, prefer=tuple(KNOWN_SERVICES)):
         self.registration_socket = registration_socket
         self.prefer = prefer
         self.info = self.service = None
@@ -33,8 +36,10 @@ class Kubelet:
         if self.info.type != "DRAPlugin":
             error = f"plugin type {self.info.type!r} is not DRAPlugin"
         else:
-            self.service = next((s for s in self.prefer if s in self.info.supported_versions), None)
-            error = "" if self.service else f"no supported service in {list(self.info.supported_versions)}"
+            version = next((v for v in self.prefer if v in self.info.supported_versions), None)
+            self.service = KNOWN_SERVICES.get(version)
+            error = "" if self.service else (f"none of services supported by the plugin "
+                                             f"{list(self.info.supported_versions)} are supported by the kubelet")
         stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=not error, error=error), timeout=10)
         if error:
             raise AssertionError(error)

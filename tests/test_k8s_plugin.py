@@ -8,115 +8,23 @@ Judged from outside: what the stand-in gets back, the quota and CDI files on dis
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import make_sim_env
 from containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
-from k8s_fake_api import FakeApiServer, allocated_claim
+from k8s_fake_api import FakeApiServer
 from k8s_models import roundtrip
-from kubelet_standin import Kubelet
+from k8s_node import DRIVER, NODE, NS, Agent, Node
 
 GiB, MiB = 1 << 30, 1 << 20
-CTL = str(Path(sys.executable).parent / "vgpu-ctl")
-DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
-
-
-class Agent:
-    """One `vgpu-ctl k8s-plugin` process; its log lines are JSON."""
-
-    def __init__(self, node, *extra):
-        self.node = node
-        self.log_path = node.tmp / f"agent-{time.monotonic_ns()}.log"
-        self.log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen([CTL, "k8s-plugin", *node.args, *extra], env=node.env,
-                                     stdout=self.log_file, stderr=subprocess.STDOUT, text=True)
-
-    def events(self):
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-    def wait_for(self, predicate, what, timeout=30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [e for e in self.events() if predicate(e)]
-            if found:
-                return found[-1]
-            if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited {self.proc.returncode} waiting for {what}:\n"
-                                     f"{self.log_path.read_text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no {what} in 30 s:\n{self.log_path.read_text()}")
-
-    def stop(self, sig=signal.SIGTERM):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log_file.close()
-        return self.proc.returncode
-
-
-class Node:
-    """A simulated GPU node: simgpu with two A10s, the shim installed, a fake API server."""
-
-    def __init__(self, tmp, api):
-        self.tmp, self.api = tmp, api
-        self.env = make_sim_env(tmp / "simgpu", profile="a10", devices=2)
-        self.plugin_dir, self.registry_dir = tmp / "plugins" / DRIVER, tmp / "plugins_registry"
-        self.cdi_dir, self.slice_dir, self.shim_dir = tmp / "cdi", tmp / "run-vgpu", tmp / "opt-vgpu"
-        self.registration_socket = self.registry_dir / f"{DRIVER}-reg.sock"
-        self.checkpoint = self.plugin_dir / "checkpoint.json"
-        subprocess.run([CTL, "install-shim", str(self.shim_dir)], env=self.env, check=True, capture_output=True)
-        api.add_node(NODE)
-        api.write_kubeconfig(tmp / "kubeconfig")
-        self.args = ["--node-name", NODE, "--plugin-dir", str(self.plugin_dir), "--registry-dir",
-                     str(self.registry_dir), "--cdi-dir", str(self.cdi_dir), "--dir", str(self.slice_dir),
-                     "--shim-dir", str(self.shim_dir), "--gpu-cdi-device", "", "--kubeconfig",
-                     str(tmp / "kubeconfig"), "--rescan", "300ms"]
-        self.agents, self.kubelets = [], []
-
-    def start(self, *extra):
-        agent = Agent(self, *extra)
-        self.agents.append(agent)
-        agent.wait_for(lambda e: e["event"] == "serving", "serving line")
-        return agent
-
-    def kubelet(self, **kw):
-        k = Kubelet(str(self.registration_socket), **kw)
-        k.register()
-        self.kubelets.append(k)
-        return k
-
-    def claim(self, name, uid=None, results=({"device": "gpu-0", "memory": "4Gi", "sm": "50"},), pool=NODE):
-        """An allocated claim in the API server; returns (namespace, uid, name) as the kubelet sends it."""
-        rs = [{"request": "gpu", "share_id": f"{name}-share-{i}", **r} for i, r in enumerate(results)]
-        obj = allocated_claim(NS, name, DRIVER, pool, rs)
-        if uid:
-            obj["metadata"]["uid"] = uid
-        stored = self.api.put_claim(obj)
-        return NS, stored["metadata"]["uid"], name
-
-    def ctl(self, *args):
-        out = subprocess.run([CTL, *args, "--dir", str(self.slice_dir)], env=self.env, capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-
-    def status(self):
-        return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["containers"]}
 
 
 @pytest.fixture
 def node(tmp_path):
     with FakeApiServer() as api:
-        n = Node(tmp_path, api)
+        n = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="a10", devices=2))
         yield n
         for k in n.kubelets:
             k.close()
@@ -134,8 +42,7 @@ def test_registers_with_the_kubelet_as_a_dra_plugin_of_both_api_versions(node):
     agent = node.start()
     info = node.kubelet().info
     assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(node.plugin_dir / "dra.sock"))
-    assert list(info.supported_versions) == ["k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
-                                             "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"]
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
     assert agent.wait_for(lambda e: e["event"] == "registration", "registration")["registered"] is True
 
 
@@ -203,6 +110,18 @@ def test_prepare_makes_the_slice_and_cdi_spec_unprepare_removes_both(node):
     assert json.loads(node.checkpoint.read_text())["claims"] == {}
 
 
+def test_a_share_id_as_the_scheduler_makes_it_names_the_slice_and_an_older_cdi_version_is_written(node):
+    node.start("--cdi-version", "0.5.0")
+    share = "0b7e2c1a-95f4-4d1e-8a3b-5c6d7e8f9a0b"             # a UID: may start with a digit
+    claim = node.claim("uid-named", results=[{"device": "gpu-1", "memory": "3Gi", "sm": "25", "share_id": share}])
+    [device] = node.kubelet().prepare(claim)[claim[1]].devices
+    assert list(device.cdi_device_ids) == [f"{DRIVER}/slice={share}"]
+    spec = cdi_spec(node, claim[1])
+    assert spec["cdiVersion"] == "0.5.0" and spec["devices"][0]["name"] == share
+    seen = node.status()[share]["devices"]
+    assert [(d["index"], d["memory_max"], d["sm_max"]) for d in seen] == [(1, 3 * GiB, 2500)]
+
+
 def test_prepare_twice_gives_the_same_answer_and_unprepare_twice_is_fine(node):
     node.start()
     kubelet = node.kubelet()
@@ -244,7 +163,10 @@ def test_clear_errors_for_unknown_claims_wrong_uids_and_a_full_gpu(node):
     assert answers[first[1]].error == ""
     assert "does not fit" in answers[second[1]].error and "device 1" in answers[second[1]].error
     assert not answers[second[1]].devices
-    assert sorted(node.status()) == ["big-a-share-0"]   # the failed claim left nothing behind
+    # the failed claim left nothing behind: no slice, no CDI spec, no checkpoint entry
+    assert sorted(node.status()) == ["big-a-share-0"]
+    assert sorted(p.name for p in node.cdi_dir.glob("*.json")) == [f"{DRIVER}-{first[1]}.json"]
+    assert list(json.loads(node.checkpoint.read_text())["claims"]) == [first[1]]
 
     other_pool = node.claim("elsewhere", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10"}], pool="node-b")
     assert "not this node's (node-a)" in kubelet.prepare(other_pool)[other_pool[1]].error
@@ -255,7 +177,7 @@ def test_clear_errors_for_unknown_claims_wrong_uids_and_a_full_gpu(node):
 
 def test_v1beta1_kubelets_are_served_too(node):
     node.start()
-    kubelet = node.kubelet(prefer=("k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin",))
+    kubelet = node.kubelet(prefer=("v1beta1.DRAPlugin",))
     claim = node.claim("old")
     assert kubelet.prepare(claim)[claim[1]].devices[0].cdi_device_ids == [f"{DRIVER}/slice=old-share-0"]
     assert kubelet.unprepare(claim)[claim[1]].error == ""
@@ -272,6 +194,47 @@ def test_a_new_claim_takes_back_the_sm_share_lent_to_a_neighbour(node):
     assert kubelet.prepare(second)[second[1]].error == ""
     shares = {n: c["devices"][0]["sm_max"] for n, c in node.status().items()}
     assert shares == {"lender-share-0": 3000, "late-share-0": 6000}
+
+
+def test_give_back_leaves_slices_made_by_hand_alone(node):
+    node.start()
+    node.ctl("create", "by-hand", "--memory", "2Gi", "--sm", "20%", "--sm-request", "10%", "--device", "0")
+    claim = node.claim("dra", results=[{"device": "gpu-0", "memory": "2Gi", "sm": "50"}])
+    assert node.kubelet().prepare(claim)[claim[1]].error == ""
+    assert node.status()["by-hand"]["devices"][0]["sm_max"] == 2000
+
+
+# === an agent that died, a node that rebooted ===
+
+def test_a_claim_left_half_prepared_by_a_dead_agent_is_prepared_again(node):
+    agent = node.start()
+    claim = node.claim("half")
+    assert node.kubelet().prepare(claim)[claim[1]].error == ""
+    agent.stop(signal.SIGKILL)
+    # as the agent leaves it when killed after making the slice, before the CDI spec
+    saved = json.loads(node.checkpoint.read_text())
+    saved["claims"][claim[1]]["state"] = "preparing"
+    node.checkpoint.write_text(json.dumps(saved))
+    (node.cdi_dir / f"{DRIVER}-{claim[1]}.json").unlink()
+    node.start()
+    kubelet = node.kubelet()
+    answer = kubelet.prepare(claim)[claim[1]]
+    assert answer.error == "" and list(answer.devices[0].cdi_device_ids) == [f"{DRIVER}/slice=half-share-0"]
+    assert list(node.status()) == ["half-share-0"] and cdi_spec(node, claim[1])["devices"][0]["name"] == "half-share-0"
+    assert json.loads(node.checkpoint.read_text())["claims"][claim[1]]["state"] == "prepared"
+
+
+def test_after_a_reboot_a_prepared_claim_gets_its_files_back(node):
+    agent = node.start()
+    claim = node.claim("rebooted")
+    first = node.kubelet().prepare(claim)[claim[1]]
+    agent.stop(signal.SIGKILL)
+    node.ctl("delete", "rebooted-share-0", "--force")           # /run and /var/run are tmpfs: gone
+    (node.cdi_dir / f"{DRIVER}-{claim[1]}.json").unlink()
+    node.start()
+    again = node.kubelet().prepare(claim)[claim[1]]
+    assert again == first
+    assert list(node.status()) == ["rebooted-share-0"] and cdi_spec(node, claim[1])
 
 
 # === refusing to start ===
@@ -356,6 +319,21 @@ def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
                                             "resourceslice_updated"]
 
 
+def test_a_server_without_consumable_capacity_is_told_once_not_rewritten_forever(tmp_path):
+    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.resourceslice import Gpu, Publisher
+    gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB)]
+    events = []
+    with FakeApiServer(consumable_capacity=False) as api:
+        publisher = Publisher(api_client(str(api.write_kubeconfig(tmp_path / "kubeconfig"))), NODE, DRIVER,
+                              events.append)
+        assert publisher.sync(gpus) == "created"
+        assert "allowMultipleAllocations" not in api.slices()[0]["spec"]["devices"][0]
+        assert [publisher.sync(gpus) for _ in range(3)] == ["unchanged"] * 3
+    dropped = [e for e in events if e["event"] == "resourceslice_fields_dropped"]
+    assert len(dropped) == 1 and "DRAConsumableCapacity" in dropped[0]["error"]
+
+
 def test_an_api_server_outage_is_retried_and_prepared_claims_keep_working(node):
     node.api.fail_next("GET", "/apis/resource.k8s.io/v1/resourceslices", 503, times=3)
     agent = node.start()
@@ -372,3 +350,16 @@ def test_an_api_server_outage_is_retried_and_prepared_claims_keep_working(node):
     assert "503" in kubelet.prepare(new)[new[1]].error             # a new claim says why it waits
     assert kubelet.unprepare(prepared)[prepared[1]].error == ""
     assert node.status() == {}
+
+
+def test_an_unreachable_api_server_is_a_claim_error_and_sigterm_leaves_cleanly(node):
+    agent = node.start()
+    kubelet = node.kubelet()
+    claim = node.claim("lonely")
+    node.api.stop()                                            # nothing listens there any more
+    error = kubelet.prepare(claim)[claim[1]].error
+    assert "reading ResourceClaim team-a/lonely" in error and node.status() == {}
+    assert agent.stop(signal.SIGTERM) == 0
+    assert agent.events()[-1]["event"] == "stopped"
+    assert not node.registration_socket.exists() and not (node.plugin_dir / "dra.sock").exists()
+    assert not node.checkpoint.exists()                       # nothing was ever prepared

@@ -28,6 +28,15 @@ def test_dra_service_and_methods_are_the_kubelets():
         "NodeUnprepareResources": ("NodeUnprepareResourcesRequest", "NodeUnprepareResourcesResponse")}
 
 
+def test_each_registered_version_names_a_service_the_plugin_serves():
+    from vgpu.k8s import plugin
+    # the kubelet lists "v1.DRAPlugin" and calls /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/...
+    served = {plugin.DRA_V1, plugin.DRA_V1BETA1}
+    assert plugin.SUPPORTED_VERSIONS == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+    assert {f"k8s.io.kubelet.pkg.apis.dra.{v}" for v in plugin.SUPPORTED_VERSIONS} == served
+    assert plugin.DRA_V1 == dra_v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+
+
 def test_dra_field_numbers_match_the_published_api():
     m = dra_v1_pb2.DESCRIPTOR.message_types_by_name
     S, MSG = F.TYPE_STRING, F.TYPE_MESSAGE

@@ -18,6 +18,7 @@ from . import runtime
 from . import sim as simgpu
 from . import slices
 from . import status as status_mod
+from .k8s import cdi
 from .paths import shim_path
 from .quantities import UNLIMITED, format_memory, format_share, parse_memory, parse_share
 
@@ -788,6 +789,9 @@ def serve(port, address, directory):
               show_default=True, help="The kubelet's plugin registration directory (DRIVER-reg.sock).")
 @click.option("--cdi-dir", type=click.Path(file_okay=False), default="/var/run/cdi", show_default=True,
               help="Where the container runtime reads CDI specs.")
+@click.option("--cdi-version", type=click.Choice(cdi.CDI_VERSIONS), default=cdi.CDI_VERSION, show_default=True,
+              help="cdiVersion of the specs written: a runtime whose CDI library is older than the version "
+                   "refuses the spec (the content needs 0.5.0).")
 @click.option("--shim-dir", type=click.Path(file_okay=False), envvar="VGPU_SHIM_DIR", required=True,
               help="Host directory made by `vgpu-ctl install-shim` [env: VGPU_SHIM_DIR].")
 @click.option("--ld-so-preload", is_flag=True,
@@ -803,8 +807,8 @@ def serve(port, address, directory):
 @click.option("--rescan", type=DURATION, default="30s", show_default=True,
               help="How often to look for GPUs that appeared or vanished.")
 @dir_option
-def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, shim_dir, ld_so_preload, gpu_cdi_device,
-               lend_memory, kubeconfig, rescan, directory):
+def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_version, shim_dir, ld_so_preload,
+               gpu_cdi_device, lend_memory, kubeconfig, rescan, directory):
     """Run the Kubernetes DRA driver for this node (a DaemonSet's container).
 
     Publishes this node's GPUs as one ResourceSlice (resource.k8s.io/v1, consumable
@@ -823,7 +827,8 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, shim_d
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = agent.Config(node_name=node_name, driver_name=driver_name,
                           plugin_dir=plugin_dir or agent.default_plugin_dir(driver_name),
-                          registry_dir=registry_dir, cdi_dir=cdi_dir, slice_dir=slices.node_dir(directory),
+                          registry_dir=registry_dir, cdi_dir=cdi_dir, cdi_version=cdi_version,
+                          slice_dir=slices.node_dir(directory),
                           shim_dir=shim_dir, ld_so_preload=ld_so_preload,
                           gpu_cdi_devices=[gpu_cdi_device] if gpu_cdi_device else [],
                           lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan)

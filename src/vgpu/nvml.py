@@ -84,7 +84,11 @@ def devices() -> list:
     n = _nvml()
     out = []
     for i in range(n.nvmlDeviceGetCount()):
-        h = n.nvmlDeviceGetHandleByIndex(i)
+        h = _call(n.nvmlDeviceGetHandleByIndex, i)
+        if h is None:   # fallen off the bus (GPU_IS_LOST) or otherwise unreachable: listed, unknown
+            out.append({"index": i, "name": "?", "uuid": None, "memory_total": None, "memory_used": None,
+                        "gpu_util": None})
+            continue
         mem = _call(n.nvmlDeviceGetMemoryInfo, h)
         util = _call(n.nvmlDeviceGetUtilizationRates, h)
         out.append({"index": i, "name": _text(_call(n.nvmlDeviceGetName, h, default="?")),

@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass, field
 
 from .. import install, slices
-from . import checkpoint, resourceslice
+from . import cdi, checkpoint, resourceslice
+
+
+API_TIMEOUT = 10     # seconds per API call: a black-holed API server must not hold the driver's lock
 
 
 class AgentError(slices.VgpuError):
@@ -31,6 +34,7 @@ class Config:
     plugin_dir: str = "/var/lib/kubelet/plugins/vgpu.dev"
     registry_dir: str = "/var/lib/kubelet/plugins_registry"
     cdi_dir: str = "/var/run/cdi"
+    cdi_version: str = cdi.CDI_VERSION
     slice_dir: str = slices.DEFAULT_DIR
     shim_dir: str = "/opt/vgpu"
     ld_so_preload: bool = False
@@ -70,12 +74,15 @@ def claim_reader(api):
 
     def read(namespace, name):
         try:
-            return api.sanitize_for_serialization(resource.read_namespaced_resource_claim(name, namespace))
+            return api.sanitize_for_serialization(
+                resource.read_namespaced_resource_claim(name, namespace, _request_timeout=API_TIMEOUT))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise OSError(f"reading ResourceClaim {namespace}/{name}: API server said {e.status} {e.reason}") \
                 from None
+        except Exception as e:   # unreachable (urllib3's MaxRetryError), or an answer the model refuses
+            raise OSError(f"reading ResourceClaim {namespace}/{name}: {type(e).__name__}: {e}"[:500]) from None
     return read
 
 
@@ -93,10 +100,9 @@ def _shim_files(config):
 
 
 def _gpus():
-    from .. import nvml
     try:
         return resourceslice.inventory()
-    except nvml.NvmlUnavailable as e:
+    except Exception as e:   # NvmlUnavailable, or an NVMLError from a driver in trouble
         raise AgentError(f"cannot list this node's GPUs: {e}",
                          "run on a GPU node with the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES=all)") from None
 
@@ -133,10 +139,10 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     try:
         driver = Driver(config.driver_name, config.node_name, config.plugin_dir, config.cdi_dir, config.slice_dir,
                         shim, preload, claim_reader(api), lambda: gpus, gpu_cdi_devices=config.gpu_cdi_devices,
-                        lend_memory=config.lend_memory, log=emit)
+                        lend_memory=config.lend_memory, cdi_version=config.cdi_version, log=emit)
     except checkpoint.CheckpointError as e:
         raise AgentError(str(e), e.hint) from None
-    publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit)
+    publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT)
     try:
         servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit)
     except plugin.SocketBusy as e:
@@ -154,7 +160,7 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                 break
             try:
                 gpus[:] = _gpus()    # GPUs that appeared or vanished (the driver reads the same list)
-            except AgentError as e:
+            except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
                 emit({"event": "rescan_failed", "error": str(e)})
     finally:
         servers.stop()

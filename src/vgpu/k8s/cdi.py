@@ -12,6 +12,10 @@ import secrets
 from .. import runtime
 
 CDI_VERSION = "1.1.0"
+# what the spec's content needs: bind mounts with a type (0.4.0), device names that may
+# start with a digit, as share IDs do (0.5.0); a runtime whose CDI library predates 1.1.0
+# refuses a 1.1.0 spec, so older versions can be asked for
+CDI_VERSIONS = ("0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 CLASS = "slice"
 
 
@@ -28,13 +32,13 @@ def spec_path(cdi_dir: str, driver: str, claim_uid: str) -> str:
     return os.path.join(cdi_dir, f"{driver}-{claim_uid}.json")
 
 
-def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None) -> dict:
+def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, version=CDI_VERSION) -> dict:
     """A CDI spec with one device, `name`, giving a container slice `name`."""
     mounts = [{"hostPath": host, "containerPath": inside, "type": "bind",
                "options": ["bind", "ro" if read_only else "rw", "nosuid", "nodev"]}
               for host, inside, read_only in runtime.mounts(name, paths, shim, preload_file)]
     env = [f"{k}={v}" for k, v in runtime.container_variables(name, preload_file).items()]
-    return {"cdiVersion": CDI_VERSION, "kind": kind(driver),
+    return {"cdiVersion": version, "kind": kind(driver),
             "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}]}
 
 

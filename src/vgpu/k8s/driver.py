@@ -9,12 +9,13 @@ sm.max = sm.request = the percent, so the shim enforces the scheduler's numbers.
 Lending (the scheduler's accounting is fixed at allocation): sm.limit is 100%, so the
 autoscaler may grow a throttled slice's SM share into time no claim holds; memory.limit
 is the claim's memory unless lend_memory.  When a claim is prepared on a GPU, every
-slice there that grew above its request is set back to it first, so the new claim finds
-the capacity the scheduler promised it.  SM time comes back at once; lent memory comes
+claim's slice there that grew above its request is set back to it first, so the new
+claim finds the capacity the scheduler promised it (slices made by hand are left alone).  SM time comes back at once; lent memory comes
 back only as its holder frees it (why memory is not lent by default).
 
 Everything is serialised by one lock and recorded in the checkpoint before it exists
-on disk, so a restarted agent unprepares what it prepared.  Errors for one claim are
+on disk, so a restarted agent unprepares what it prepared; a claim found half-prepared,
+or prepared but with its files gone (a reboot empties /run), is prepared afresh.  Errors for one claim are
 that claim's error string (the kubelet retries); the others proceed.
 """
 import os
@@ -37,16 +38,33 @@ def _quantity(value, what, claim):
         raise ClaimError(f"claim {claim}: consumed {what} {value!r} is not a quantity") from None
 
 
+_EXPECTED = (ClaimError, slices.VgpuError, OSError)
+
+
+def _describe(e) -> str:
+    if not isinstance(e, _EXPECTED):
+        return f"internal error: {type(e).__name__}: {e}"
+    return f"{e}; hint: {e.hint}" if getattr(e, "hint", None) else str(e)
+
+
+def _trace(e) -> dict:
+    """The traceback of an error nobody expected, for the log."""
+    if isinstance(e, _EXPECTED):
+        return {}
+    import traceback
+    return {"traceback": "".join(traceback.format_exception(e))[-2000:]}
+
+
 class Driver:
     def __init__(self, driver_name, node_name, plugin_dir, cdi_dir, slice_dir, shim, preload_file, read_claim,
-                 gpus, gpu_cdi_devices=(), lend_memory=False, log=lambda event: None):
+                 gpus, gpu_cdi_devices=(), lend_memory=False, cdi_version=cdi.CDI_VERSION, log=lambda event: None):
         """read_claim(namespace, name) -> the ResourceClaim as an API dict, or None when it
         does not exist; gpus() -> this node's Gpu list (vgpu.k8s.resourceslice)."""
         self.driver, self.node = driver_name, node_name
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.cdi_dir, self.slice_dir, self.shim, self.preload_file = cdi_dir, slice_dir, shim, preload_file
         self.read_claim, self.gpus, self.log = read_claim, gpus, log
-        self.gpu_cdi_devices, self.lend_memory = list(gpu_cdi_devices), lend_memory
+        self.gpu_cdi_devices, self.lend_memory, self.cdi_version = list(gpu_cdi_devices), lend_memory, cdi_version
         self.lock = threading.Lock()
         self.claims = checkpoint.load(self.checkpoint_path)   # CheckpointError: refuse to start
 
@@ -59,9 +77,10 @@ class Driver:
             for namespace, uid, name in claims:
                 try:
                     out[uid] = {"devices": self._prepare(namespace, uid, name)}
-                except (ClaimError, slices.VgpuError, OSError) as e:
-                    text = f"{e}; hint: {e.hint}" if getattr(e, "hint", None) else str(e)
-                    self.log({"event": "prepare_failed", "claim": f"{namespace}/{name}", "uid": uid, "error": text})
+                except Exception as e:   # one claim's failure is its own; the others go on
+                    text = _describe(e)
+                    self.log({"event": "prepare_failed", "claim": f"{namespace}/{name}", "uid": uid, "error": text,
+                              **_trace(e)})
                     out[uid] = {"error": text}
         return out
 
@@ -73,10 +92,10 @@ class Driver:
                 try:
                     self._unprepare(uid)
                     out[uid] = ""
-                except (slices.VgpuError, OSError) as e:
-                    out[uid] = str(e)
+                except Exception as e:
+                    out[uid] = _describe(e)
                     self.log({"event": "unprepare_failed", "claim": f"{namespace}/{name}", "uid": uid,
-                              "error": str(e)})
+                              "error": out[uid], **_trace(e)})
         return out
 
     # === prepare ===
@@ -84,10 +103,12 @@ class Driver:
     def _prepare(self, namespace, uid, name):
         shown = f"{namespace}/{name}"
         entry = self.claims.get(uid)
-        if entry and entry["state"] == "prepared":
+        if entry and entry["state"] == "prepared" and self._files_present(entry):
             return entry["devices"]         # the kubelet retries; the answer does not change
-        if entry:                           # an agent died half-way: start over
+        if entry:   # an agent died half-way, or the files are gone (a reboot empties /run): start over
             self._remove_files(entry)
+            del self.claims[uid]
+            checkpoint.save(self.checkpoint_path, self.claims)
         obj = self.read_claim(namespace, name)
         if obj is None:
             raise ClaimError(f"ResourceClaim {shown} not found")
@@ -101,6 +122,9 @@ class Driver:
         results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == self.driver]
         if not results:
             return []
+        if any(r.get("adminAccess") for r in results):
+            raise ClaimError(f"claim {shown} asks for admin access, which vgpu does not support yet "
+                             "(a slice would hold the GPU's capacity that admin access must not consume)")
         quota = self._quota(shown, results)
         slice_name = results[0].get("shareID") or f"claim-{uid}"
         if not slices.valid_name(slice_name):
@@ -126,7 +150,8 @@ class Driver:
             slices.create(self.slice_dir, slice_name, quota, capacity=self._capacity)
             created = True
             paths = slices.paths(self.slice_dir, slice_name)
-            cdi.write(spec_path, cdi.spec(self.driver, slice_name, paths, self.shim, self.preload_file))
+            cdi.write(spec_path, cdi.spec(self.driver, slice_name, paths, self.shim, self.preload_file,
+                                          self.cdi_version))
         except BaseException as e:
             cdi.remove(spec_path)
             if created:
@@ -177,23 +202,29 @@ class Driver:
         return next((g.memory for g in self.gpus() if g.index == d), None)
 
     def _give_back(self, quota):
-        """Slices that grew above their request on these GPUs go back to it."""
-        for name in slices.list_names(self.slice_dir):
+        """This driver's slices that grew above their claim on these GPUs go back to it
+        (slices made by hand are the operator's).  A slice that cannot be resized is
+        logged, not fatal: the new claim is not its fault."""
+        for name in sorted(e["slice"] for e in self.claims.values() if e["state"] == "prepared"):
             try:
                 q = slices.read_quota(self.slice_dir, name)
-            except slices.VgpuError:
-                continue
-            for d in set(q.held()) & set(quota):
-                dq = q.devices[d]
-                memory = dq.memory_request if dq.memory_max > dq.memory_request else None
-                sm = dq.sm_request if dq.sm_max > dq.sm_request else None
-                if memory is None and sm is None:
-                    continue
-                r = slices.resize(self.slice_dir, name, devices=[d], memory=memory, sm=sm,
-                                  request=dq.memory_request, limit=dq.memory_limit, sm_request=dq.sm_request,
-                                  sm_limit=dq.sm_limit, overcommit=True)
-                self.log({"event": "gave_back", "slice": name, "device": d, "changes": r["changes"],
-                          "warnings": r["warnings"]})
+                for d in set(q.held()) & set(quota):
+                    dq = q.devices[d]
+                    memory = dq.memory_request if dq.memory_max > dq.memory_request else None
+                    sm = dq.sm_request if dq.sm_max > dq.sm_request else None
+                    if memory is None and sm is None:
+                        continue
+                    r = slices.resize(self.slice_dir, name, devices=[d], memory=memory, sm=sm,
+                                      request=dq.memory_request, limit=dq.memory_limit, sm_request=dq.sm_request,
+                                      sm_limit=dq.sm_limit, overcommit=True)
+                    self.log({"event": "gave_back", "slice": name, "device": d, "changes": r["changes"],
+                              "warnings": r["warnings"]})
+            except (slices.VgpuError, OSError) as e:
+                self.log({"event": "give_back_failed", "slice": name, "error": str(e)})
+
+    def _files_present(self, entry) -> bool:
+        return os.path.isfile(entry["cdi_spec"]) and \
+            os.path.isfile(slices.paths(self.slice_dir, entry["slice"])["quota"])
 
     # === unprepare ===
 

@@ -1,7 +1,8 @@
 """The kubelet-facing gRPC services, on unix sockets.
 
 - dra.sock: the DRA plugin service, as k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin and, for
-  kubelets before 1.34, ...v1beta1.DRAPlugin.  The two versions' messages are identical
+  kubelets before 1.34, ...v1beta1.DRAPlugin (registered as "v1.DRAPlugin" and
+  "v1beta1.DRAPlugin", the names the kubelet looks for).  The two versions' messages are identical
   on the wire, so v1beta1 is served with the v1 message classes under its own name.
 - <driver>-reg.sock in the kubelet's plugins_registry: pluginregistration.Registration.
   The kubelet notices the socket, asks GetInfo, dials the endpoint it names and reports
@@ -19,9 +20,11 @@ from .protos import dra_v1_pb2_grpc as dra_grpc
 from .protos import pluginregistration_v1_pb2 as reg
 from .protos import pluginregistration_v1_pb2_grpc as reg_grpc
 
-DRA_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+DRA_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"                # gRPC service names (method paths)
 DRA_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
-SERVICES = (DRA_V1, DRA_V1BETA1)      # newest first, as the kubelet prefers
+# what registration lists, newest first: the kubelet matches these exact strings (its
+# drapb*.DRAPluginService constants), not the gRPC names, and picks the newest it knows
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 PLUGIN_TYPE = "DRAPlugin"
 
 
@@ -72,7 +75,7 @@ class RegistrationService(reg_grpc.RegistrationServicer):
 
     def GetInfo(self, request, context):
         return reg.PluginInfo(type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
-                              supported_versions=list(SERVICES))
+                              supported_versions=list(SUPPORTED_VERSIONS))
 
     def NotifyRegistrationStatus(self, request, context):
         self.status = (request.plugin_registered, request.error)

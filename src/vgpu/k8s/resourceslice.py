@@ -27,10 +27,12 @@ class Gpu:
 
 
 def inventory() -> list:
-    """The GPUs NVML sees (simgpu's on a machine without one)."""
+    """The usable GPUs NVML sees (simgpu's on a machine without one).  A GPU NVML cannot
+    read (lost, no memory size) is left out: published with no capacity, the API server
+    would refuse the whole slice."""
     from .. import nvml
-    return [Gpu(d["index"], d["name"], d["uuid"] or f"index-{d['index']}", d["memory_total"] or 0)
-            for d in nvml.devices()]
+    return [Gpu(d["index"], d["name"], d["uuid"] or f"index-{d['index']}", d["memory_total"])
+            for d in nvml.devices() if d["memory_total"]]
 
 
 def device(gpu: Gpu) -> dict:
@@ -81,19 +83,23 @@ def _comparable(devices: list):
 class Publisher:
     """Keeps exactly one ResourceSlice for (node, driver) equal to the GPUs it is given."""
 
-    def __init__(self, api_client, node: str, driver: str, log):
+    def __init__(self, api_client, node: str, driver: str, log, timeout=10):
         from kubernetes import client
         self.resource = client.ResourceV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.api_client = api_client
         self.node, self.driver, self.log = node, driver, log
+        self.timeout = timeout
         self.node_uid = None
+        # (the GPUs we last wrote, the devices as the server stored them): a server that
+        # keeps less than we sent (consumable capacity switched off) is not rewritten forever
+        self.written = None
 
     def _owner(self):
         if self.node_uid is None:
             from kubernetes.client.exceptions import ApiException
             try:
-                self.node_uid = self.core.read_node(self.node).metadata.uid
+                self.node_uid = self.core.read_node(self.node, _request_timeout=self.timeout).metadata.uid
             except ApiException as e:
                 self.log({"event": "no_owner_reference", "node": self.node, "status": e.status,
                           "reason": e.reason})
@@ -105,24 +111,40 @@ class Publisher:
         (the caller retries on its next round)."""
         from kubernetes import client
         existing = self.resource.list_resource_slice(
-            field_selector=f"spec.nodeName={self.node},spec.driver={self.driver}").items
+            field_selector=f"spec.nodeName={self.node},spec.driver={self.driver}", _request_timeout=self.timeout).items
         mine = slice_name(self.node, self.driver)
         for other in existing:
             if other.metadata.name != mine:    # e.g. left by an older agent under another name
-                self.resource.delete_resource_slice(other.metadata.name)
+                self.resource.delete_resource_slice(other.metadata.name, _request_timeout=self.timeout)
         current = next((s for s in existing if s.metadata.name == mine), None)
         if current is None:
             body = resource_slice(self.node, self.driver, gpus, 1, self._owner())
-            self.resource.create_resource_slice(client.V1ResourceSlice.from_dict(body))
+            stored = self.resource.create_resource_slice(client.V1ResourceSlice.from_dict(body),
+                                                         _request_timeout=self.timeout)
+            self._written(gpus, body, stored)
             self.log({"event": "resourceslice_created", "name": mine, "devices": [g.name for g in gpus]})
             return "created"
-        have = self.api_client.sanitize_for_serialization(current)
-        same = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation)["spec"]
-        if _comparable(have.get("spec", {}).get("devices") or []) == _comparable(same["devices"]):
+        have = _comparable(self._devices(current))
+        want = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation)
+        if have == _comparable(want["spec"]["devices"]) or self.written == (tuple(gpus), have):
             return "unchanged"
         body = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation + 1, self._owner())
         body["metadata"]["resourceVersion"] = current.metadata.resource_version
-        self.resource.replace_resource_slice(mine, client.V1ResourceSlice.from_dict(body))
+        stored = self.resource.replace_resource_slice(mine, client.V1ResourceSlice.from_dict(body),
+                                                      _request_timeout=self.timeout)
+        self._written(gpus, body, stored)
         self.log({"event": "resourceslice_updated", "name": mine, "generation": body["spec"]["pool"]["generation"],
                   "devices": [g.name for g in gpus]})
         return "updated"
+
+    def _devices(self, model) -> list:
+        return self.api_client.sanitize_for_serialization(model).get("spec", {}).get("devices") or []
+
+    def _written(self, gpus, body, stored):
+        kept = self._devices(stored)
+        self.written = (tuple(gpus), _comparable(kept))
+        if _comparable(kept) != _comparable(body["spec"]["devices"]):
+            self.log({"event": "resourceslice_fields_dropped",
+                      "error": "the API server did not keep allowMultipleAllocations or the capacity request "
+                               "policies: enable the DRAConsumableCapacity feature gate (API server, scheduler, "
+                               "kubelet), or every claim gets a whole GPU"})

@@ -1,0 +1,103 @@
+"""A simulated GPU node for the DRA driver: `vgpu-ctl k8s-plugin` as a real process, the
+shim installed, the kubelet stand-in, claims in the fake API server.  Shared by
+tests/test_k8s_plugin.py and bench/test_k8s_plugin_bench.py.
+"""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from k8s_fake_api import allocated_claim
+from kubelet_standin import Kubelet
+
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
+
+
+class Agent:
+    """One `vgpu-ctl k8s-plugin` process; its log lines are JSON."""
+
+    def __init__(self, node, *extra):
+        self.node = node
+        self.log_path = node.tmp / f"agent-{time.monotonic_ns()}.log"
+        self.log_file = open(self.log_path, "w")
+        self.proc = subprocess.Popen([CTL, "k8s-plugin", *node.args, *extra], env=node.env,
+                                     stdout=self.log_file, stderr=subprocess.STDOUT, text=True)
+
+    def events(self):
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def wait_for(self, predicate, what, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events() if predicate(e)]
+            if found:
+                return found[-1]
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited {self.proc.returncode} waiting for {what}:\n"
+                                     f"{self.log_path.read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} in 30 s:\n{self.log_path.read_text()}")
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+
+class Node:
+    """A simulated GPU node: simgpu with two A10s, the shim installed, a fake API server."""
+
+    def __init__(self, tmp, api, env):
+        """env: a simgpu environment with two A10s."""
+        self.tmp, self.api, self.env = tmp, api, env
+        self.plugin_dir, self.registry_dir = tmp / "plugins" / DRIVER, tmp / "plugins_registry"
+        self.cdi_dir, self.slice_dir, self.shim_dir = tmp / "cdi", tmp / "run-vgpu", tmp / "opt-vgpu"
+        self.registration_socket = self.registry_dir / f"{DRIVER}-reg.sock"
+        self.checkpoint = self.plugin_dir / "checkpoint.json"
+        subprocess.run([CTL, "install-shim", str(self.shim_dir)], env=self.env, check=True, capture_output=True)
+        api.add_node(NODE)
+        api.write_kubeconfig(tmp / "kubeconfig")
+        self.args = ["--node-name", NODE, "--plugin-dir", str(self.plugin_dir), "--registry-dir",
+                     str(self.registry_dir), "--cdi-dir", str(self.cdi_dir), "--dir", str(self.slice_dir),
+                     "--shim-dir", str(self.shim_dir), "--gpu-cdi-device", "", "--kubeconfig",
+                     str(tmp / "kubeconfig"), "--rescan", "300ms"]
+        self.agents, self.kubelets = [], []
+
+    def start(self, *extra):
+        agent = Agent(self, *extra)
+        self.agents.append(agent)
+        agent.wait_for(lambda e: e["event"] == "serving", "serving line")
+        return agent
+
+    def kubelet(self, **kw):
+        k = Kubelet(str(self.registration_socket), **kw)
+        k.register()
+        self.kubelets.append(k)
+        return k
+
+    def claim(self, name, uid=None, results=({"device": "gpu-0", "memory": "4Gi", "sm": "50"},), pool=NODE):
+        """An allocated claim in the API server; returns (namespace, uid, name) as the kubelet sends it."""
+        rs = [{"request": "gpu", "share_id": f"{name}-share-{i}", **r} for i, r in enumerate(results)]   # r may set it
+        obj = allocated_claim(NS, name, DRIVER, pool, rs)
+        if uid:
+            obj["metadata"]["uid"] = uid
+        stored = self.api.put_claim(obj)
+        return NS, stored["metadata"]["uid"], name
+
+    def ctl(self, *args):
+        out = subprocess.run([CTL, *args, "--dir", str(self.slice_dir)], env=self.env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    def status(self):
+        return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["containers"]}
