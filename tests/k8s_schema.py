@@ -108,7 +108,8 @@ def container(obj, where, volume_names):
 def volume(obj, where):
     _check(isinstance(obj, dict), where, "expected a mapping")
     sources = set(obj) - {"name"}
-    _check("name" in obj and DNS1123_LABEL.fullmatch(str(obj["name"])), where, "bad or missing name")
+    _check("name" in obj and DNS1123_LABEL.fullmatch(str(obj["name"])) and len(obj["name"]) <= 63, where,
+           "bad or missing name (a DNS-1123 label of at most 63 characters)")
     _check(len(sources) == 1 and sources <= VOLUME_SOURCES, where, f"needs exactly one volume source, got "
            f"{sorted(sources)}")
     if "hostPath" in obj:

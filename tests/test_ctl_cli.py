@@ -344,13 +344,13 @@ def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     doc = yaml.safe_load(ctl("env", "c1", "--format", "k8s").stdout)
     mounts = {m["name"]: m for m in doc["volumeMounts"]}
-    assert mounts["vgpu-shim"]["readOnly"] is True and mounts["vgpu-quota"]["readOnly"] is True
-    assert mounts["vgpu-usage"].get("readOnly", False) is False
-    assert mounts["vgpu-quota"]["mountPath"] == "/run/vgpu/c1/quota"
+    assert mounts["vgpu-shim"]["readOnly"] is True and mounts["vgpu-c1-quota"]["readOnly"] is True
+    assert mounts["vgpu-c1-usage"].get("readOnly", False) is False
+    assert mounts["vgpu-c1-quota"]["mountPath"] == "/run/vgpu/c1/quota"
     assert {v["name"]: v["hostPath"] for v in doc["volumes"]} == {
         "vgpu-shim": {"path": str(SHIM), "type": "File"},
-        "vgpu-quota": {"path": f"{ctl.dir}/c1/quota", "type": "File"},
-        "vgpu-usage": {"path": f"{ctl.dir}/c1/usage", "type": "File"}}
+        "vgpu-c1-quota": {"path": f"{ctl.dir}/c1/quota", "type": "File"},
+        "vgpu-c1-usage": {"path": f"{ctl.dir}/c1/usage", "type": "File"}}
     assert {e["name"]: e["value"] for e in doc["env"]} == {
         "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_CONTAINER": "c1",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

@@ -63,10 +63,29 @@ def test_env_k8s_with_an_installed_shim_makes_a_valid_pod(node):
     fragment = yaml.safe_load(node("train", "k8s"))
     k8s_schema.manifest(pod_around("train", fragment))
     mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in fragment["volumeMounts"]}
-    assert mounts == {"vgpu-shim": (CONTAINER_SHIM, True), "vgpu-quota": ("/run/vgpu/train/quota", True),
-                      "vgpu-usage": ("/run/vgpu/train/usage", False)}
+    assert mounts == {"vgpu-shim": (CONTAINER_SHIM, True), "vgpu-train-quota": ("/run/vgpu/train/quota", True),
+                      "vgpu-train-usage": ("/run/vgpu/train/usage", False)}
     assert {v["name"]: v["hostPath"]["path"] for v in fragment["volumes"]}["vgpu-shim"] == "/opt/vgpu/libvgpu.so"
     assert {e["name"]: e["value"] for e in fragment["env"]}["LD_PRELOAD"] == CONTAINER_SHIM
+
+
+def test_two_slices_fit_in_one_pod_whatever_their_names(node):
+    """Containers of one pod in different slices: their volumes merge without a clash, and
+    names that are not DNS labels (capitals, '_', '.', 63 characters) still give valid ones."""
+    odd = ["Train_A.v2", "train-a-v2", "x" * 40 + "_" + "y" * 22]
+    for name in odd:
+        node.ctl("create", name, "--memory", "1Gi", "--dir", node.dir, "--overcommit")
+    fragments = {n: yaml.safe_load(node(n, "k8s")) for n in ["train", *odd]}
+    volumes = {}
+    for f in fragments.values():
+        for v in f["volumes"]:
+            assert volumes.setdefault(v["name"], v) == v, f"two different volumes named {v['name']}"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "many"},
+           "spec": {"containers": [{"name": f"c{i}", "image": "my-image", "env": f["env"],
+                                    "volumeMounts": f["volumeMounts"]} for i, f in enumerate(fragments.values())],
+                    "volumes": list(volumes.values())}}
+    k8s_schema.manifest(pod)                      # every volume name a DNS-1123 label
+    assert len(volumes) == 1 + 2 * len(fragments)  # one shim, a quota and a usage per slice
 
 
 def test_env_k8s_with_ld_so_preload_mounts_it_read_only_and_leaves_ld_preload_alone(node):

@@ -175,6 +175,20 @@ def test_clear_errors_for_unknown_claims_wrong_uids_and_a_full_gpu(node):
     assert "gpu-7 is not on this node (it has gpu-0, gpu-1)" in kubelet.prepare(nowhere)[nowhere[1]].error
 
 
+def test_a_share_id_already_in_use_is_refused_by_name(node):
+    node.start()
+    kubelet = node.kubelet()
+    node.ctl("create", "taken", "--memory", "1Gi", "--device", "0")      # made by hand
+    by_hand = node.claim("x", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10", "share_id": "taken"}])
+    assert "a slice named taken already exists on this node" in kubelet.prepare(by_hand)[by_hand[1]].error
+    first = node.claim("y", results=[{"device": "gpu-1", "memory": "1Gi", "sm": "10", "share_id": "twice"}])
+    second = node.claim("z", results=[{"device": "gpu-1", "memory": "1Gi", "sm": "10", "share_id": "twice"}])
+    answers = kubelet.prepare(first, second)
+    assert answers[first[1]].error == ""
+    assert f"slice twice already belongs to claim {first[1]}" in answers[second[1]].error
+    assert node.status()["taken"]["devices"][0]["memory_max"] == 1 << 30     # untouched
+
+
 def test_v1beta1_kubelets_are_served_too(node):
     node.start()
     kubelet = node.kubelet(prefer=("v1beta1.DRAPlugin",))

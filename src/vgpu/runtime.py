@@ -10,6 +10,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID makes the container's CUDA device ordinals follow N
 snippets assume the container sees the node's GPUs in host order (docker: --gpus all); a
 slice's other devices are denied by its quota.
 """
+import hashlib
 import json
 import os
 import re
@@ -84,9 +85,22 @@ def docker(name, paths, shim, preload_file=None) -> list:
     return args
 
 
+def volume_tag(name) -> str:
+    """`name` as a part of a pod volume name (a DNS-1123 label of at most 63 characters):
+    slice names may hold capitals, '_' and '.', and be longer; those get a hash suffix so
+    two slices never share a tag."""
+    tag = re.sub(r"[^a-z0-9-]", "-", name.lower()).strip("-")
+    if tag != name or len(tag) > 50:
+        tag = f"{tag[:41].rstrip('-')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}".lstrip("-")
+    return tag
+
+
 def k8s(name, paths, shim, preload_file=None) -> dict:
-    """env and volumeMounts for the container, volumes for the pod (hostPath)."""
-    names = ["vgpu-shim", "vgpu-quota", "vgpu-usage", "vgpu-preload"]
+    """env and volumeMounts for the container, volumes for the pod (hostPath).  The shim's
+    volumes are the same for every slice; the quota's and usage's carry the slice's name,
+    so containers of one pod in different slices can be merged into one pod spec."""
+    tag = volume_tag(name)
+    names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
         "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file).items()],
