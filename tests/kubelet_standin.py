@@ -2,8 +2,9 @@
 
 It does what the kubelet does with a DRA plugin: finds the registration socket, asks
 GetInfo, checks the plugin type, picks the newest DRA version the plugin lists that it
-knows (by the exact strings the kubelet compares), reports registration, then calls NodePrepareResources / NodeUnprepareResources on
-the endpoint the plugin named -- all over unix sockets with real gRPC.
+knows (by the exact strings the kubelet compares), reports registration, then calls
+NodePrepareResources / NodeUnprepareResources on the endpoint the plugin named -- all
+over unix sockets with real gRPC.
 """
 import grpc
 

@@ -8,15 +8,16 @@ sm.max = sm.request = the percent, so the shim enforces the scheduler's numbers.
 
 Lending (the scheduler's accounting is fixed at allocation): sm.limit is 100%, so the
 autoscaler may grow a throttled slice's SM share into time no claim holds; memory.limit
-is the claim's memory unless lend_memory.  When a claim is prepared on a GPU, every
+is the claim's memory unless lend_memory. When a claim is prepared on a GPU, every
 claim's slice there that grew above its request is set back to it first, so the new
-claim finds the capacity the scheduler promised it (slices made by hand are left alone).  SM time comes back at once; lent memory comes
-back only as its holder frees it (why memory is not lent by default).
+claim finds the capacity the scheduler promised it (slices made by hand are left alone).
+SM time comes back at once; lent memory comes back only as its holder frees it (why
+memory is not lent by default).
 
-Everything is serialised by one lock and recorded in the checkpoint before it exists
-on disk, so a restarted agent unprepares what it prepared; a claim found half-prepared,
-or prepared but with its files gone (a reboot empties /run), is prepared afresh.  Errors for one claim are
-that claim's error string (the kubelet retries); the others proceed.
+Everything is serialised by one lock and recorded in the checkpoint before it exists on
+disk, so a restarted agent unprepares what it prepared; a claim found half-prepared, or
+prepared but with its files gone (a reboot empties /run), is prepared afresh. Errors for
+one claim are that claim's error string (the kubelet retries); the others proceed.
 """
 import os
 import threading
@@ -132,6 +133,9 @@ class Driver:
         owner = next((u for u, e in self.claims.items() if e["slice"] == slice_name), None)
         if owner:
             raise ClaimError(f"claim {shown}: slice {slice_name} already belongs to claim {owner}")
+        if slice_name in slices.list_names(self.slice_dir):   # before the checkpoint names it ours
+            raise ClaimError(f"claim {shown}: a slice named {slice_name} already exists on this node "
+                             "(made by hand?)")
         spec_path = cdi.spec_path(self.cdi_dir, self.driver, uid)
         ids = [cdi.device_id(self.driver, slice_name)] + self.gpu_cdi_devices
         answer, seen_requests = [], set()
@@ -158,7 +162,7 @@ class Driver:
                 slices.delete(self.slice_dir, slice_name, force=True)
             del self.claims[uid]
             checkpoint.save(self.checkpoint_path, self.claims)
-            if isinstance(e, slices.Exists):
+            if isinstance(e, slices.Exists):   # made by hand in the moment since the check above
                 raise ClaimError(f"claim {shown}: a slice named {slice_name} already exists on this node "
                                  "(made by hand?)") from None
             if isinstance(e, slices.Overcommitted):
