@@ -71,14 +71,12 @@ def _v1beta1_handler(service):
 class RegistrationService(reg_grpc.RegistrationServicer):
     def __init__(self, driver_name, endpoint, log):
         self.driver_name, self.endpoint, self.log = driver_name, endpoint, log
-        self.status = None      # (registered, error) once the kubelet said
 
     def GetInfo(self, request, context):
         return reg.PluginInfo(type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
                               supported_versions=list(SUPPORTED_VERSIONS))
 
     def NotifyRegistrationStatus(self, request, context):
-        self.status = (request.plugin_registered, request.error)
         self.log({"event": "registration", "registered": request.plugin_registered, "error": request.error})
         return reg.RegistrationStatusResponse()
 
