@@ -7,9 +7,8 @@ variables (vgpu.runtime is the one place that knows them).
 """
 import json
 import os
-import secrets
 
-from .. import runtime
+from .. import install, runtime
 
 CDI_VERSION = "1.1.0"
 # what the spec's content needs: bind mounts with a type (0.4.0), device names that may
@@ -43,17 +42,10 @@ def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, vers
 
 
 def write(path: str, content: dict):
-    """Atomically (the runtime may read the directory at any moment): temp file, rename."""
-    directory = os.path.dirname(path)
+    """Atomically (the runtime may read the directory at any moment)."""
+    directory, name = os.path.split(path)
     os.makedirs(directory, 0o755, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(content, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.rename(tmp, path)
+    install.place(directory, name, (json.dumps(content, indent=2) + "\n").encode(), 0o644)
 
 
 def remove(path: str):

@@ -12,6 +12,8 @@ agent refuses to start and says where the file is.
 import json
 import os
 
+from .. import install
+
 VERSION = 1
 
 
@@ -39,16 +41,8 @@ def load(path: str) -> dict:
 
 
 def save(path: str, claims: dict):
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, 0o755, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"version": VERSION, "claims": claims}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace the file atomically (written aside, fsynced, renamed)."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory or ".", 0o755, exist_ok=True)
+    data = json.dumps({"version": VERSION, "claims": claims}, indent=1, sort_keys=True).encode()
+    install.place(directory or ".", name, data, 0o600)

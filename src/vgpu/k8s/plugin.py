@@ -115,10 +115,10 @@ class Servers:
         service = DraService(driver)
         self.dra = _serve(dra_socket, lambda s: (dra_grpc.add_DRAPluginServicer_to_server(service, s),
                                                  s.add_generic_rpc_handlers((_v1beta1_handler(service),))))
-        self.registration = RegistrationService(driver_name, dra_socket, log)
+        registration = RegistrationService(driver_name, dra_socket, log)
         try:
             self.reg = _serve(registration_socket,
-                              lambda s: reg_grpc.add_RegistrationServicer_to_server(self.registration, s))
+                              lambda s: reg_grpc.add_RegistrationServicer_to_server(registration, s))
         except BaseException:
             self.dra.stop(None)
             raise

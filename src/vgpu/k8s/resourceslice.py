@@ -8,9 +8,8 @@ time the devices change, as the API asks.
 """
 from dataclasses import dataclass
 
-MiB, GiB = 1 << 20, 1 << 30
-MEMORY_STEP = 256 * MiB
-MEMORY_DEFAULT = 1 * GiB
+MEMORY_STEP = 256 << 20         # 256Mi
+MEMORY_DEFAULT = 1 << 30        # 1Gi
 SM_DEFAULT = 10          # percent: a claim naming only memory does not take a whole GPU's time
 
 
