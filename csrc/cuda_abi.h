@@ -152,6 +152,41 @@ typedef struct {
     int flags;                  /* CUmemAccess_flags */
 } CUmemAccessDesc;
 
+/* === memory locations, allocation types, pools, graph memory (values as in cuda.h) === */
+enum {
+    CU_MEM_LOCATION_TYPE_INVALID = 0,           /* also CU_MEM_LOCATION_TYPE_NONE */
+    CU_MEM_LOCATION_TYPE_DEVICE = 1,
+    CU_MEM_LOCATION_TYPE_HOST = 2,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
+};
+enum {
+    CU_MEM_ALLOCATION_TYPE_INVALID = 0,
+    CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+    CU_MEM_ALLOCATION_TYPE_MANAGED = 2,
+};
+enum {
+    CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
+};
+enum {                                          /* CUmemPool_attribute */
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,   /* int */
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,         /* int */
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3, /* int */
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,                 /* cuuint64_t, from here on */
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
+};
+enum {                                          /* CUgraphMem_attribute (cuuint64_t each) */
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
+};
+enum { CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1 };
+
 typedef struct {
     int allocType;
     int handleTypes;
@@ -161,6 +196,14 @@ typedef struct {
     unsigned short usage;
     unsigned char reserved[54];
 } CUmemPoolProps;
+
+typedef struct {
+    CUmemPoolProps poolProps;   /* handleTypes must be 0: no IPC */
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;           /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
 
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;
 typedef struct {

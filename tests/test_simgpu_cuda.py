@@ -369,7 +369,241 @@ f2 = free_bytes()
 ok(cu.cuMemPoolDestroy(pool))
 print(json.dumps([f0 - f1, f2 - f0]))
 """, sim_env)
-    assert r == [3 * MiB, 0]
+    assert r == [4 * MiB, 0]   # the pool's reserve grows in 2 MiB units
+
+
+# === memory: pools keep freed memory (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) ===
+
+POOL = """
+import pynvml
+A = cu.CUmemPool_attribute
+U64_MAX = (1 << 64) - 1
+context()
+s = ok(cu.cuStreamCreate(0))
+pynvml.nvmlInit()
+nvml_dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+def new_pool(location_type=cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE):
+    props = cu.CUmemPoolProps()
+    props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    props.location.type = location_type
+    props.location.id = 0
+    return ok(cu.cuMemPoolCreate(props))
+
+def get(pool, attr):
+    return int(ok(cu.cuMemPoolGetAttribute(pool, attr)))
+
+def set_u64(pool, attr, value):
+    return rc(cu.cuMemPoolSetAttribute(pool, attr, cu.cuuint64_t(value)))
+
+def reserved(pool):
+    return [get(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), get(pool, A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)]
+
+def mine():
+    \"\"\"What NVML says this process holds on device 0.\"\"\"
+    return sum(p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)
+               if p.pid == os.getpid())
+
+def alloc(pool, size):
+    return ok(cu.cuMemAllocFromPoolAsync(size, pool, s))
+"""
+
+
+def test_pool_attributes_start_at_the_driver_defaults(sim_env):
+    r = cuda(POOL + """
+out = []
+for pool in (ok(cu.cuDeviceGetDefaultMemPool(0)), new_pool()):
+    out.append([get(pool, a) for a in (
+        A.CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES, A.CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC,
+        A.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, A.CU_MEMPOOL_ATTR_USED_MEM_HIGH)])
+print(json.dumps(out))
+""", sim_env)
+    assert r == [[1, 1, 1, 0, 0, 0, 0, 0]] * 2
+
+
+def test_memory_freed_to_a_pool_stays_reserved_until_a_synchronize_with_the_default_threshold(sim_env):
+    r = cuda(POOL + """
+pool = ok(cu.cuDeviceGetDefaultMemPool(0))
+f0 = free_bytes()
+p = ok(cu.cuMemAllocAsync(64 << 20, s))
+held = [reserved(pool), f0 - free_bytes(), mine()]
+ok(cu.cuMemFreeAsync(p, s))
+freed = [reserved(pool), f0 - free_bytes(), mine()]
+ok(cu.cuStreamSynchronize(s))
+print(json.dumps([held, freed, [reserved(pool), f0 - free_bytes(), mine()]]))
+""", sim_env)
+    held, freed, synced = r
+    assert held == [[64 * MiB, 64 * MiB], 64 * MiB, 64 * MiB]
+    assert freed == [[64 * MiB, 0], 64 * MiB, 64 * MiB]   # back in the pool, not the device
+    assert synced == [[0, 0], 0, 0]                        # above the threshold of 0: released
+
+
+@pytest.mark.parametrize("sync", ["stream", "event", "context"])
+def test_every_kind_of_synchronize_releases_pool_memory_above_the_threshold(sim_env, sync):
+    r = cuda(POOL + f"""
+pool = new_pool()
+assert set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, 16 << 20) == 0
+ok(cu.cuMemFreeAsync(alloc(pool, 64 << 20), s))
+before = reserved(pool)
+if "{sync}" == "stream":
+    ok(cu.cuStreamSynchronize(s))
+elif "{sync}" == "event":
+    e = ok(cu.cuEventCreate(0))
+    ok(cu.cuEventRecord(e, s))
+    ok(cu.cuEventSynchronize(e))
+else:
+    ok(cu.cuCtxSynchronize())
+print(json.dumps([before, reserved(pool), mine()]))
+""", sim_env)
+    assert r == [[64 * MiB, 0], [16 * MiB, 0], 16 * MiB]   # keeps exactly the threshold
+
+
+def test_a_pool_with_the_maximum_release_threshold_keeps_freed_memory_until_trimmed(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+assert set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX) == 0
+f0 = free_bytes()
+ok(cu.cuMemFreeAsync(alloc(pool, 256 << 20), s))
+ok(cu.cuStreamSynchronize(s))
+ok(cu.cuCtxSynchronize())
+kept = [get(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD), reserved(pool), f0 - free_bytes(), mine()]
+ok(cu.cuMemPoolTrimTo(pool, 0))
+print(json.dumps([kept, [reserved(pool), f0 - free_bytes(), mine()]]))
+""", sim_env)
+    kept, trimmed = r
+    assert kept == [(1 << 64) - 1, [256 * MiB, 0], 256 * MiB, 256 * MiB]
+    assert trimmed == [[0, 0], 0, 0]
+
+
+def test_pool_memory_is_seen_by_another_process_and_a_full_device_refuses_it(agents, sim_env):
+    holder = start_python(PRELUDE + POOL + """
+pool = new_pool()
+set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX)
+ok(cu.cuMemFreeAsync(alloc(pool, 20 << 30), s))
+ok(cu.cuStreamSynchronize(s))
+print("ready", flush=True)
+sys.stdin.readline()
+""", sim_env)
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+        other = agents(sim_env)
+        assert other.ask("info") == [4 * GiB, 24 * GiB]   # the reserve is used device memory
+        assert other.ask("alloc", 4 * GiB + 1) == ["CUDA_ERROR_OUT_OF_MEMORY", None]
+        assert other.ask("alloc", 4 * GiB) == ["CUDA_SUCCESS", 0]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_allocation_reuses_the_pools_unused_reserve_before_taking_device_memory(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX)
+ok(cu.cuMemFreeAsync(alloc(pool, 64 << 20), s))
+ok(cu.cuStreamSynchronize(s))
+f0 = free_bytes()
+p = alloc(pool, 40 << 20)
+q = alloc(pool, 24 << 20)
+reused = [reserved(pool), f0 - free_bytes()]
+r = alloc(pool, 1 << 20)          # nothing unused left: the reserve grows by one 2 MiB unit
+print(json.dumps([reused, [reserved(pool), f0 - free_bytes()]]))
+""", sim_env)
+    assert r == [[[64 * MiB, 64 * MiB], 0], [[66 * MiB, 65 * MiB], 2 * MiB]]
+
+
+def test_pool_reserve_grows_in_2mib_units(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+out = []
+for size in (1, 2 << 20, (3 << 20) + 1):
+    p = alloc(pool, size)
+    out.append(reserved(pool)[0])
+    ok(cu.cuMemFreeAsync(p, s))
+    ok(cu.cuStreamSynchronize(s))
+print(json.dumps(out))
+""", sim_env)
+    assert r == [2 * MiB, 2 * MiB, 4 * MiB]
+
+
+def test_trim_keeps_at_least_the_bytes_asked_for_and_all_memory_in_use(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX)
+a, b, c = alloc(pool, 8 << 20), alloc(pool, 8 << 20), alloc(pool, 8 << 20)
+ok(cu.cuMemFreeAsync(b, s))
+ok(cu.cuMemFreeAsync(c, s))
+out = [reserved(pool)]
+for keep in (12 << 20, 100 << 20, 0):
+    ok(cu.cuMemPoolTrimTo(pool, keep))
+    out.append(reserved(pool))
+print(json.dumps(out))
+""", sim_env)
+    assert r == [[24 * MiB, 8 * MiB],
+                 [12 * MiB, 8 * MiB],    # at least 12 MiB kept
+                 [12 * MiB, 8 * MiB],    # holds less than 100 MiB: nothing to do
+                 [8 * MiB, 8 * MiB]]     # memory in use is never released
+
+
+def test_pool_watermarks_reset_to_zero_only_and_current_figures_are_read_only(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX)
+p = alloc(pool, 32 << 20)
+ok(cu.cuMemFreeAsync(alloc(pool, 16 << 20), s))
+marks = lambda: [get(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH), get(pool, A.CU_MEMPOOL_ATTR_USED_MEM_HIGH)]
+high = marks()
+ok(cu.cuMemPoolTrimTo(pool, 0))
+after_trim = marks()
+refused = [set_u64(pool, A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 5), set_u64(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 5),
+           set_u64(pool, A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, 0),
+           set_u64(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, 0)]
+reset = [set_u64(pool, A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0), set_u64(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)]
+flag = A.CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC
+flags = [rc(cu.cuMemPoolSetAttribute(pool, flag, 0)), get(pool, flag)]
+print(json.dumps([high, after_trim, refused, reset, marks(), flags]))
+""", sim_env)
+    high, after_trim, refused, reset, after_reset, flags = r
+    assert high == [48 * MiB, 48 * MiB]
+    assert after_trim == high                   # a watermark is not moved by a trim
+    assert refused == [INVALID_VALUE] * 4
+    assert reset == [SUCCESS, SUCCESS]
+    assert after_reset == [32 * MiB, 32 * MiB]  # restarted from what the pool holds now
+    assert flags == [SUCCESS, 0]
+
+
+def test_destroying_a_pool_returns_its_reserve_once_its_last_allocation_is_freed(sim_env):
+    r = cuda(POOL + """
+pool = new_pool()
+set_u64(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, U64_MAX)
+f0 = free_bytes()
+live = alloc(pool, 8 << 20)
+ok(cu.cuMemFreeAsync(alloc(pool, 32 << 20), s))
+ok(cu.cuMemPoolDestroy(pool))
+destroyed = [f0 - free_bytes(), rc(cu.cuMemAllocFromPoolAsync(1 << 20, pool, s)),
+             rc(cu.cuMemPoolTrimTo(pool, 0)), rc(cu.cuMemPoolDestroy(pool))]
+ok(cu.cuMemFreeAsync(live, s))
+print(json.dumps([destroyed, f0 - free_bytes(), mine()]))
+""", sim_env)
+    destroyed, after_last_free, nvml = r
+    assert destroyed == [8 * MiB, INVALID_VALUE, INVALID_VALUE, INVALID_VALUE]
+    assert (after_last_free, nvml) == (0, 0)
+
+
+def test_the_default_pool_cannot_be_destroyed_and_allocations_use_the_devices_current_pool(sim_env):
+    r = cuda(POOL + """
+default = ok(cu.cuDeviceGetDefaultMemPool(0))
+pool = new_pool()
+ok(cu.cuDeviceSetMemPool(0, pool))
+p = ok(cu.cuMemAllocAsync(4 << 20, s))
+from_current = [reserved(pool), reserved(default)]
+ok(cu.cuMemFreeAsync(p, s))
+ok(cu.cuMemPoolDestroy(pool))
+back_to_default = int(ok(cu.cuDeviceGetMemPool(0))) == int(default)
+print(json.dumps([rc(cu.cuMemPoolDestroy(default)), from_current, back_to_default]))
+""", sim_env)
+    assert r == [INVALID_VALUE, [[4 * MiB, 4 * MiB], [0, 0]], True]
 
 
 VMM = """

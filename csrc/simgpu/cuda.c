@@ -86,7 +86,16 @@ struct vgpu_library {
     struct vgpu_module *module;
 };
 
-struct vgpu_mempool { struct hdr h; int dev; };
+struct vgpu_mempool {
+    struct hdr h;
+    int dev;                            /* device ordinal; -1 for a host pool */
+    int destroyed;                      /* by cuMemPoolDestroy: gone with its last allocation */
+    int reuse[3];                       /* the CU_MEMPOOL_ATTR_REUSE_* flags */
+    uint64_t release_threshold;
+    uint64_t reserved, reserved_high;   /* backing memory the pool holds */
+    uint64_t used, used_high;           /* the part of it live allocations use */
+    struct vgpu_mempool *next;          /* every live pool of this process */
+};
 
 struct vgpu_array {
     struct hdr h;
@@ -121,6 +130,7 @@ struct vgpu_vmm {               /* a cuMemCreate allocation */
 _Static_assert(sizeof(struct vgpu_ctx) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_stream) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_function) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_mempool) <= ARENA_SLOT, "arena slot");
 
 static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *arena;
@@ -696,6 +706,8 @@ struct alloc {
     uint64_t base, size;
     int dev;
     enum alloc_kind kind;
+    uint64_t footprint;          /* device memory it holds (0 for host memory) */
+    struct vgpu_mempool *pool;   /* stream-ordered allocations: the pool it came from */
 };
 
 static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -779,17 +791,30 @@ static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, int dev, enum alloc_
 {
     if (!dptr || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (simgpu_mem_reserve(dev, size))
+    uint64_t footprint = size;
+    if (simgpu_mem_reserve(dev, footprint))
         return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = map_lazy(size);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL})) {
         if (p)
             munmap(p, size);
-        simgpu_mem_release(dev, size);
+        simgpu_mem_release(dev, footprint);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *dptr = (CUdeviceptr)(uintptr_t)p;
     return CUDA_SUCCESS;
+}
+
+static void pool_give_back(struct vgpu_mempool *p, uint64_t footprint);
+
+/* Free a whole allocation: its memory goes back to the device, or to its pool. */
+static void alloc_drop(const struct alloc *a)
+{
+    munmap((void *)(uintptr_t)a->base, a->size);
+    if (a->pool)
+        pool_give_back(a->pool, a->footprint);
+    else if (a->footprint)
+        simgpu_mem_release(a->dev, a->footprint);
 }
 
 static CUresult dev_free(CUdeviceptr ptr)
@@ -799,8 +824,7 @@ static CUresult dev_free(CUdeviceptr ptr)
         return CUDA_SUCCESS;
     if (alloc_remove(ptr, (1u << A_DEVICE) | (1u << A_MANAGED), &a))
         return CUDA_ERROR_INVALID_VALUE;
-    munmap((void *)(uintptr_t)a.base, a.size);
-    simgpu_mem_release(a.dev, a.size);
+    alloc_drop(&a);
     return CUDA_SUCCESS;
 }
 
@@ -877,7 +901,7 @@ SIMGPU_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int F
     if (!pp || !bytesize)
         return CUDA_ERROR_INVALID_VALUE;
     void *p = map_lazy(bytesize);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL})) {
         if (p)
             munmap(p, bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -911,12 +935,141 @@ SIMGPU_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p,
 }
 
 /* === memory: pools and stream-ordered allocation ===
- * Frees return memory at once (no pool caching), so usage is what is allocated. */
+ * As the driver documents it (cuMemPoolSetAttribute, cuMemPoolTrimTo, cuMemFreeAsync):
+ * memory freed with cuMemFreeAsync goes back to its pool, not to the device; the pool
+ * keeps that reserve, and an allocation from the pool uses it before taking new device
+ * memory.  At the next stream, event or context synchronize, a pool holding more than
+ * its CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0) gives the excess back;
+ * cuMemPoolTrimTo gives back what is unused down to the bytes asked to keep, and
+ * cuMemPoolDestroy all of it (once its last allocation is freed).  The reserve counts as
+ * this process's device memory (NVML, cuMemGetInfo).
+ * Model, not measured: the reserve grows and shrinks in POOL_CHUNK units, and the pool
+ * never fragments (any unused reserve serves any allocation that fits in it). */
+
+#define POOL_CHUNK (2ull << 20)
 
 static struct vgpu_mempool *default_pool[SIMGPU_MAX_DEVICES];
 static struct vgpu_mempool *current_pool[SIMGPU_MAX_DEVICES];
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;   /* every pool's state */
+static struct vgpu_mempool *pools;                              /* under pool_lock */
 
 static struct vgpu_stream *resolve_stream(CUstream s, CUresult *err);
+
+static uint64_t round_up(uint64_t v, uint64_t unit) { return (v + unit - 1) / unit * unit; }
+
+static struct vgpu_mempool *pool_new(int dev)
+{
+    struct vgpu_mempool *p = handle_new(K_POOL);
+    if (!p)
+        return NULL;
+    p->dev = dev;
+    p->reuse[0] = p->reuse[1] = p->reuse[2] = 1;   /* all reuse policies on, as documented */
+    pthread_mutex_lock(&pool_lock);
+    p->next = pools;
+    pools = p;
+    pthread_mutex_unlock(&pool_lock);
+    return p;
+}
+
+/* A pool the caller may name (cuMemPoolDestroy makes it unnamable at once). */
+static int pool_ok(const struct vgpu_mempool *p) { return handle_ok(p, K_POOL) && !p->destroyed; }
+
+/* Give back unused reserve, keeping at least `keep` bytes and all memory in use (whole
+ * chunks).  A pool holding no more than `keep` is left as it is. */
+static void pool_trim_locked(struct vgpu_mempool *p, uint64_t keep)
+{
+    if (p->reserved <= keep)
+        return;
+    uint64_t target = round_up(p->used, POOL_CHUNK);
+    uint64_t k = round_up(keep, POOL_CHUNK);   /* keep < reserved: cannot wrap */
+    if (k > target)
+        target = k;
+    if (target >= p->reserved)
+        return;
+    if (p->dev >= 0)
+        simgpu_mem_release(p->dev, p->reserved - target);
+    p->reserved = target;
+}
+
+/* A destroyed pool goes once its last allocation is freed. */
+static void pool_reap_locked(struct vgpu_mempool *p)
+{
+    if (!p->destroyed)
+        return;
+    pool_trim_locked(p, 0);
+    if (p->used)
+        return;
+    for (struct vgpu_mempool **pp = &pools; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            break;
+        }
+    handle_free(p);
+}
+
+static void pool_give_back(struct vgpu_mempool *p, uint64_t footprint)
+{
+    pthread_mutex_lock(&pool_lock);
+    p->used = p->used >= footprint ? p->used - footprint : 0;
+    pool_reap_locked(p);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* At a synchronization: every pool above its release threshold gives the excess back. */
+static void pools_release_over_threshold(void)
+{
+    if (!__atomic_load_n(&pools, __ATOMIC_RELAXED))
+        return;
+    pthread_mutex_lock(&pool_lock);
+    for (struct vgpu_mempool *p = pools; p; p = p->next)
+        if (p->reserved > p->release_threshold)
+            pool_trim_locked(p, p->release_threshold);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+/* Take `footprint` from the pool: first from its unused reserve, then by growing the
+ * reserve (node-wide device memory for a device pool). */
+static CUresult pool_take(struct vgpu_mempool *p, uint64_t footprint)
+{
+    pthread_mutex_lock(&pool_lock);
+    uint64_t spare = p->reserved - p->used;
+    uint64_t grow = footprint > spare ? round_up(footprint - spare, POOL_CHUNK) : 0;
+    CUresult r = CUDA_SUCCESS;
+    if (grow && p->dev >= 0 && simgpu_mem_reserve(p->dev, grow)) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        p->reserved += grow;
+        p->used += footprint;
+        if (p->reserved > p->reserved_high)
+            p->reserved_high = p->reserved;
+        if (p->used > p->used_high)
+            p->used_high = p->used;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_mempool *pool)
+{
+    if (!dptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (size > (1ull << 56))
+        return CUDA_ERROR_OUT_OF_MEMORY;   /* more than any device: and no rounding wraps */
+    uint64_t footprint = size;
+    CUresult r = pool_take(pool, footprint);
+    if (r != CUDA_SUCCESS)
+        return r;
+    void *m = map_lazy(size);
+    if (!m || alloc_insert((struct alloc){(uint64_t)(uintptr_t)m, size, pool->dev, A_DEVICE, footprint,
+                                          pool})) {
+        if (m)
+            munmap(m, size);
+        pool_give_back(pool, footprint);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *dptr = (CUdeviceptr)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
 
 SIMGPU_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
 {
@@ -926,8 +1079,8 @@ SIMGPU_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice de
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&ctx_lock);
-    if (!default_pool[dev] && (default_pool[dev] = handle_new(K_POOL)))
-        default_pool[dev]->dev = dev;
+    if (!default_pool[dev])
+        default_pool[dev] = pool_new(dev);
     *pool = default_pool[dev];
     pthread_mutex_unlock(&ctx_lock);
     return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
@@ -948,7 +1101,7 @@ SIMGPU_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
     REQUIRE_INIT();
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    if (!handle_ok(pool, K_POOL) || pool->dev != dev)
+    if (!pool_ok(pool) || pool->dev != dev)
         return CUDA_ERROR_INVALID_VALUE;
     current_pool[dev] = pool;
     return CUDA_SUCCESS;
@@ -961,10 +1114,9 @@ SIMGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps 
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(props->location.id))
         return CUDA_ERROR_INVALID_DEVICE;
-    struct vgpu_mempool *p = handle_new(K_POOL);
+    struct vgpu_mempool *p = pool_new(props->location.id);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    p->dev = props->location.id;
     *pool = p;
     return CUDA_SUCCESS;
 }
@@ -972,38 +1124,79 @@ SIMGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps 
 SIMGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     REQUIRE_INIT();
-    if (!handle_ok(pool, K_POOL) || pool == default_pool[pool->dev])
-        return CUDA_ERROR_INVALID_VALUE;
-    if (current_pool[pool->dev] == pool)
-        current_pool[pool->dev] = NULL;
-    handle_free(pool);
-    return CUDA_SUCCESS;
+    pthread_mutex_lock(&pool_lock);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;
+    if (pool_ok(pool) && !(pool->dev >= 0 && pool == default_pool[pool->dev])) {
+        if (pool->dev >= 0 && current_pool[pool->dev] == pool)
+            current_pool[pool->dev] = NULL;   /* the device's default pool is current again */
+        pool->destroyed = 1;
+        pool_reap_locked(pool);   /* unused reserve now, the rest with the last free */
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
 }
 
 SIMGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
     REQUIRE_INIT();
-    (void)minBytesToKeep;
-    return handle_ok(pool, K_POOL) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    int ok = pool_ok(pool);
+    if (ok)
+        pool_trim_locked(pool, minBytesToKeep);
+    pthread_mutex_unlock(&pool_lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIMGPU_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value)
 {
     REQUIRE_INIT();
-    (void)attr;
-    return handle_ok(pool, K_POOL) && value ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    CUresult r = pool_ok(pool) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    uint64_t v = attr >= CU_MEMPOOL_ATTR_RELEASE_THRESHOLD ? *(cuuint64_t *)value : 0;
+    if (r != CUDA_SUCCESS) {
+    } else if (attr >= CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES &&
+               attr <= CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES) {
+        pool->reuse[attr - 1] = *(int *)value != 0;
+    } else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
+        pool->release_threshold = v;   /* applied at the next synchronization */
+    } else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && v == 0) {
+        pool->reserved_high = pool->reserved;   /* a reset watermark restarts from now */
+    } else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH && v == 0) {
+        pool->used_high = pool->used;
+    } else {
+        r = CUDA_ERROR_INVALID_VALUE;   /* current figures are read-only; marks reset to 0 only */
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
 }
 
 SIMGPU_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value)
 {
     REQUIRE_INIT();
-    if (!handle_ok(pool, K_POOL) || !value)
+    if (!value)
         return CUDA_ERROR_INVALID_VALUE;
-    if (attr >= 1 && attr <= 3)
-        *(int *)value = 0;   /* reuse policies */
-    else
-        *(cuuint64_t *)value = 0;
-    return CUDA_SUCCESS;
+    pthread_mutex_lock(&pool_lock);
+    CUresult r = pool_ok(pool) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) {
+        switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+            *(int *)value = pool->reuse[attr - 1];
+            break;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = pool->release_threshold; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = pool->reserved; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = pool->reserved_high; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = pool->used; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = pool->used_high; break;
+        default: r = CUDA_ERROR_INVALID_VALUE; break;
+        }
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
 }
 
 SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
@@ -1013,9 +1206,9 @@ SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesiz
     CUresult err;
     if (!resolve_stream(hStream, &err))
         return err;
-    if (!handle_ok(pool, K_POOL))
+    if (!pool_ok(pool))
         return CUDA_ERROR_INVALID_VALUE;
-    return dev_alloc(dptr, bytesize, pool->dev, A_DEVICE);
+    return pool_alloc(dptr, bytesize, pool);
 }
 
 SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
@@ -1024,6 +1217,7 @@ SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t by
     PER_THREAD(cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream));
 }
 
+/* From the current pool of the stream's device. */
 SIMGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     REQUIRE_INIT();
@@ -1031,7 +1225,10 @@ SIMGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstr
     struct vgpu_stream *s = resolve_stream(hStream, &err);
     if (!s)
         return err;
-    return dev_alloc(dptr, bytesize, s->ctx->dev, A_DEVICE);
+    CUmemoryPool pool;
+    if ((err = cuDeviceGetMemPool(&pool, s->ctx->dev)) != CUDA_SUCCESS)
+        return err;
+    return pool_alloc(dptr, bytesize, pool);
 }
 
 SIMGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
@@ -1045,7 +1242,7 @@ SIMGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
     CUresult err;
     if (!resolve_stream(hStream, &err))
         return err;
-    return dev_free(dptr);
+    return dev_free(dptr);   /* a pool allocation's memory stays in its pool */
 }
 
 SIMGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
@@ -1138,7 +1335,7 @@ SIMGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
     if (aligned > p)
         munmap(p, (size_t)(aligned - p));
     munmap(aligned + size, (size_t)(p + size + align - (aligned + size)));
-    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED})) {
+    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL})) {
         munmap(aligned, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1226,10 +1423,16 @@ static void close_vmm_fd(void *v) { close(((struct vgpu_vmm *)v)->fd); }
 /* In a forked child: none of the parent's device memory is the child's to free. */
 static void forget_allocations(void)
 {
+    pthread_mutex_init(&arena_lock, NULL);   /* another thread may have held it at fork */
     pthread_mutex_init(&alloc_lock, NULL);
     pthread_mutex_init(&vmm_lock, NULL);
+    pthread_mutex_init(&pool_lock, NULL);
     nallocs = 0;
     nvmm_maps = 0;
+    pools = NULL;   /* the parent's pools and their reserve stay the parent's */
+    memset(default_pool, 0, sizeof default_pool);
+    memset(current_pool, 0, sizeof current_pool);
+    handles_drop(K_POOL, NULL, NULL, NULL);
     handles_drop(K_ARRAY, NULL, NULL, NULL);
     handles_drop(K_VMM, NULL, NULL, close_vmm_fd);
 }
@@ -1392,6 +1595,7 @@ SIMGPU_EXPORT CUresult cuStreamSynchronize(CUstream h)
     if (s->capture)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     simgpu_sleep_until(stream_last_end(s));
+    pools_release_over_threshold();
     return CUDA_SUCCESS;
 }
 
@@ -1510,6 +1714,7 @@ SIMGPU_EXPORT CUresult cuCtxSynchronize(void)
 {
     REQUIRE_CTX(c);
     simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
+    pools_release_over_threshold();
     return CUDA_SUCCESS;
 }
 
@@ -1583,6 +1788,7 @@ SIMGPU_EXPORT CUresult cuEventSynchronize(CUevent e)
         return CUDA_ERROR_INVALID_HANDLE;
     if (e->recorded)
         simgpu_sleep_until(e->t);
+    pools_release_over_threshold();
     return CUDA_SUCCESS;
 }
 
