@@ -721,6 +721,109 @@ print(json.dumps([free1, free_bytes()]))
     assert r == [23 * GiB, 24 * GiB]
 
 
+
+# === memory: context teardown (cuCtxDestroy, cuDevicePrimaryCtxReset / Release) ===
+
+TEARDOWN = POOL + """
+VMM_PROP = cu.CUmemAllocationProp()
+VMM_PROP.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+VMM_PROP.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+VMM_PROP.location.id = 0
+
+def context_allocations():
+    \"\"\"One allocation of each kind cuCtxDestroy documents as the context's: 64 + 8 + 16 + 4 MiB
+    on the device, plus page-locked host memory.\"\"\"
+    d = cu.CUDA_ARRAY_DESCRIPTOR()
+    d.Width, d.Height, d.Format, d.NumChannels = 1024, 1024, cu.CUarray_format.CU_AD_FORMAT_FLOAT, 1
+    return [ok(cu.cuMemAlloc(64 << 20)), ok(cu.cuMemAllocPitch(1 << 20, 8, 4))[0],
+            ok(cu.cuMemAllocManaged(16 << 20, 1)), ok(cu.cuArrayCreate(d)), ok(cu.cuMemAllocHost(4096))]
+
+def contextless_allocations():
+    \"\"\"What the driver does not tie to a context: 32 MiB from a pool, 2 MiB of VMM.\"\"\"
+    return [ok(cu.cuMemAllocAsync(32 << 20, s)), ok(cu.cuMemCreate(2 << 20, VMM_PROP, 0))]
+
+def listed():
+    return [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)].count(os.getpid())
+"""
+
+
+def test_destroying_a_context_frees_what_it_allocated_but_not_pool_or_vmm_memory(sim_env):
+    r = cuda(TEARDOWN + """
+primary = ok(cu.cuCtxGetCurrent())
+dev = ok(cu.cuDeviceGet(0))
+before = mine()
+ctx = ok(cu.cuCtxCreate(None, 0, dev))
+s = ok(cu.cuStreamCreate(0))
+p, pitched, managed, array, host = context_allocations()
+pool_ptr, vmm = contextless_allocations()
+held = mine() - before
+ok(cu.cuCtxDestroy(ctx))
+after = mine() - before
+ok(cu.cuCtxSetCurrent(primary))
+stale = [rc(cu.cuMemFree(p)), rc(cu.cuMemFreeHost(host)), rc(cu.cuArrayDestroy(array))]
+ok(cu.cuMemFreeAsync(pool_ptr, 0))
+ok(cu.cuCtxSynchronize())
+ok(cu.cuMemRelease(vmm))
+print(json.dumps([held, after, stale, mine() - before]))
+""", sim_env)
+    held, after, stale, end = r
+    assert held == (64 + 8 + 16 + 4 + 32 + 2) * MiB
+    assert after == (32 + 2) * MiB                 # cuMemAllocAsync and cuMemCreate stay
+    assert stale == [INVALID_VALUE, INVALID_VALUE, INVALID_HANDLE]
+    assert end == 0
+
+
+def test_the_process_leaves_nvml_when_its_last_context_is_destroyed(sim_env):
+    r = cuda(POOL + """
+ok(cu.cuDevicePrimaryCtxRelease(ok(cu.cuDeviceGet(0))))   # context() retained it
+out = [[p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)]]
+ctx = ok(cu.cuCtxCreate(None, 0, ok(cu.cuDeviceGet(0))))
+p = ok(cu.cuMemAlloc(1 << 20))
+out.append([p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)])
+ok(cu.cuCtxDestroy(ctx))
+out.append([p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)])
+print(json.dumps([os.getpid(), out]))
+""", sim_env)
+    pid, views = r
+    assert views == [[], [pid], []]
+
+
+def test_primary_context_reset_frees_what_it_allocated_and_the_context_stays_usable(sim_env):
+    r = cuda(TEARDOWN + """
+dev = ok(cu.cuDeviceGet(0))
+context_allocations()
+pool_ptr, vmm = contextless_allocations()
+held = mine()
+ok(cu.cuDevicePrimaryCtxReset(dev))
+after_reset = [mine(), list(ok(cu.cuDevicePrimaryCtxGetState(dev)))]
+p = ok(cu.cuMemAlloc(8 << 20))            # used again: the driver re-initializes it
+again = [mine(), ok(cu.cuDevicePrimaryCtxGetState(dev))[1]]
+release = rc(cu.cuDevicePrimaryCtxRelease(dev))   # a retained context is still to be released
+print(json.dumps([held, after_reset, again, release]))
+""", sim_env)
+    held, after_reset, again, release = r
+    assert held == (64 + 8 + 16 + 4 + 32 + 2) * MiB
+    assert after_reset == [(32 + 2) * MiB, [0, 0]]
+    assert again == [(32 + 2 + 8) * MiB, 1]
+    assert release == SUCCESS
+
+
+def test_releasing_the_last_primary_context_reference_resets_it(sim_env):
+    r = cuda(TEARDOWN + """
+dev = ok(cu.cuDeviceGet(0))
+ok(cu.cuDevicePrimaryCtxRetain(dev))     # a second reference
+context_allocations()
+out = [mine()]
+ok(cu.cuDevicePrimaryCtxRelease(dev))
+out.append(mine())                       # one reference left: nothing freed
+ok(cu.cuDevicePrimaryCtxRelease(dev))
+out += [mine(), ok(cu.cuDevicePrimaryCtxGetState(dev))[1], listed(),
+        rc(cu.cuDevicePrimaryCtxRelease(dev))]
+print(json.dumps(out))
+""", sim_env)
+    assert r == [92 * MiB, 92 * MiB, 0, 0, 0, INVALID_CONTEXT]
+
+
 # === memory: node-wide, across processes ===
 
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])

@@ -47,6 +47,7 @@ struct vgpu_ctx {
     int primary;
     unsigned flags;
     int refs;
+    int active;                 /* 0: a primary context after reset or its last release */
     uint64_t last_end;          /* end of the latest work this context queued */
     struct vgpu_stream *null_stream;
 };
@@ -100,6 +101,7 @@ struct vgpu_mempool {
 struct vgpu_array {
     struct hdr h;
     int dev;
+    struct vgpu_ctx *ctx;       /* destroyed with it */
     uint64_t size;
     void *data;
 };
@@ -218,11 +220,16 @@ static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
     } while (0)
 
 static void forget_allocations(void);
+static void forget_contexts(void);
 static void atfork_child(void);
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
 /* As with the real driver, a forked child owns none of its parent's device memory. */
-static void atfork_child(void) { forget_allocations(); }
+static void atfork_child(void)
+{
+    forget_allocations();
+    forget_contexts();
+}
 
 SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
 {
@@ -437,8 +444,11 @@ static __thread int tls_depth;
 static struct vgpu_ctx *primary[SIMGPU_MAX_DEVICES];
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 
+static int ctx_count[SIMGPU_MAX_DEVICES];   /* active contexts of this process, per device */
+
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority);
-static void free_streams_of(struct vgpu_ctx *ctx);
+static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream);
+static void free_allocations_of(struct vgpu_ctx *ctx);
 
 static struct vgpu_ctx *current_ctx(void)
 {
@@ -446,11 +456,49 @@ static struct vgpu_ctx *current_ctx(void)
     return c && handle_ok(c, K_CTX) ? c : NULL;
 }
 
+/* Under ctx_lock.  The process's first active context on a device makes it visible to
+ * NVML. */
+static CUresult ctx_activate(struct vgpu_ctx *c)
+{
+    if (c->active)
+        return CUDA_SUCCESS;
+    if (ctx_count[c->dev]++ == 0)
+        simgpu_note_context(c->dev);
+    __atomic_store_n(&c->active, 1, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
+/* Under ctx_lock.  As cuCtxDestroy documents: everything the context allocated goes with
+ * it (cuMemAlloc, cuMemAllocPitch, cuMemAllocManaged, cuMemAllocHost, arrays, streams);
+ * what is not tied to a context stays (cuMemCreate, cuMemAllocAsync and pools). */
+static void ctx_deactivate(struct vgpu_ctx *c)
+{
+    if (!c->active)
+        return;
+    __atomic_store_n(&c->active, 0, __ATOMIC_RELEASE);
+    free_allocations_of(c);
+    free_streams_of(c, 1);
+    if (--ctx_count[c->dev] == 0)
+        simgpu_forget_context(c->dev);
+}
+
+/* A primary context reset (or released) and then used again comes back to life, as the
+ * driver re-initializes it. */
+static CUresult ctx_use(struct vgpu_ctx *c)
+{
+    if (__atomic_load_n(&c->active, __ATOMIC_ACQUIRE))
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&ctx_lock);
+    CUresult r = ctx_activate(c);
+    pthread_mutex_unlock(&ctx_lock);
+    return r;
+}
+
+/* Under ctx_lock. */
 static struct vgpu_ctx *ctx_new(int dev, unsigned flags, int is_primary)
 {
     if (simgpu_my_slot() < 0)
         return NULL;
-    simgpu_note_context(dev);   /* a context makes this process visible to NVML */
     struct vgpu_ctx *c = handle_new(K_CTX);
     if (!c)
         return NULL;
@@ -459,7 +507,26 @@ static struct vgpu_ctx *ctx_new(int dev, unsigned flags, int is_primary)
     c->primary = is_primary;
     c->refs = 1;
     c->null_stream = stream_new(c, 0, 0);
+    if (!c->null_stream || ctx_activate(c) != CUDA_SUCCESS) {
+        if (c->null_stream)
+            free_streams_of(c, 0);
+        handle_free(c);
+        return NULL;
+    }
     return c;
+}
+
+/* In a forked child: the parent's contexts are not the child's.  Their handles stay (the
+ * child may go on using them, as simgpu lets it) but are inactive until used. */
+static void forget_contexts(void)
+{
+    pthread_mutex_init(&ctx_lock, NULL);
+    memset(ctx_count, 0, sizeof ctx_count);
+    for (size_t i = 0; arena && i < arena_used; i++) {
+        struct vgpu_ctx *c = (struct vgpu_ctx *)(arena + ARENA_SLOT * i);
+        if (handle_ok(c, K_CTX))
+            c->active = 0;
+    }
 }
 
 static void ctx_push(struct vgpu_ctx *c)
@@ -476,13 +543,16 @@ SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&ctx_lock);
-    if (!primary[dev])
+    CUresult r = CUDA_SUCCESS;
+    if (!primary[dev]) {
         primary[dev] = ctx_new(dev, 0, 1);
-    else
+        r = primary[dev] ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    } else if ((r = ctx_activate(primary[dev])) == CUDA_SUCCESS) {
         primary[dev]->refs++;
-    *pctx = primary[dev];
+    }
+    *pctx = r == CUDA_SUCCESS ? primary[dev] : NULL;
     pthread_mutex_unlock(&ctx_lock);
-    return *pctx ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    return r;
 }
 
 SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
@@ -494,9 +564,9 @@ SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     CUresult r = CUDA_SUCCESS;
     if (!primary[dev] || primary[dev]->refs <= 0)
         r = CUDA_ERROR_INVALID_CONTEXT;
-    else
-        primary[dev]->refs--;   /* the object stays valid: the primary context is reused */
-    pthread_mutex_unlock(&ctx_lock);
+    else if (--primary[dev]->refs == 0)
+        ctx_deactivate(primary[dev]);   /* "reset once the last reference is released" */
+    pthread_mutex_unlock(&ctx_lock);   /* the handle stays valid: the primary context is reused */
     return r;
 }
 
@@ -507,7 +577,7 @@ SIMGPU_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&ctx_lock);
     if (primary[dev])
-        primary[dev]->refs = 0;
+        ctx_deactivate(primary[dev]);   /* frees its resources; does not release it */
     pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
 }
@@ -521,7 +591,7 @@ SIMGPU_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *fl
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&ctx_lock);
     *flags = primary[dev] ? primary[dev]->flags : 0;
-    *active = primary[dev] && primary[dev]->refs > 0;
+    *active = primary[dev] && primary[dev]->active;
     pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
 }
@@ -545,7 +615,9 @@ static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
     struct vgpu_ctx *c = ctx_new(dev, flags, 0);
+    pthread_mutex_unlock(&ctx_lock);
     if (!c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     ctx_push(c);
@@ -584,8 +656,11 @@ SIMGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
             tls_depth--;
             i--;
         }
-    free_streams_of(ctx);   /* a destroyed context's streams are gone with it */
+    pthread_mutex_lock(&ctx_lock);
+    ctx_deactivate(ctx);
+    free_streams_of(ctx, 0);
     handle_free(ctx);
+    pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
 }
 
@@ -708,6 +783,7 @@ struct alloc {
     enum alloc_kind kind;
     uint64_t footprint;          /* device memory it holds (0 for host memory) */
     struct vgpu_mempool *pool;   /* stream-ordered allocations: the pool it came from */
+    struct vgpu_ctx *ctx;        /* the context it goes with (NULL: none, e.g. pools) */
 };
 
 static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -787,15 +863,16 @@ static void *map_lazy(uint64_t size)
 }
 
 /* Reserve device memory node-wide, then back it with lazily touched host pages. */
-static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, int dev, enum alloc_kind kind)
+static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_ctx *ctx, enum alloc_kind kind)
 {
+    int dev = ctx->dev;
     if (!dptr || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t footprint = size;
     if (simgpu_mem_reserve(dev, footprint))
         return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = map_lazy(size);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL, ctx})) {
         if (p)
             munmap(p, size);
         simgpu_mem_release(dev, footprint);
@@ -817,6 +894,36 @@ static void alloc_drop(const struct alloc *a)
         simgpu_mem_release(a->dev, a->footprint);
 }
 
+static int array_in_ctx(void *a, void *ctx) { return ((struct vgpu_array *)a)->ctx == ctx; }
+
+static void array_release(void *p)
+{
+    struct vgpu_array *a = p;
+    munmap(a->data, a->size);
+    simgpu_mem_release(a->dev, a->size);
+}
+
+/* Everything a context allocated (not pool allocations, which belong to their pool). */
+static void free_allocations_of(struct vgpu_ctx *ctx)
+{
+    const unsigned kinds = (1u << A_DEVICE) | (1u << A_MANAGED) | (1u << A_HOST);
+    pthread_mutex_lock(&alloc_lock);
+    struct alloc *gone = malloc((nallocs ? nallocs : 1) * sizeof *gone);
+    size_t ngone = 0, kept = 0;
+    for (size_t i = 0; i < nallocs; i++) {
+        if (gone && allocs[i].ctx == ctx && !allocs[i].pool && (kinds & (1u << allocs[i].kind)))
+            gone[ngone++] = allocs[i];
+        else
+            allocs[kept++] = allocs[i];
+    }
+    nallocs = kept;
+    pthread_mutex_unlock(&alloc_lock);
+    for (size_t i = 0; i < ngone; i++)
+        alloc_drop(&gone[i]);
+    free(gone);
+    handles_drop(K_ARRAY, array_in_ctx, ctx, array_release);
+}
+
 static CUresult dev_free(CUdeviceptr ptr)
 {
     struct alloc a;
@@ -832,12 +939,17 @@ static CUresult dev_free(CUdeviceptr ptr)
     REQUIRE_INIT();                             \
     struct vgpu_ctx *c = current_ctx();         \
     if (!c)                                     \
-        return CUDA_ERROR_INVALID_CONTEXT
+        return CUDA_ERROR_INVALID_CONTEXT;      \
+    do {                                        \
+        CUresult use_ = ctx_use(c);             \
+        if (use_ != CUDA_SUCCESS)               \
+            return use_;                        \
+    } while (0)
 
 SIMGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     REQUIRE_CTX(c);
-    return dev_alloc(dptr, bytesize, c->dev, A_DEVICE);
+    return dev_alloc(dptr, bytesize, c, A_DEVICE);
 }
 
 SIMGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
@@ -848,7 +960,7 @@ SIMGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, siz
         (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16))
         return CUDA_ERROR_INVALID_VALUE;
     size_t pitch = (WidthInBytes + PITCH_ALIGNMENT - 1) / PITCH_ALIGNMENT * PITCH_ALIGNMENT;
-    CUresult r = dev_alloc(dptr, (uint64_t)pitch * Height, c->dev, A_DEVICE);
+    CUresult r = dev_alloc(dptr, (uint64_t)pitch * Height, c, A_DEVICE);
     if (r == CUDA_SUCCESS)
         *pPitch = pitch;
     return r;
@@ -859,7 +971,7 @@ SIMGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, uns
     REQUIRE_CTX(c);
     if (flags != 1 && flags != 2)   /* CU_MEM_ATTACH_GLOBAL / CU_MEM_ATTACH_HOST */
         return CUDA_ERROR_INVALID_VALUE;
-    return dev_alloc(dptr, bytesize, c->dev, A_MANAGED);
+    return dev_alloc(dptr, bytesize, c, A_MANAGED);
 }
 
 SIMGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
@@ -901,7 +1013,7 @@ SIMGPU_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int F
     if (!pp || !bytesize)
         return CUDA_ERROR_INVALID_VALUE;
     void *p = map_lazy(bytesize);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL, c})) {
         if (p)
             munmap(p, bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1061,7 +1173,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_mempool
         return r;
     void *m = map_lazy(size);
     if (!m || alloc_insert((struct alloc){(uint64_t)(uintptr_t)m, size, pool->dev, A_DEVICE, footprint,
-                                          pool})) {
+                                          pool, NULL})) {
         if (m)
             munmap(m, size);
         pool_give_back(pool, footprint);
@@ -1335,7 +1447,7 @@ SIMGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
     if (aligned > p)
         munmap(p, (size_t)(aligned - p));
     munmap(aligned + size, (size_t)(p + size + align - (aligned + size)));
-    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL})) {
+    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL, NULL})) {
         munmap(aligned, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1455,6 +1567,7 @@ static CUresult array_new(CUarray *out, uint64_t size)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     a->dev = c->dev;
+    a->ctx = c;
     a->size = size;
     a->data = data;
     *out = a;
@@ -1466,8 +1579,7 @@ static CUresult array_destroy(CUarray a)
     REQUIRE_INIT();
     if (!handle_ok(a, K_ARRAY))
         return CUDA_ERROR_INVALID_HANDLE;
-    munmap(a->data, a->size);
-    simgpu_mem_release(a->dev, a->size);
+    array_release(a);
     handle_free(a);
     return CUDA_SUCCESS;
 }
@@ -1507,11 +1619,15 @@ SIMGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) { return arra
 static __thread struct vgpu_stream *tls_pt_stream[SIMGPU_MAX_DEVICES];
 
 static int stream_in_ctx(void *s, void *ctx) { return ((struct vgpu_stream *)s)->ctx == ctx; }
+static int stream_in_ctx_not_null(void *s, void *ctx)
+{
+    return stream_in_ctx(s, ctx) && s != ((struct vgpu_ctx *)ctx)->null_stream;
+}
 static void stream_release(void *s) { free(((struct vgpu_stream *)s)->pending); }
 
-static void free_streams_of(struct vgpu_ctx *ctx)
+static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream)
 {
-    handles_drop(K_STREAM, stream_in_ctx, ctx, stream_release);
+    handles_drop(K_STREAM, keep_null_stream ? stream_in_ctx_not_null : stream_in_ctx, ctx, stream_release);
 }
 
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority)
@@ -1542,6 +1658,8 @@ static struct vgpu_stream *resolve_stream(CUstream h, CUresult *err)
             *err = CUDA_ERROR_INVALID_CONTEXT;
             return NULL;
         }
+        if ((*err = ctx_use(c)) != CUDA_SUCCESS)
+            return NULL;
         if (h == CU_STREAM_PER_THREAD || (h == NULL && tls_per_thread)) {
             struct vgpu_stream **pt = &tls_pt_stream[c->dev];
             if (!*pt || !handle_ok(*pt, K_STREAM) || (*pt)->ctx != c)

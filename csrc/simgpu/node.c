@@ -311,6 +311,12 @@ void simgpu_note_context(int dev)
         atomic_fetch_or(&g.node->procs[slot].context_devices, 1u << dev);
 }
 
+void simgpu_forget_context(int dev)
+{
+    if (g.slot >= 0)
+        atomic_fetch_and(&g.node->procs[g.slot].context_devices, ~(1u << dev));
+}
+
 /* At exit (or unload) our memory goes back at once; a crash leaves it to simgpu_reap_dead. */
 __attribute__((destructor)) static void release_slot(void)
 {

@@ -74,8 +74,10 @@ struct simgpu_interval *simgpu_ring(int dev);
 
 /* This process's slot, claimed on first call (-1 if the table is full). */
 int simgpu_my_slot(void);
-/* Record that this process has a context on `dev` (NVML lists it from then on). */
+/* Record that this process has a context on `dev` (NVML lists it from then on), or, after
+ * its last one there is destroyed, no longer has one (NVML lists it while it holds memory). */
 void simgpu_note_context(int dev);
+void simgpu_forget_context(int dev);
 /* Return dead processes' slots (and their memory) to the pool. */
 void simgpu_reap_dead(void);
 /* Is the process in `slot` alive (its lock is held by someone else)? */
