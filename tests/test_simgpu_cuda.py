@@ -296,7 +296,7 @@ f1 = free_bytes()
 ok(cu.cuMemFree(p))
 print(json.dumps([ok(cu.cuMemGetInfo())[1], f0, f0 - f1, free_bytes() - f0]))
 """, sim_env)
-    assert r == [24 * GiB, 24 * GiB, 5 * MiB + 3, 0]
+    assert r == [24 * GiB, 24 * GiB, 6 * MiB, 0]   # 2 MiB pages: see test_allocation_footprint...
 
 
 @pytest.mark.parametrize("width,height,elem", [(1, 3, 4), (512, 2, 8), (513, 7, 16), (1000, 3, 4)])
@@ -329,7 +329,7 @@ ok(cu.cuMemcpyDtoH(back, dptr(p, 100), 13))
 ok(cu.cuMemFree(p))
 print(json.dumps([f0 - f1, seen_by_host, back.decode(), free_bytes() - f0]))
 """, sim_env)
-    assert r == [3 * MiB, "from the device side", "from the host", 0]
+    assert r == [4 * MiB, "from the device side", "from the host", 0]   # 2 MiB pages
 
 
 def test_stream_ordered_allocation_is_counted_until_freed_async(sim_env):
@@ -348,7 +348,7 @@ ok(cu.cuMemFreeAsync(q, 0))
 ok(cu.cuStreamSynchronize(s))
 print(json.dumps([f0 - f1, back.decode(), free_bytes() - f0]))
 """, sim_env)
-    assert r == [8 * MiB, "async", 0]
+    assert r == [(8 + 2) * MiB, "async", 0]   # 7 and 1 MiB take 2 MiB pages of the pool
 
 
 def test_allocation_from_a_created_pool_is_counted_until_freed(sim_env):
@@ -510,7 +510,7 @@ reused = [reserved(pool), f0 - free_bytes()]
 r = alloc(pool, 1 << 20)          # nothing unused left: the reserve grows by one 2 MiB unit
 print(json.dumps([reused, [reserved(pool), f0 - free_bytes()]]))
 """, sim_env)
-    assert r == [[[64 * MiB, 64 * MiB], 0], [[66 * MiB, 65 * MiB], 2 * MiB]]
+    assert r == [[[64 * MiB, 64 * MiB], 0], [[66 * MiB, 66 * MiB], 2 * MiB]]
 
 
 def test_pool_reserve_grows_in_2mib_units(sim_env):
@@ -650,6 +650,61 @@ print(json.dumps([gran, f0 - f_created, back.decode(), f0 - f_released_mapped,
                   f0 - f_one_mapping_left, f0 - f_unmapped]))
 """, sim_env)
     assert r == [2 * MiB, 6 * MiB, "vmm!", 6 * MiB, 6 * MiB, 0]
+
+
+def test_allocation_granularity_is_2mib_minimum_and_recommended(sim_env):
+    r = cuda(VMM + """
+G = cu.CUmemAllocationGranularity_flags
+print(json.dumps([int(ok(cu.cuMemGetAllocationGranularity(prop, G.CU_MEM_ALLOC_GRANULARITY_MINIMUM))),
+                  int(ok(cu.cuMemGetAllocationGranularity(prop, G.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))]))
+""", sim_env)
+    assert r == [2 * MiB, 2 * MiB]
+
+
+FOOTPRINT_SIZES = [1, 511, 512, 513, 4096, MiB - 1, MiB, 2 * MiB, 2 * MiB + 1, 5 * MiB + 3, 64 * MiB]
+
+
+def expected_footprint(size):
+    """The documented model: 2 MiB pages from 1 MiB on, 512-byte rounding below."""
+    unit = 2 * MiB if size >= MiB else 512
+    return -(-size // unit) * unit
+
+
+@pytest.mark.parametrize("family", ["cuMemAlloc", "cuMemAllocManaged", "cuMemAllocPitch", "cuMemAllocAsync"])
+def test_allocation_footprint_rounds_large_sizes_to_2mib_pages_and_small_ones_to_512_bytes(
+        sim_env, family):
+    r = cuda(POOL + f"""
+allocate = {{
+    "cuMemAlloc": lambda n: ok(cu.cuMemAlloc(n)),
+    "cuMemAllocManaged": lambda n: ok(cu.cuMemAllocManaged(n, 1)),
+    "cuMemAllocPitch": lambda n: ok(cu.cuMemAllocPitch(n, 1, 4))[0],   # one row of pitch >= n
+    "cuMemAllocAsync": lambda n: ok(cu.cuMemAllocAsync(n, s)),
+}}["{family}"]
+out = []
+for size in {FOOTPRINT_SIZES}:
+    f0, m0 = free_bytes(), mine()
+    p = allocate(size)
+    out.append([f0 - free_bytes(), mine() - m0, int(ok(cu.cuMemGetAddressRange(p))[1])])
+    ok(cu.cuMemFree(p))
+    ok(cu.cuCtxSynchronize())   # a pool gives its reserve back above its threshold of 0
+print(json.dumps(out))
+""", sim_env)
+    for size, (drop, nvml, range_size) in zip(FOOTPRINT_SIZES, r):
+        asked = -(-size // 512) * 512 if family == "cuMemAllocPitch" else size   # the pitch
+        held = expected_footprint(asked)
+        if family == "cuMemAllocAsync":
+            held = -(-held // (2 * MiB)) * (2 * MiB)   # a fresh pool reserves whole 2 MiB units
+        assert (drop, nvml, range_size) == (held, held, asked), size
+
+
+def test_the_shared_footprint_rule_in_c_is_the_documented_one(c_program):
+    exe = c_program("footprint_rule")
+    edges = [0, 2**64 - 2 * MiB, 2**64 - 2 * MiB + 1, 2**64 - 1]
+    out = subprocess.run([str(exe), *map(str, FOOTPRINT_SIZES + edges)], capture_output=True, text=True,
+                         check=True)
+    got = [int(v) for v in out.stdout.split()]
+    # sizes whose rounding would wrap take "all memory": no device holds them
+    assert got == [expected_footprint(n) for n in FOOTPRINT_SIZES] + [0, 2**64 - 2 * MiB, 2**64 - 1, 2**64 - 1]
 
 
 def test_vmm_create_of_a_size_not_a_multiple_of_the_granularity_is_invalid(sim_env):
@@ -1634,7 +1689,7 @@ def test_c_client_through_dlopen_runs_the_whole_cycle(sim_env, c_program):
     assert lines[-1] == "ok"
     values = dict(line.split("=", 1) for line in lines[:-1])
     kernel_ms = float(values.pop("kernel_ms"))
-    assert values == {"name": "NVIDIA A10", "total": str(24 * GiB), "alloc_drop": str(MiB),
+    assert values == {"name": "NVIDIA A10", "total": str(24 * GiB), "alloc_drop": str(2 * MiB),
                       "free_restored": "1", "roundtrip": "1",
                       "bogus_launch": str(INVALID_HANDLE)}
     assert 1.0 <= kernel_ms < 100   # the sync waited for the 1 ms kernel (and not for ages)

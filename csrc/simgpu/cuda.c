@@ -15,6 +15,7 @@
 #define _GNU_SOURCE
 #include "cuda_abi.h"
 #include "abi_resolve.h"
+#include "footprint.h"
 #include "simgpu/node.h"
 
 #include <errno.h>
@@ -25,7 +26,7 @@
 #include <unistd.h>
 
 #define DRIVER_VERSION 13000
-#define VMM_GRANULARITY (2u << 20)
+#define VMM_GRANULARITY VGPU_LARGE_PAGE   /* cuMemGetAllocationGranularity, min and recommended */
 #define PITCH_ALIGNMENT 512
 
 /* === handles ===
@@ -862,13 +863,14 @@ static void *map_lazy(uint64_t size)
     return p == MAP_FAILED ? NULL : p;
 }
 
-/* Reserve device memory node-wide, then back it with lazily touched host pages. */
+/* Reserve the allocation's footprint (footprint.h) node-wide, then back it with lazily
+ * touched host pages. */
 static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_ctx *ctx, enum alloc_kind kind)
 {
     int dev = ctx->dev;
     if (!dptr || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    uint64_t footprint = size;
+    uint64_t footprint = vgpu_alloc_footprint(size);
     if (simgpu_mem_reserve(dev, footprint))
         return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = map_lazy(size);
@@ -1167,7 +1169,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_mempool
         return CUDA_ERROR_INVALID_VALUE;
     if (size > (1ull << 56))
         return CUDA_ERROR_OUT_OF_MEMORY;   /* more than any device: and no rounding wraps */
-    uint64_t footprint = size;
+    uint64_t footprint = vgpu_alloc_footprint(size);   /* the block it takes from the pool */
     CUresult r = pool_take(pool, footprint);
     if (r != CUDA_SUCCESS)
         return r;
@@ -1368,8 +1370,8 @@ SIMGPU_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const 
                                                      int option)
 {
     REQUIRE_INIT();
-    (void)option;
-    if (!granularity || !prop)
+    if (!granularity || !prop ||
+        (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         return CUDA_ERROR_INVALID_VALUE;
     *granularity = VMM_GRANULARITY;
     return CUDA_SUCCESS;
