@@ -879,6 +879,116 @@ print(json.dumps(out))
     assert r == [92 * MiB, 92 * MiB, 0, 0, 0, INVALID_CONTEXT]
 
 
+
+# === memory: context overhead (SIMGPU_CONTEXT_OVERHEAD) ===
+
+OVERHEAD_VIEW = """
+import pynvml
+ok(cu.cuInit(0))
+pynvml.nvmlInit()
+
+def view(device=0):
+    h = pynvml.nvmlDeviceGetHandleByIndex(device)
+    mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()]
+    return [mine, int(pynvml.nvmlDeviceGetMemoryInfo(h).used)]
+"""
+
+
+def test_context_overhead_is_zero_by_default(sim_env):
+    r = cuda(OVERHEAD_VIEW + """
+context()
+print(json.dumps([view(), free_bytes()]))
+""", sim_env)
+    assert r == [[[0], 0], 24 * GiB]
+
+
+@pytest.mark.parametrize("profile", list(PROFILES))
+def test_the_profile_context_overhead_is_the_documented_figure(tmp_path, profile):
+    env = make_sim_env(tmp_path / "node", profile=profile, SIMGPU_CONTEXT_OVERHEAD="profile")
+    r = cuda(OVERHEAD_VIEW + """
+context()
+print(json.dumps([view(), free_bytes(), int(ok(cu.cuMemGetInfo())[1])]))
+""", env)
+    overhead = PROFILES[profile].context_overhead_mib * MiB
+    assert 128 * MiB <= overhead <= GiB and overhead % (2 * MiB) == 0
+    assert r == [[[overhead], overhead], PROFILES[profile].memory_gib * GiB - overhead,
+                 PROFILES[profile].memory_gib * GiB]
+
+
+def test_context_overhead_is_paid_once_per_process_and_device_until_its_last_context_goes(tmp_path):
+    env = make_sim_env(tmp_path / "node", devices=2, SIMGPU_CONTEXT_OVERHEAD="64Mi")
+    r = cuda(OVERHEAD_VIEW + """
+out = [view()]
+devs = [ok(cu.cuDeviceGet(0)), ok(cu.cuDeviceGet(1))]
+a = ok(cu.cuCtxCreate(None, 0, devs[0]))
+out.append(view())
+primary = ok(cu.cuDevicePrimaryCtxRetain(devs[0]))   # a second context on device 0
+b = ok(cu.cuCtxCreate(None, 0, devs[0]))             # and a third
+p = ok(cu.cuMemAlloc(32 << 20))
+out.append(view())
+other = ok(cu.cuCtxCreate(None, 0, devs[1]))
+out.append([view(0), view(1)])
+ok(cu.cuCtxDestroy(b))
+ok(cu.cuCtxDestroy(a))
+out.append(view())                                    # the primary context still holds it
+ok(cu.cuDevicePrimaryCtxRelease(devs[0]))
+out.append([view(0), view(1)])
+print(json.dumps(out))
+""", env)
+    none, first, three, two_devices, primary_left, released = r
+    assert none == [[], 0]
+    assert first == [[64 * MiB], 64 * MiB]
+    assert three == [[(64 + 32) * MiB], (64 + 32) * MiB]   # once, whatever the context count
+    assert two_devices == [[[96 * MiB], 96 * MiB], [[64 * MiB], 64 * MiB]]
+    assert primary_left == [[64 * MiB], 64 * MiB]          # b's 32 MiB went with b
+    assert released == [[[], 0], [[64 * MiB], 64 * MiB]]
+
+
+def test_context_overhead_counts_against_the_device_and_returns_when_the_process_dies(tmp_path):
+    env = make_sim_env(tmp_path / "node", SIMGPU_CONTEXT_OVERHEAD=str(GiB))
+    holder = start_python(PRELUDE + """
+context()
+print(json.dumps(free_bytes()), flush=True)
+sys.stdin.readline()
+""", env)
+    try:
+        assert json.loads(holder.stdout.readline()) == 23 * GiB
+        r = cuda(OVERHEAD_VIEW + """
+context()
+print(json.dumps([free_bytes(), rc(cu.cuMemAlloc((22 << 30) + 1)), rc(cu.cuMemAlloc(22 << 30))]))
+""", env)
+        assert r == [22 * GiB, OUT_OF_MEMORY, SUCCESS]   # two contexts' overhead: 2 GiB gone
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run_python("""
+import json, time, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+deadline = time.monotonic() + 5
+while n.nvmlDeviceGetMemoryInfo(h).used and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps([n.nvmlDeviceGetMemoryInfo(h).used, len(n.nvmlDeviceGetComputeRunningProcesses(h))]))
+""", env)
+    assert json.loads(r.stdout) == [0, 0]
+
+
+def test_a_context_that_does_not_fit_on_the_device_is_out_of_memory(tmp_path):
+    env = make_sim_env(tmp_path / "node", SIMGPU_CONTEXT_OVERHEAD="25Gi")
+    r = cuda(OVERHEAD_VIEW + """
+dev = ok(cu.cuDeviceGet(0))
+print(json.dumps([rc(cu.cuDevicePrimaryCtxRetain(dev)), rc(cu.cuCtxCreate(None, 0, dev)), view()]))
+""", env)
+    assert r == [OUT_OF_MEMORY, OUT_OF_MEMORY, [[], 0]]
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "5Xi", "1.5Gi", "99999999999Ti"])
+def test_a_bad_context_overhead_fails_cuinit_naming_the_variable(tmp_path, value):
+    result, stderr = init_result(make_sim_env(tmp_path / "node", SIMGPU_CONTEXT_OVERHEAD=value))
+    assert result == [NO_DEVICE, NOT_INITIALIZED]
+    assert f"SIMGPU_CONTEXT_OVERHEAD={value} is not a size" in stderr
+
+
 # === memory: node-wide, across processes ===
 
 @pytest.mark.parametrize("how", ["exit", "SIGKILL"])

@@ -232,6 +232,55 @@ static void atfork_child(void)
     forget_contexts();
 }
 
+/* === context overhead ===
+ * A process's first context on a device costs device memory (the driver's per-context
+ * state, code and heaps), visible in NVML's per-process memory and counted against the
+ * device, until the process's last context there is destroyed or the process dies.
+ * SIMGPU_CONTEXT_OVERHEAD sets it: bytes, with an optional Ki/Mi/Gi/Ti suffix, or
+ * "profile" for the figure of the simulated model (node.c).  Default 0 (for now). */
+
+static uint64_t ctx_overhead;
+static int ctx_overhead_bad;
+
+static int parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *s == '-' || *s == '+' || *s == ' ')
+        return -1;
+    static const struct { const char *suffix; unsigned shift; } units[] = {
+        {"", 0}, {"Ki", 10}, {"Mi", 20}, {"Gi", 30}, {"Ti", 40}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (!strcmp(end, units[i].suffix)) {
+            if (v > (UINT64_MAX >> units[i].shift))
+                return -1;
+            *out = (uint64_t)v << units[i].shift;
+            return 0;
+        }
+    return -1;
+}
+
+static void read_ctx_overhead(void)
+{
+    const char *e = getenv("SIMGPU_CONTEXT_OVERHEAD");
+    if (!e || !*e)
+        ctx_overhead = 0;
+    else if (!strcmp(e, "profile"))
+        ctx_overhead = simgpu_profile()->context_overhead;
+    else if (parse_size(e, &ctx_overhead)) {
+        fprintf(stderr, "simgpu: SIMGPU_CONTEXT_OVERHEAD=%s is not a size (bytes, or with Ki/Mi/Gi/Ti) "
+                        "or \"profile\"\n", e);
+        ctx_overhead_bad = 1;
+    }
+}
+
+static void init_once(void)
+{
+    read_ctx_overhead();
+    register_atfork();
+}
+
 SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
 {
     if (flags != 0)
@@ -239,7 +288,9 @@ SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
     if (simgpu_attach())
         return CUDA_ERROR_NO_DEVICE;   /* simgpu printed why (profile, state dir) */
     static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, register_atfork);
+    pthread_once(&once, init_once);
+    if (ctx_overhead_bad)
+        return CUDA_ERROR_NO_DEVICE;   /* said why on stderr */
     __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
@@ -463,8 +514,12 @@ static CUresult ctx_activate(struct vgpu_ctx *c)
 {
     if (c->active)
         return CUDA_SUCCESS;
-    if (ctx_count[c->dev]++ == 0)
+    if (ctx_count[c->dev] == 0) {
+        if (ctx_overhead && simgpu_mem_reserve(c->dev, ctx_overhead))
+            return CUDA_ERROR_OUT_OF_MEMORY;   /* no room for the context itself */
         simgpu_note_context(c->dev);
+    }
+    ctx_count[c->dev]++;
     __atomic_store_n(&c->active, 1, __ATOMIC_RELEASE);
     return CUDA_SUCCESS;
 }
@@ -479,8 +534,10 @@ static void ctx_deactivate(struct vgpu_ctx *c)
     __atomic_store_n(&c->active, 0, __ATOMIC_RELEASE);
     free_allocations_of(c);
     free_streams_of(c, 1);
-    if (--ctx_count[c->dev] == 0)
+    if (--ctx_count[c->dev] == 0) {
+        simgpu_mem_release(c->dev, ctx_overhead);
         simgpu_forget_context(c->dev);
+    }
 }
 
 /* A primary context reset (or released) and then used again comes back to life, as the

@@ -16,12 +16,18 @@
 
 /* === profiles === */
 
+/* The last column is the device memory a process's first context on a device costs, when
+ * SIMGPU_CONTEXT_OVERHEAD=profile (cuda.c).  A ballpark, not a measurement: what nvidia-smi
+ * commonly shows for a process that has only created a context with a recent driver and
+ * CUDA's lazy module loading (a few hundred MiB, more on the larger data-center parts); the
+ * real figure varies with driver, CUDA version and loaded modules. */
+#define MiB (1ull << 20)
 #define GiB (1ull << 30)
 static const struct simgpu_profile profiles[] = {
-    {"a10", "NVIDIA A10", 24 * GiB, 72, 8, 6, 1695000, 6251000, 384, 6 << 20},
-    {"a100-40g", "NVIDIA A100-SXM4-40GB", 40 * GiB, 108, 8, 0, 1410000, 1215000, 5120, 40 << 20},
-    {"h100-80g", "NVIDIA H100 80GB HBM3", 80 * GiB, 132, 9, 0, 1980000, 2619000, 5120, 50 << 20},
-    {"h200", "NVIDIA H200", 141 * GiB, 132, 9, 0, 1980000, 3201000, 6144, 60 << 20},
+    {"a10", "NVIDIA A10", 24 * GiB, 72, 8, 6, 1695000, 6251000, 384, 6 << 20, 256 * MiB},
+    {"a100-40g", "NVIDIA A100-SXM4-40GB", 40 * GiB, 108, 8, 0, 1410000, 1215000, 5120, 40 << 20, 384 * MiB},
+    {"h100-80g", "NVIDIA H100 80GB HBM3", 80 * GiB, 132, 9, 0, 1980000, 2619000, 5120, 50 << 20, 512 * MiB},
+    {"h200", "NVIDIA H200", 141 * GiB, 132, 9, 0, 1980000, 3201000, 6144, 60 << 20, 512 * MiB},
 };
 #define NPROFILES (sizeof profiles / sizeof profiles[0])
 

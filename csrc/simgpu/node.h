@@ -31,6 +31,7 @@ struct simgpu_profile {
     int sm_count;
     int cc_major, cc_minor;
     int clock_khz, mem_clock_khz, bus_width, l2_bytes;
+    uint64_t context_overhead;   /* device memory of a process's first context (node.c) */
 };
 
 struct simgpu_proc {

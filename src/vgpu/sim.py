@@ -17,14 +17,18 @@ class Profile:
     model: str
     memory_gib: int
     sm_count: int
+    # Device memory a process's first context on a device costs when simgpu runs with
+    # SIMGPU_CONTEXT_OVERHEAD=profile (default: 0 bytes).  A ballpark of what nvidia-smi
+    # shows for a bare context on such a card, not a measurement.
+    context_overhead_mib: int = 0
 
 
 # Must match the table in csrc/simgpu/node.c (tests/test_simgpu_cuda.py checks each).
 PROFILES = {p.id: p for p in [
-    Profile("a10", "NVIDIA A10", 24, 72),
-    Profile("a100-40g", "NVIDIA A100-SXM4-40GB", 40, 108),
-    Profile("h100-80g", "NVIDIA H100 80GB HBM3", 80, 132),
-    Profile("h200", "NVIDIA H200", 141, 132),
+    Profile("a10", "NVIDIA A10", 24, 72, 256),
+    Profile("a100-40g", "NVIDIA A100-SXM4-40GB", 40, 108, 384),
+    Profile("h100-80g", "NVIDIA H100 80GB HBM3", 80, 132, 512),
+    Profile("h200", "NVIDIA H200", 141, 132, 512),
 ]}
 MAX_DEVICES = 8
 
