@@ -716,6 +716,97 @@ print(json.dumps([rc(cu.cuMemCreate(gran + 4096, prop, 0)), rc(cu.cuMemCreate(0,
     assert r == [INVALID_VALUE, INVALID_VALUE, 0]
 
 
+LOCATIONS = """
+L = cu.CUmemLocationType
+
+def vmm_prop(location_type, location_id=0, handle_types=0, alloc_type=None):
+    p = cu.CUmemAllocationProp()
+    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED if alloc_type is None else alloc_type
+    p.location.type = location_type
+    p.location.id = location_id
+    p.requestedHandleTypes = handle_types
+    return p
+
+def pool_props(location_type, location_id=0, handle_types=0):
+    p = cu.CUmemPoolProps()
+    p.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = location_type
+    p.location.id = location_id
+    p.handleTypes = handle_types
+    return p
+
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+# Types a CUDA 13.0 driver does not know (newer toolkits define them; 6 is device memory).
+NEWER = [L.CU_MEM_LOCATION_TYPE_INVISIBLE, L.CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN,
+         L.CU_MEM_LOCATION_TYPE_MAX]
+REFUSED = [L.CU_MEM_LOCATION_TYPE_INVALID, L.CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT] + NEWER
+"""
+
+
+def test_vmm_memory_takes_device_memory_only_for_a_device_location(sim_env):
+    r = cuda(VMM + POOL + LOCATIONS + """
+out = {}
+for name, p in [("device", vmm_prop(L.CU_MEM_LOCATION_TYPE_DEVICE)),
+                ("host", vmm_prop(L.CU_MEM_LOCATION_TYPE_HOST, 7)),          # id ignored
+                ("host numa 0", vmm_prop(L.CU_MEM_LOCATION_TYPE_HOST_NUMA, 0))]:
+    f0, m0 = free_bytes(), mine()
+    h = ok(cu.cuMemCreate(4 << 20, p, 0))
+    va = mapped(h, 4 << 20)
+    ok(cu.cuMemcpyHtoD(dptr(va, 100), b"where", 5))
+    back = bytearray(5)
+    ok(cu.cuMemcpyDtoH(back, dptr(va, 100), 5))
+    out[name] = [f0 - free_bytes(), mine() - m0, back.decode()]
+    ok(cu.cuMemUnmap(va, 4 << 20))
+    ok(cu.cuMemRelease(h))
+print(json.dumps(out))
+""", sim_env)
+    assert r == {"device": [4 * MiB, 4 * MiB, "where"], "host": [0, 0, "where"],
+                 "host numa 0": [0, 0, "where"]}
+
+
+def test_vmm_create_refuses_locations_the_driver_documents_as_invalid(sim_env):
+    r = cuda(VMM + LOCATIONS + """
+f0 = free_bytes()
+refused = {int(t): rc(cu.cuMemCreate(2 << 20, vmm_prop(t), 0)) for t in REFUSED}
+out = [refused,
+       rc(cu.cuMemCreate(2 << 20, vmm_prop(L.CU_MEM_LOCATION_TYPE_HOST_NUMA, 1), 0)),   # no node 1
+       rc(cu.cuMemCreate(2 << 20, vmm_prop(L.CU_MEM_LOCATION_TYPE_HOST, 0, POSIX_FD), 0)),  # no IPC
+       rc(cu.cuMemCreate(2 << 20, vmm_prop(L.CU_MEM_LOCATION_TYPE_DEVICE, 3), 0)),
+       rc(cu.cuMemCreate(2 << 20, vmm_prop(L.CU_MEM_LOCATION_TYPE_DEVICE, 0, 0,
+                                           cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_INVALID), 0)),
+       [rc(cu.cuMemGetAllocationGranularity(vmm_prop(t), 0)) for t in REFUSED],
+       f0 - free_bytes()]
+print(json.dumps(out))
+""", sim_env)
+    refused, numa1, host_ipc, bad_device, bad_type, granularity, taken = r
+    assert refused == {"0": INVALID_VALUE, "4": INVALID_VALUE, "5": INVALID_VALUE, "6": INVALID_VALUE,
+                       str(2**31 - 1): INVALID_VALUE}
+    assert (numa1, host_ipc, bad_device, bad_type) == (INVALID_VALUE, INVALID_VALUE, INVALID_DEVICE,
+                                                       INVALID_VALUE)
+    assert granularity == [INVALID_VALUE] * 5
+    assert taken == 0
+
+
+def test_a_host_pool_takes_no_device_memory_and_bad_pool_locations_are_refused(sim_env):
+    r = cuda(POOL + LOCATIONS + """
+f0, m0 = free_bytes(), mine()
+host = ok(cu.cuMemPoolCreate(pool_props(L.CU_MEM_LOCATION_TYPE_HOST)))
+p = alloc(host, 64 << 20)
+ok(cu.cuMemcpyHtoD(p, b"host pool", 9))
+held = [reserved(host), f0 - free_bytes(), mine() - m0]
+ok(cu.cuMemFreeAsync(p, s))
+refused = {int(t): rc(cu.cuMemPoolCreate(pool_props(t))) for t in REFUSED}
+out = [held, refused, rc(cu.cuMemPoolCreate(pool_props(L.CU_MEM_LOCATION_TYPE_HOST, 0, POSIX_FD))),
+       rc(cu.cuMemPoolCreate(pool_props(L.CU_MEM_LOCATION_TYPE_DEVICE, 2))),
+       rc(cu.cuDeviceSetMemPool(0, host))]
+print(json.dumps(out))
+""", sim_env)
+    held, refused, host_ipc, bad_device, host_as_device_pool = r
+    assert held == [[64 * MiB, 64 * MiB], 0, 0]
+    assert set(refused.values()) == {INVALID_VALUE} and len(refused) == 5
+    assert (host_ipc, bad_device, host_as_device_pool) == (INVALID_VALUE, INVALID_DEVICE, INVALID_VALUE)
+
+
 def test_released_unmapped_vmm_memory_returns_at_once(sim_env):
     r = cuda(VMM + """
 f0 = free_bytes()

@@ -1105,6 +1105,33 @@ SIMGPU_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p,
     return CUDA_SUCCESS;
 }
 
+#define HOST_MEMORY (-1)
+
+/* Where memory of `loc` lives (cuMemCreate, cuMemPoolCreate, graph allocation nodes): a
+ * device ordinal, or HOST_MEMORY for the host (which takes no device memory).  As cuda.h
+ * of CUDA 13.0 documents them: DEVICE names a device ordinal; HOST ignores the id;
+ * HOST_NUMA names a host NUMA node (simgpu's host has one, node 0); HOST_NUMA_CURRENT is
+ * CUDA_ERROR_INVALID_VALUE for cuMemCreate and cuMemPoolCreate; INVALID (= NONE) and
+ * every type this driver does not know (newer ones included) are invalid too. */
+static CUresult mem_location(const CUmemLocation *loc, int *dev)
+{
+    switch (loc->type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        if (!dev_ok(loc->id))
+            return CUDA_ERROR_INVALID_DEVICE;
+        *dev = loc->id;
+        return CUDA_SUCCESS;
+    case CU_MEM_LOCATION_TYPE_HOST:
+        *dev = HOST_MEMORY;
+        return CUDA_SUCCESS;
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+        *dev = HOST_MEMORY;
+        return loc->id == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
 /* === memory: pools and stream-ordered allocation ===
  * As the driver documents it (cuMemPoolSetAttribute, cuMemPoolTrimTo, cuMemFreeAsync):
  * memory freed with cuMemFreeAsync goes back to its pool, not to the device; the pool
@@ -1281,11 +1308,15 @@ SIMGPU_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
 SIMGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
 {
     REQUIRE_INIT();
-    if (!pool || !props)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!dev_ok(props->location.id))
-        return CUDA_ERROR_INVALID_DEVICE;
-    struct vgpu_mempool *p = pool_new(props->location.id);
+    if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_INVALID_VALUE;   /* "currently must be" pinned, says cuda.h */
+    int dev;
+    CUresult r = mem_location(&props->location, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (dev == HOST_MEMORY && props->handleTypes)
+        return CUDA_ERROR_INVALID_VALUE;   /* documented: host pools are not IPC capable */
+    struct vgpu_mempool *p = pool_new(dev);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
     *pool = p;
@@ -1430,6 +1461,10 @@ SIMGPU_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const 
     if (!granularity || !prop ||
         (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         return CUDA_ERROR_INVALID_VALUE;
+    int dev;
+    CUresult r = mem_location(&prop->location, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
     *granularity = VMM_GRANULARITY;
     return CUDA_SUCCESS;
 }
@@ -1438,12 +1473,16 @@ SIMGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t 
                                    const CUmemAllocationProp *prop, unsigned long long flags)
 {
     REQUIRE_INIT();
-    if (!handle || !prop || flags || size == 0 || size % VMM_GRANULARITY)
+    if (!handle || !prop || flags || size == 0 || size % VMM_GRANULARITY ||
+        prop->type != CU_MEM_ALLOCATION_TYPE_PINNED)
         return CUDA_ERROR_INVALID_VALUE;
-    int dev = prop->location.id;
-    if (!dev_ok(dev))
-        return CUDA_ERROR_INVALID_DEVICE;
-    if (simgpu_mem_reserve(dev, size))
+    int dev;
+    CUresult r = mem_location(&prop->location, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (dev == HOST_MEMORY && prop->requestedHandleTypes)
+        return CUDA_ERROR_INVALID_VALUE;   /* documented: host allocations are not IPC capable */
+    if (dev != HOST_MEMORY && simgpu_mem_reserve(dev, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct vgpu_vmm *v = handle_new(K_VMM);
     int fd = v ? memfd_create("simgpu-vmm", MFD_CLOEXEC) : -1;

@@ -390,8 +390,8 @@ int simgpu_mem_reserve(int dev, uint64_t bytes)
 
 void simgpu_mem_release(int dev, uint64_t bytes)
 {
-    if (g.slot < 0)
-        return;
+    if (g.slot < 0 || dev < 0 || dev >= SIMGPU_MAX_DEVICES)
+        return;   /* host memory (dev -1) was never on a device */
     _Atomic uint64_t *m = &g.node->procs[g.slot].mem[dev];
     uint64_t cur = atomic_load(m);
     while (!atomic_compare_exchange_weak(m, &cur, cur >= bytes ? cur - bytes : 0))
