@@ -807,6 +807,37 @@ print(json.dumps(out))
     assert (host_ipc, bad_device, host_as_device_pool) == (INVALID_VALUE, INVALID_DEVICE, INVALID_VALUE)
 
 
+def test_mapping_a_range_that_is_already_mapped_is_invalid_value(sim_env):
+    r = cuda(VMM + """
+a, b = ok(cu.cuMemCreate(2 * gran, prop, 0)), ok(cu.cuMemCreate(2 * gran, prop, 0))
+va = ok(cu.cuMemAddressReserve(4 * gran, 0, 0, 0))
+ok(cu.cuMemMap(va, 2 * gran, 0, a, 0))
+ok(cu.cuMemSetAccess(va, 2 * gran, [access], 1))
+ok(cu.cuMemcpyHtoD(va, b"first", 5))
+twice = [rc(cu.cuMemMap(va, 2 * gran, 0, b, 0)),                 # the same range
+         rc(cu.cuMemMap(dptr(va, gran), 2 * gran, 0, b, 0)),      # half of it
+         rc(cu.cuMemMap(va, 2 * gran, 0, a, 0))]                  # even with the same handle
+back = bytearray(5)
+ok(cu.cuMemcpyDtoH(back, va, 5))                                  # the first mapping is intact
+free_half = rc(cu.cuMemMap(dptr(va, 2 * gran), 2 * gran, 0, b, 0))  # the unmapped half is fine
+ok(cu.cuMemUnmap(va, 2 * gran))
+remap = rc(cu.cuMemMap(va, 2 * gran, 0, b, 0))                    # once unmapped, mappable again
+print(json.dumps([twice, back.decode(), free_half, remap]))
+""", sim_env)
+    assert r == [[INVALID_VALUE] * 3, "first", SUCCESS, SUCCESS]
+
+
+def test_mapping_requires_granularity_multiples_inside_one_reservation(sim_env):
+    r = cuda(VMM + """
+h = ok(cu.cuMemCreate(2 * gran, prop, 0))
+va = ok(cu.cuMemAddressReserve(2 * gran, 0, 0, 0))
+print(json.dumps([rc(cu.cuMemMap(dptr(va, 4096), gran, 0, h, 0)), rc(cu.cuMemMap(va, gran + 4096, 0, h, 0)),
+                  rc(cu.cuMemMap(va, gran, 4096, h, 0)), rc(cu.cuMemMap(va, 3 * gran, 0, h, 0)),
+                  rc(cu.cuMemMap(va, gran, 2 * gran, h, 0)), rc(cu.cuMemMap(va, gran, gran, h, 0))]))
+""", sim_env)
+    assert r == [INVALID_VALUE] * 5 + [SUCCESS]   # an offset that is a granule multiple is fine
+
+
 def test_released_unmapped_vmm_memory_returns_at_once(sim_env):
     r = cuda(VMM + """
 f0 = free_bytes()

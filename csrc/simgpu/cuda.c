@@ -1575,11 +1575,17 @@ SIMGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     REQUIRE_INIT();
     struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
     struct alloc a;
-    if (flags || !size || !alloc_find(ptr, size, &a) || a.kind != A_RESERVED)
+    /* As documented: inside one reservation; ptr, size and offset granularity multiples. */
+    if (flags || !size || ptr % VMM_GRANULARITY || size % VMM_GRANULARITY || offset % VMM_GRANULARITY ||
+        !alloc_find(ptr, size, &a) || a.kind != A_RESERVED)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&vmm_lock);
     CUresult r = CUDA_SUCCESS;
-    if (!handle_ok(v, K_VMM) || v->released || offset + size > v->size) {
+    int overlaps = 0;   /* "cuMemMap can only create mappings on VA range reservations that
+                         * are not currently mapped" */
+    for (size_t i = 0; i < nvmm_maps && !overlaps; i++)
+        overlaps = ptr < vmm_maps[i].ptr + vmm_maps[i].size && vmm_maps[i].ptr < ptr + size;
+    if (overlaps || !handle_ok(v, K_VMM) || v->released || offset > v->size || size > v->size - offset) {
         r = CUDA_ERROR_INVALID_VALUE;
     } else if (nvmm_maps == vmm_maps_cap &&
                !(vmm_maps = realloc(vmm_maps, (vmm_maps_cap = vmm_maps_cap ? vmm_maps_cap * 2 : 64) *
