@@ -14,10 +14,15 @@ from vgpu.cli import main
 from vgpu.paths import SHIM, SIMGPU_DIR
 
 
-def test_version_prints_package_version():
-    r = CliRunner().invoke(main, ["--version"])
-    assert r.exit_code == 0
-    assert r.output.strip() == f"vgpu-ctl, version {__version__}"
+def test_version_prints_package_version_and_the_shims_abi():
+    from vgpu._region import lib
+    for flag in ("--version", "-V"):
+        r = CliRunner().invoke(main, [flag])
+        assert r.exit_code == 0
+        assert r.output == f"vgpu-ctl {__version__}, shim ABI {lib.VGPU_ABI_VERSION}\n"
+    # the ABI the built shim enforces is the header's: it refuses files of any other version
+    header = (ROOT / "csrc" / "vgpu_region.h").read_text()
+    assert f"#define VGPU_ABI_VERSION {lib.VGPU_ABI_VERSION}\n" in header
 
 
 def test_sim_env_prints_exports_for_profile_devices_and_state(tmp_path):

@@ -108,8 +108,9 @@ def test_create_twice_is_refused_and_leaves_the_first(ctl):
 @pytest.mark.parametrize("args,what", [
     (["--memory", "4GB"], "'4GB' is not a memory size"),
     (["--memory", "-1"], "is not a memory size"),
-    (["--sm", "150%"], "outside 0..100%"),
-    (["--sm", "0"], "0 is not a share"),
+    (["--sm", "150%"], "'150%' is more than the whole GPU (1..100%"),
+    (["--sm", "0"], "'0' is no share of the GPU: a slice needs more than 0%"),
+    (["--memory", "0"], "'0' would make a slice that can allocate nothing"),
     (["--device", "16"], "--device"),
 ])
 def test_bad_quantities_are_usage_errors(ctl, args, what):
@@ -149,6 +150,7 @@ def test_create_on_a_device_the_node_lacks_is_refused(ctl):
 
 
 def test_list_shows_each_slice_and_device(ctl):
+    ctl.dir.mkdir()
     assert ctl("list").stdout.strip() == f"no containers in {ctl.dir}"
     assert json.loads(ctl("list", "--json").stdout) == []
     ctl("create", "b", "--memory", "2Gi", "--request", "1Gi", "--sm", "30%")
@@ -231,7 +233,7 @@ def test_status_reports_slices_and_devices_as_json(ctl):
     assert data["devices"] == [{"index": 0, "name": "Fake A10", "uuid": "GPU-0", "memory_total": 24 * GiB,
                                 "memory_used": 3 * GiB, "gpu_util": 4000, "memory_allocated": 6 * GiB,
                                 "memory_unlimited": 0, "memory_guaranteed": 5 * GiB, "memory_in_use": 0,
-                                "sm_allocated": 7000, "containers": 2}]
+                                "sm_allocated": 7000, "sm_ceilings": False, "containers": 2}]
     only = json.loads(ctl("status", "c2", "--json").stdout)
     assert [c["name"] for c in only["containers"]] == ["c2"]
     assert only["devices"] == data["devices"]          # a device's allocation is always the whole node's
@@ -271,6 +273,7 @@ def test_status_watch_refreshes_count_times(ctl):
 
 
 def test_status_of_an_unknown_container_is_an_error(ctl):
+    ctl.dir.mkdir()
     one_line_error(ctl("status", "nope"), 1, "container nope not found", "hint:")
 
 
@@ -382,14 +385,14 @@ def test_run_exits_with_the_childs_code_and_removes_its_temporary_slice(ctl):
 
 
 def test_run_in_a_named_slice_keeps_it(ctl):
-    r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--memory", "1Gi", "--",
-                                  sys.executable, "-c", "pass"])
+    r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--create", "--memory", "1Gi",
+                                  "--", sys.executable, "-c", "pass"])
     assert r.exit_code == 0, r.output
     assert slices.read_quota(ctl.dir, "keep").devices[0].memory_max == GiB
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--memory", "2Gi", "--", "true"])
-    one_line_error(r, 2, "container keep exists; its quota applies")
+    one_line_error(r, 2, "container keep exists with another quota (device 0: memory.max 1Gi")
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--", "/nonexistent/prog"])
-    one_line_error(r, 1, "/nonexistent/prog: command not found")
+    one_line_error(r, 127, "/nonexistent/prog: command not found")
 
 
 # === the command line itself ===

@@ -118,7 +118,7 @@ def test_a_hard_linked_quota_is_refused(tmp_path):
 
 def test_unwritable_node_directory_is_one_line_with_a_hint(tmp_path):
     if os.geteuid() == 0:
-        node = "/sys/vgpu-ctl-test/vgpu"          # even root may not create there (EPERM)
+        node = "/sys/vgpu-ctl-test"               # even root may not create there (EPERM)
     else:
         (tmp_path / "ro").mkdir(mode=0o555)
         node = str(tmp_path / "ro" / "vgpu")

@@ -200,11 +200,11 @@ def test_install_step_gives_a_working_vgpu_ctl_without_a_compiler(dockerfile, bu
     (cmd,) = [c for c in run_commands(dockerfile[-1]) if "install-runtime.sh" in c]
     argv = mapped(cmd, {"/tmp/image": ROOT / "tools/image", "/tmp/dist": wheel.parent, "/opt/venv": venv})
     out = run_step(argv + ["--no-deps", "--no-index", "--ignore-installed"], {"CC": "false"})
-    assert "vgpu-ctl, version" in out.stdout and "k8s-plugin: loads" in out.stdout
+    assert re.search(r"^vgpu-ctl \S+, shim ABI \d+$", out.stdout, re.M) and "k8s-plugin: loads" in out.stdout
     ctl = str(venv / "bin" / "vgpu-ctl")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
     version = subprocess.run([ctl, "--version"], capture_output=True, text=True, env=env, check=True)
-    assert re.fullmatch(r"vgpu-ctl, version \S+\n", version.stdout)
+    assert re.fullmatch(r"vgpu-ctl \S+, shim ABI \d+\n", version.stdout)
     shim = Path(subprocess.run([ctl, "shim-path"], capture_output=True, text=True, env=env,
                                check=True).stdout.strip())
     assert shim.is_file() and shim.is_relative_to(venv.resolve())

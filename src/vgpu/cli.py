@@ -4,6 +4,7 @@ A thin click layer over plain functions (vgpu.slices, vgpu.status, vgpu.runtime)
 here touches NVML or the GPU at import, so `vgpu-ctl --help` works anywhere.  Errors are
 one line with a hint: runtime failures exit 1, usage errors exit 2 (click's convention).
 """
+import errno
 import json
 import os
 import shlex
@@ -34,8 +35,51 @@ def _line(e) -> str:
     return f"{e}; hint: {e.hint}" if getattr(e, "hint", None) else str(e)
 
 
+def _usage_line(e: click.UsageError) -> str:
+    """click's usage errors as one line with a hint (click prints usage, a blank line and
+    the error over three or four)."""
+    message = " ".join(e.format_message().split())
+    if "hint:" in message:
+        return message
+    path = " ".join(["vgpu-ctl", *e.ctx.command_path.split()[1:]]) if e.ctx is not None else "vgpu-ctl"
+    return f"{message.rstrip('.')}; hint: {path} --help shows the options and an example"
+
+
 class CtlGroup(click.Group):
-    """Turns the library's errors into one line each, with the right exit code."""
+    """Turns every error into one line with a hint and the right exit code: usage 2,
+    runtime 1, and no traceback, whatever went wrong."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":   # `vgpu-ctl` or `vgpu-ctl sim` alone: the help
+                e.show()
+            else:
+                click.echo(f"Error: {_usage_line(e)}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except (click.Abort, KeyboardInterrupt, EOFError):
+            click.echo("", err=True)
+            sys.exit(130)
+        except OSError as e:
+            if e.errno == errno.EPIPE:   # `vgpu-ctl status | head`
+                sys.stderr = open(os.devnull, "w")
+                sys.stdout = open(os.devnull, "w")
+                sys.exit(141)
+            click.echo(f"Error: {_os_error(e)}", err=True)
+            sys.exit(1)
+        except Exception as e:   # a bug: still one line, the traceback on request
+            if os.environ.get("VGPU_DEBUG"):
+                raise
+            click.echo(f"Error: internal error: {type(e).__name__}: {e}; hint: VGPU_DEBUG=1 shows the traceback "
+                       "(please report it)", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
         try:
@@ -50,6 +94,11 @@ class CtlGroup(click.Group):
                 "VGPU_DIR at a directory you can write") from None
 
 
+def _os_error(e: OSError) -> str:
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{where}{e.strerror or e}; hint: check the path and its permissions"
+
+
 def _shim():
     try:
         return shim_path()
@@ -62,13 +111,20 @@ def _shim():
 class Memory(click.ParamType):
     name = "SIZE"
 
+    def __init__(self, cap=False):
+        self.cap = cap    # memory.max itself: 0 would make a slice that can allocate nothing
+
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
         try:
-            return parse_memory(value)
+            v = parse_memory(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if self.cap and v == 0:
+            self.fail(f"{value!r} would make a slice that can allocate nothing (leave --memory out, or say "
+                      "max, for no cap; e.g. 4Gi)", param, ctx)
+        return v
 
 
 class Share(click.ParamType):
@@ -109,7 +165,26 @@ class Owner(click.ParamType):
         return uid, gid
 
 
-MEMORY, SHARE, NAME = Memory(), Share(), Name()
+class Duration(click.ParamType):
+    """Seconds: `30s`, `500ms`, `2m`, `1h`, or a plain number of seconds."""
+    name = "DURATION"
+    _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip()
+        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+        try:
+            seconds = float(text[:len(text) - len(unit)]) * self._UNITS.get(unit, 1.0)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (e.g. 30s, 500ms, 2m)", param, ctx)
+        if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+            self.fail(f"{value!r} must be a positive duration", param, ctx)
+        return seconds
+
+
+MEMORY, CAP, SHARE, NAME, DURATION = Memory(), Memory(cap=True), Share(), Name(), Duration()
 
 
 def dir_option(f):
@@ -124,7 +199,7 @@ def json_option(f):
 
 def quota_options(f):
     for opt in reversed([
-        click.option("--memory", type=MEMORY, help="memory.max: bytes, Ki/Mi/Gi/Ti, K/M/G/T (decimal), or max."),
+        click.option("--memory", type=CAP, help="memory.max: bytes, Ki/Mi/Gi/Ti, K/M/G/T (decimal), or max."),
         click.option("--sm", type=SHARE, help="sm.max: share of SM time, 1..100 (50% or 50)."),
         click.option("--request", type=MEMORY, help="Guaranteed memory (autoscale floor) [default: the cap]."),
         click.option("--limit", type=MEMORY, help="Memory ceiling for autoscale [default: the cap]."),
@@ -154,10 +229,62 @@ def _warn(text):
     click.echo(f"warning: {text}", err=True)
 
 
+# === the node directory ===
+
+def _existing_node_dir(directory) -> str:
+    """The node directory of a command that reads it: it must exist, so that a typo in
+    --dir is an error rather than an empty node."""
+    path = slices.node_dir(directory)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise click.ClickException(f"{path} is not a directory; hint: point --dir / VGPU_DIR at the node "
+                                   "directory")
+    raise click.ClickException(f"node directory {path} does not exist; hint: check --dir / VGPU_DIR "
+                               "(`vgpu-ctl create` makes it with the node's first slice)")
+
+
+def _node_dir_for_create(directory, parents=False) -> str:
+    """create, run and apply make the node directory itself, but its parent only with
+    --parents: a typo in --dir should not grow a tree of directories."""
+    path = slices.node_dir(directory)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(path) and not os.path.isdir(parent):
+        if not parents:
+            raise click.ClickException(f"node directory {path} does not exist, nor does its parent {parent}; "
+                                       "hint: check --dir / VGPU_DIR, or pass --parents to create the path")
+        os.makedirs(parent, 0o755, exist_ok=True)
+    return path
+
+
+def _warn_sm_ceilings(directory, devices):
+    """SM shares summed over 100% on a device are ceilings, not guarantees: say so."""
+    for d, shares in sorted(status_mod.sm_shares(directory).items()):
+        total = sum(shares.values())
+        if d in devices and total > 10000:
+            each = ", ".join(f"{n} {format_share(v)}" for n, v in sorted(shares.items()))
+            _warn(f"SM shares on device {d} add up to {format_share(total)} ({each}): sm.max is a ceiling, "
+                  "not a guarantee; when every slice wants its share at once, each gets less")
+
+
 # === capacity (for overcommit checks) ===
+
+def check_sim_state():
+    """A program pointed at simgpu whose state directory cannot be made gets no NVML;
+    say why, rather than "NVML unavailable ... pass --overcommit"."""
+    state = os.environ.get("SIMGPU_STATE_DIR")
+    lib_dirs = os.environ.get("LD_LIBRARY_PATH", "").split(":")
+    if not state or str(simgpu.SIMGPU_DIR) not in lib_dirs:
+        return
+    try:
+        simgpu.check_state_dir(state)
+    except ValueError as e:
+        raise click.ClickException(f"SIMGPU_STATE_DIR: {e}") from None
+
 
 def nvml_capacity(d):
     """Bytes of device d; None if the node has no device d."""
+    check_sim_state()
     try:
         if d >= nvml.device_count():
             return None
@@ -182,8 +309,15 @@ def sim_capacity(profile, devices):
 
 # === commands ===
 
+def _version_text() -> str:
+    from ._region import lib
+    # the ABI is the quota and usage files' layout: a shim and a controller work together
+    # only when theirs agree
+    return f"vgpu-ctl {__version__}, shim ABI {lib.VGPU_ABI_VERSION}"
+
+
 @click.group(cls=CtlGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="vgpu-ctl")
+@click.version_option(__version__, "--version", "-V", message=_version_text())
 def main():
     """Fractional GPUs for containers: memory caps, SM share and live resize.
 
@@ -198,7 +332,18 @@ def main():
 
 @main.group()
 def sim():
-    """simgpu, the simulated GPU for machines without one."""
+    """simgpu, the simulated GPU for machines without one.
+
+    simgpu is two stand-in libraries (libcuda.so.1, libnvidia-ml.so.1) that CUDA
+    programs, pynvml and vgpu-ctl itself use when LD_LIBRARY_PATH points at them.
+    Processes sharing one state directory share one simulated node.
+
+    \b
+    Example:
+      eval "$(vgpu-ctl sim env --profile a10 --state /tmp/node1)"
+      vgpu-ctl create train --memory 8Gi --sm 50% --dir /tmp/vgpu
+      vgpu-ctl run --sim --memory 2Gi -- python my_cuda_program.py
+    """
 
 
 @sim.command("env")
@@ -220,8 +365,11 @@ def sim_env(profile, devices, state_dir, as_json):
     """
     try:
         env = simgpu.sim_environment(profile, devices, state_dir)
+        simgpu.check_state_dir(env["SIMGPU_STATE_DIR"])
     except FileNotFoundError as e:
         raise click.ClickException(str(e))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--state'") from None
     click.echo(json.dumps(env, indent=2) if as_json else simgpu.shell_exports(env), nl=as_json)
 
 
@@ -259,23 +407,29 @@ def _describe_device(q: dict) -> str:
               help="Device index the slice holds (repeat for several) [default: 0]; other devices are denied.")
 @click.option("--user", "owner", type=Owner(),
               help="Make the usage file 0600 and owned by this user (the container's uid) instead of 0666.")
+@click.option("--parents", is_flag=True, help="Also create the node directory's missing parents.")
 @dir_option
 @json_option
-def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, directory, as_json):
+def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, parents, directory,
+           as_json):
     """Create a slice: its quota and usage files under the node directory.
 
     The slice holds --device (default 0) with the given caps; in its quota every other
     device has memory.max 0, so the container is denied the devices it was not given.
     Without --memory there is no memory cap (and nothing guaranteed); without --sm the
-    share is 100%.
+    share is 100%.  The node directory is made if its parent exists (with --parents,
+    the whole path).  SM shares may add up to more than 100% on a device: they are
+    ceilings, not guarantees, and a warning says so.
 
     \b
     Example:
       vgpu-ctl create train --memory 8Gi --sm 50%
       vgpu-ctl create infer --memory 4Gi --request 2Gi --limit 6Gi --device 1
     """
+    _node_dir_for_create(directory, parents)
     quota = slices.create(directory, name, _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit),
                           overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint)
+    _warn_sm_ceilings(directory, quota.held())
     files = slices.paths(directory, name)
     if as_json:
         _emit_json({**quota.to_json(), "quota": files["quota"], "usage": files["usage"]})
@@ -317,6 +471,7 @@ def list_cmd(directory, as_json):
     Example:
       vgpu-ctl list --json
     """
+    _existing_node_dir(directory)
     out = []
     for name, quota, usage, problem in slices.read_all(directory):
         out.append({"name": name, "problem": problem,
@@ -366,6 +521,8 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
                            capacity=nvml_capacity)
     for w in result["warnings"]:
         _warn(w)
+    if sm is not None:
+        _warn_sm_ceilings(directory, [dev["index"] for dev in result["devices"]])
     if as_json:
         _emit_json(result)
         return
@@ -393,9 +550,9 @@ def _changes(old, new, arrow) -> str:
 
 @main.command()
 @click.argument("name", type=NAME, required=False)
-@click.option("--watch", "-w", is_flag=True, help="Refresh every --interval seconds until interrupted.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05),
-              help="Seconds between refreshes.")
+@click.option("--watch", "-w", is_flag=True, help="Refresh every --interval until interrupted (Ctrl-C).")
+@click.option("--interval", default="1s", show_default=True, type=DURATION,
+              help="Time between refreshes: 2s, 500ms, or plain seconds.")
 @click.option("--count", type=click.IntRange(1), hidden=True, help="Stop --watch after N refreshes (tests).")
 @dir_option
 @json_option
@@ -406,16 +563,37 @@ def status(name, watch, interval, count, directory, as_json):
     last window), time throttled, allocations refused (OOM), processes; then each
     process (pid in the container, host pid, command); then each device: memory and SM
     allocated against capacity, and what NVML says is really used.  Without NVML the
-    slice files still tell most of it (a note says what is missing).  With --json and
-    --watch, one JSON object per line.  Memory in bytes (null: no cap); SM shares in
-    1/100 percent, as in the quota.
+    slice files still tell most of it (a note says what is missing).  THROTTLED is the
+    time launches waited for their share: in total, or with --watch per second of the
+    last interval.  With --json and --watch, one JSON object per line.  Memory in bytes
+    (null: no cap); SM shares in 1/100 percent, as in the quota.  SM-ALLOCATED says
+    "(ceilings)" where the shares on a device add up to more than 100%.
 
     \b
     Example:
       vgpu-ctl status
       vgpu-ctl status train --watch
     """
-    previous, n = None, 0
+    if interval < 0.05:
+        raise click.BadParameter(f"{interval:g}s is too short (at least 50ms)", param_hint="'--interval'")
+    _existing_node_dir(directory)
+    check_sim_state()
+    try:
+        _status_loop(directory, name, watch, interval, count, as_json)
+    except KeyboardInterrupt:    # Ctrl-C is how a watch ends: quietly, with success
+        if not watch:
+            raise
+        if not as_json:
+            click.echo("")
+
+
+def _status_loop(directory, name, watch, interval, count, as_json):
+    # with --watch, every frame (the first too) shows rates over an interval: one sample
+    # before the first frame, at most a second before it
+    previous = status_mod.collect(directory, name) if watch else None
+    if watch:
+        time.sleep(min(interval, 1.0))
+    n = 0
     while True:
         data = status_mod.collect(directory, name, previous)
         if as_json:
@@ -449,6 +627,7 @@ def reap(names, directory, as_json):
     Example:
       vgpu-ctl reap
     """
+    _existing_node_dir(directory)
     for name in names:   # unknown names are errors, not silently nothing to reap
         slices.read_quota(directory, name)
     reaped = slices.reap(directory, list(names) or None)
@@ -464,22 +643,25 @@ def reap(names, directory, as_json):
 
 @main.command()
 @click.argument("name", type=NAME)
-@click.option("--format", "fmt", type=click.Choice(["shell", "docker", "k8s", "json"]), default="shell",
-              show_default=True, help="Shell exports, docker run flags, a Kubernetes YAML snippet, or JSON.")
+@click.option("--format", "fmt", type=click.Choice(["shell", "docker", "k8s", "json"]),
+              help="Shell exports, docker run flags, a Kubernetes YAML snippet, or JSON (all three) "
+                   "[default: shell].")
 @click.option("--shim-dir", type=click.Path(file_okay=False), envvar="VGPU_SHIM_DIR",
               help="Host directory `install-shim` wrote: mount its libvgpu.so [default: the package's own "
                    "shim] [env: VGPU_SHIM_DIR].")
 @click.option("--ld-so-preload", "ld_so_preload", is_flag=True,
               help="Load the shim through the container's /etc/ld.so.preload (the --shim-dir's ld.so.preload, "
                    "from `install-shim --preload-file`) instead of LD_PRELOAD.")
-@json_option
+@click.option("--json", "as_json", is_flag=True, help="The same as --format json.")
 @dir_option
 def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
     """The variables and mounts that put a program or container in a slice.
 
     shell: exports for this host.  docker: `docker run` flags (shim and quota mounted
-    read-only, usage read-write).  k8s: env and volumeMounts for the container and
-    hostPath volumes for the pod.
+    read-only, usage read-write; with docker's --gpus all).  k8s: env and volumeMounts
+    for the container and hostPath volumes for the pod; the pod also needs the GPUs
+    (runtimeClassName: nvidia, or the DRA driver), which this snippet leaves to you.
+    --json is --format json.
 
     \b
     Example:
@@ -488,9 +670,11 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
       vgpu-ctl env train --format k8s >> pod-patch.yaml
       vgpu-ctl env train --format docker --shim-dir /opt/vgpu --ld-so-preload   # after install-shim
     """
+    if as_json and fmt not in (None, "json"):
+        raise click.UsageError(f"--json is --format json, not --format {fmt}: pass one of them")
+    fmt = "json" if as_json else (fmt or "shell")
     slices.read_quota(directory, name)   # it must exist (and be sound)
     files = slices.paths(directory, name)
-    fmt = "json" if as_json else fmt
     shim, preload = _installed_shim(shim_dir, ld_so_preload, fmt)
     if fmt == "shell":
         click.echo(runtime.shell(name, files, shim), nl=False)
@@ -536,27 +720,36 @@ def _installed_shim(shim_dir, ld_so_preload, fmt):
 
 
 @main.command(context_settings={"allow_interspersed_args": False})
-@click.option("--memory", type=MEMORY, help="memory.max of the slice [default: no cap].")
+@click.option("--memory", type=CAP, help="memory.max of the slice [default: no cap].")
 @click.option("--sm", type=SHARE, help="sm.max of the slice [default: 100%].")
 @click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), multiple=True,
               help="Device(s) the slice holds [default: 0].")
-@click.option("--name", type=NAME, help="Use or create this slice (kept afterwards) [default: a temporary one].")
+@click.option("--name", type=NAME, help="Run in this existing slice [default: a temporary one].")
+@click.option("--create", "create_slice", is_flag=True,
+              help="Create the --name slice (with --memory/--sm/--device) if it does not exist; it is kept.")
 @click.option("--sim", is_flag=True, help="Run on simgpu (its SIMGPU_* variables, or an A10 by default).")
 @click.option("--overcommit", is_flag=True, help="Allow guaranteed memory above the device's memory.")
 @dir_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
-def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
+def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory, command):
     """Run COMMAND under the shim in a slice; exit with its exit status.
 
-    Without --name a temporary slice is made and deleted afterwards.  The shim is added
-    to LD_PRELOAD (never replacing what is there).
+    Without --name a temporary slice is made and deleted afterwards.  --name runs in a
+    slice that exists (a typo is an error, not an unlimited new slice); with --create it
+    is made if missing, and kept.  The shim is added to LD_PRELOAD (never replacing what
+    is there).  Exit status: the command's (128+N if signal N killed it), 127 if it is
+    not found, 126 if it cannot be executed, as shells do.
 
     \b
     Example:
       vgpu-ctl run --memory 4Gi --sm 50% -- python train.py
+      vgpu-ctl run --name train -- python train.py
+      vgpu-ctl run --name job --create --memory 2Gi -- python job.py
       vgpu-ctl run --sim --memory 2Gi -- python -c "import torch; ..."
     """
+    if create_slice and name is None:
+        raise click.UsageError("--create needs --name (without --name the slice is temporary)")
     base = dict(os.environ)
     capacity = nvml_capacity
     if sim:
@@ -568,15 +761,23 @@ def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
             base.update(simgpu.sim_environment(profile, ndev, base.get("SIMGPU_STATE_DIR"), base_env=base))
         except ValueError as e:
             raise UsageFailure(f"{e}; hint: fix SIMGPU_DEVICES") from None
+        try:
+            simgpu.check_state_dir(base["SIMGPU_STATE_DIR"])
+        except ValueError as e:
+            raise click.ClickException(f"SIMGPU_STATE_DIR: {e}") from None
         capacity = sim_capacity(profile, ndev)
     shim = _shim()
     temporary = name is None
     name = name or slices.auto_name()
     exists = not temporary and name in slices.list_names(directory)
+    if not temporary and not exists and not create_slice:
+        raise click.ClickException(
+            f"container {name} not found in {slices.node_dir(directory)}; hint: `vgpu-ctl list` shows the "
+            f"containers; pass --create to make it (kept afterwards), or leave --name out for a temporary slice")
     if exists and (memory is not None or sm is not None or device):
-        raise UsageFailure(f"container {name} exists; its quota applies; hint: change it with "
-                           f"`vgpu-ctl resize {name}`, or run without --memory/--sm/--device")
+        _same_quota_or_fail(directory, name, memory, sm, device)
     if not exists:
+        _node_dir_for_create(directory)
         slices.create(directory, name, _devices_arg(device, memory, sm, None, None, None, None),
                       overcommit=overcommit, capacity=capacity,
                       count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint)
@@ -585,9 +786,16 @@ def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
         try:
             rc = runtime.run_child(list(command), env)
         except FileNotFoundError:
-            raise click.ClickException(f"{command[0]}: command not found; hint: check PATH") from None
-        except PermissionError:
-            raise click.ClickException(f"{command[0]}: not executable; hint: check its mode") from None
+            click.echo(f"Error: {command[0]}: command not found; hint: check the name and PATH", err=True)
+            rc = 127
+        except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            what = "is a directory" if os.path.isdir(command[0]) else "not executable"
+            click.echo(f"Error: {command[0]}: {what} ({e.strerror}); hint: check its mode (chmod +x) or the "
+                       "name", err=True)
+            rc = 126
+        except OSError as e:   # ENOEXEC (no interpreter line), ETXTBSY, ...
+            click.echo(f"Error: {command[0]}: cannot execute ({e.strerror}); hint: check the file", err=True)
+            rc = 126
     finally:
         if temporary:
             try:
@@ -595,6 +803,20 @@ def run(ctx, memory, sm, device, name, sim, overcommit, directory, command):
             except slices.VgpuError as e:   # the child's exit status matters more
                 _warn(f"could not delete the temporary slice: {_line(e)}")
     ctx.exit(rc)
+
+
+def _same_quota_or_fail(directory, name, memory, sm, device):
+    """`run --name X --memory ...` of a slice that exists: fine if the quota already says
+    so (a rerun of the same command), else the slice's quota would silently win."""
+    quota = slices.read_quota(directory, name)
+    held = quota.held()
+    same = (not device or sorted(set(device)) == held) and all(
+        (memory is None or quota.devices[d].memory_max == memory) and (sm is None or quota.devices[d].sm_max == sm)
+        for d in held)
+    if not same:
+        now = "; ".join(f"device {d}: {_describe_device(quota.devices[d].to_json())}" for d in held)
+        raise UsageFailure(f"container {name} exists with another quota ({now}); hint: change it with "
+                           f"`vgpu-ctl resize {name}`, or run without --memory/--sm/--device")
 
 
 @main.command("install-shim")
@@ -633,25 +855,6 @@ def install_shim_cmd(dest, preload_file, as_json):
 
 # === autoscale and metrics ===
 
-class Duration(click.ParamType):
-    """Seconds: `30s`, `500ms`, `2m`, `1h`, or a plain number of seconds."""
-    name = "DURATION"
-    _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, (int, float)):
-            return float(value)
-        text = str(value).strip()
-        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
-        try:
-            seconds = float(text[:len(text) - len(unit)]) * self._UNITS.get(unit, 1.0)
-        except ValueError:
-            self.fail(f"{value!r} is not a duration (e.g. 30s, 500ms, 2m)", param, ctx)
-        if not seconds > 0 or seconds != seconds or seconds == float("inf"):
-            self.fail(f"{value!r} must be a positive duration", param, ctx)
-        return seconds
-
-
 class Ratio(click.ParamType):
     """A fraction: `90%` or `0.9`."""
     name = "PERCENT"
@@ -669,7 +872,7 @@ class Ratio(click.ParamType):
         return v
 
 
-DURATION, RATIO = Duration(), Ratio()
+RATIO = Ratio()
 
 
 def _until_signalled(stop):
@@ -727,6 +930,14 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
     if interval > window:
         raise UsageFailure(f"--interval {interval:g}s is longer than --window {window:g}s; hint: sample at least "
                            "once per window")
+    if shrink_step >= 1:
+        raise click.BadParameter(f"{shrink_step * 100:g}% would let one shrink take a whole quota: a shrink takes at "
+                                 "most this share of it, so it must be below 100% (e.g. 25%)",
+                                 param_hint="'--shrink-step'")
+    if not low < target < high:
+        raise click.UsageError(f"--low {low * 100:g}% < --target {target * 100:g}% < --high {high * 100:g}% "
+                               "does not hold: a "
+                               "change lands use at the target, between the marks, so it is not undone at once")
     try:
         policy = Policy(window=window, cooldown=cooldown, high=high, low=low, target=target, grow_step=grow_step,
                         shrink_step=shrink_step)
@@ -735,8 +946,8 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
     scaler = autoscale_mod.Autoscaler(directory, policy, interval=interval, dry_run=dry_run,
                                       device_memory=device_memory)
     if metrics_port is not None:
-        from . import metrics
-        httpd = metrics.start(directory, metrics_port, metrics_address, autoscaler=scaler)
+        httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
+                        autoscaler=scaler)
         click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
     import signal
     import threading
@@ -746,6 +957,28 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
         scaler.run(once=once, stop=stop)
     except KeyboardInterrupt:
         pass
+
+
+def _listen(directory, port, address, port_flag, address_flag, autoscaler=None):
+    """The metrics server, or one line saying which flag to change."""
+    import socket
+    from . import metrics
+    try:
+        return metrics.start(directory, port, address, autoscaler=autoscaler)
+    except socket.gaierror as e:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {address!r} is not an address of this host "
+                                   f"({e.strerror}); hint: {address_flag} takes an IP address, e.g. 0.0.0.0 (all) "
+                                   "or 127.0.0.1 (this host only)") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            hint = f"something else listens there: pick another {port_flag} (0: any free one)"
+        elif e.errno in (errno.EACCES, errno.EPERM):
+            hint = f"ports below 1024 need root: pick a {port_flag} above 1023"
+        elif e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            hint = f"{address} is not an address of this host: pass {address_flag} 0.0.0.0 (all) or 127.0.0.1"
+        else:
+            hint = f"check {address_flag} and {port_flag}"
+        raise click.ClickException(f"cannot listen on {address}:{port}: {e.strerror or e}; hint: {hint}") from None
 
 
 @main.command()
@@ -767,12 +1000,7 @@ def serve(port, address, directory):
       curl -s localhost:9400/metrics | grep vgpu_memory_used_bytes
     """
     import threading
-    from . import metrics
-    try:
-        httpd = metrics.start(directory, port, address)
-    except OSError as e:
-        raise click.ClickException(f"cannot listen on {address}:{port}: {e.strerror or e}; hint: pick another "
-                                   "--port") from None
+    httpd = _listen(directory, port, address, "--port", "--address")
     click.echo(f"serving metrics on http://{address}:{httpd.server_port}/metrics", err=True)
     _until_signalled(threading.Event())
     httpd.shutdown()

@@ -50,8 +50,11 @@ def parse_share(text: str) -> int:
         raise ValueError(f"{text!r} is not a share of the GPU (use 1..100 percent, e.g. 50%)")
     whole, _, frac = m.group(1).partition(".")
     value = int(whole) * 100 + int((frac + "00")[:2])
-    if not 0 < value <= SHARE_FULL:
-        raise ValueError(f"{text!r} is outside 0..100% (0 is not a share; use 100% for the whole GPU)")
+    if value == 0:
+        raise ValueError(f"{text!r} is no share of the GPU: a slice needs more than 0% (1..100%, e.g. 50%; "
+                         "100% is the whole GPU)")
+    if value > SHARE_FULL:
+        raise ValueError(f"{text!r} is more than the whole GPU (1..100%, e.g. 50%)")
     return value
 
 

@@ -8,7 +8,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from .paths import simgpu_dir
+from .paths import SIMGPU_DIR, simgpu_dir  # noqa: F401 (SIMGPU_DIR: for callers)
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,20 @@ def sim_environment(profile="a10", devices=1, state_dir=None, base_env=None) -> 
         "SIMGPU_DEVICES": str(devices),
         "SIMGPU_STATE_DIR": os.path.abspath(state_dir or default_state_dir()),
     }
+
+
+def check_state_dir(path):
+    """simgpu makes its state directory, but not its parents: a missing parent is a
+    ValueError that says so (simgpu would fail later, and NVML with it)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise ValueError(f"{path} is not a directory; hint: point it at a directory (or a path to create)")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ValueError(f"simgpu state directory {path} cannot be made: {parent} does not exist; hint: create "
+                         f"{parent} first, or pick a directory whose parent exists")
 
 
 def shell_exports(env: dict) -> str:

@@ -11,7 +11,9 @@ import time
 
 from . import nvml
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
-from .slices import MAX_DEVICES, NotFound, list_names, node_dir, read_all
+from .slices import MAX_DEVICES, NotFound, VgpuError, list_names, node_dir, read_all, read_quota
+
+SM_FULL = 10000      # 100% in the quota's unit
 
 
 # === host pids ===
@@ -108,7 +110,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             util[d] = nvml.process_utilization(d) if ok else {}
         return util[d]
 
-    prev = {(c["name"], cd["index"]): (previous["_t"], cd["gpu_time_ns"])
+    prev = {(c["name"], cd["index"]): (previous["_t"], cd["gpu_time_ns"], cd["throttled_ns"])
             for c in (previous or {}).get("containers", []) for cd in c["devices"]}
     containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
     for cname, quota, usage, problem in read_all(directory):
@@ -124,10 +126,12 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             q = quota.devices[d]
             counters = usage.devices[d] if usage else dict.fromkeys(
                 ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns"), 0)
-            sm_used, source = None, None
-            if (cname, d) in prev and counters["gpu_time_ns"]:
-                t0, g0 = prev[(cname, d)]
-                if now > t0:
+            sm_used, source, throttled_rate = None, None, None
+            if (cname, d) in prev and now > prev[(cname, d)][0]:
+                t0, g0, w0 = prev[(cname, d)]
+                # waited per second of the interval (several processes can wait at once)
+                throttled_rate = round(max(counters["throttled_ns"] - w0, 0) / (now - t0))
+                if counters["gpu_time_ns"]:
                     sm_used = round(max(counters["gpu_time_ns"] - g0, 0) / ((now - t0) * 1e9) * 10000)
                     source = "usage"
             if sm_used is None and ok:
@@ -135,7 +139,8 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
                 sm_used = sum(proc_util(d).get(h, 0) for h in pids if h is not None) * 100
                 source = "nvml"
             entry["devices"].append({"index": d, **q.to_json(), **counters,
-                                     "sm_used": sm_used, "sm_used_source": source})
+                                     "sm_used": sm_used, "sm_used_source": source,
+                                     "throttled_ns_per_s": throttled_rate})
         for p in procs:
             host = hosts.get(p.pid) if p.alive else None
             entry["processes"].append({
@@ -158,12 +163,27 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             "memory_guaranteed": sum(_guaranteed(r) for r in rows),
             "memory_in_use": sum(r["memory_current"] for r in rows),
             "sm_allocated": sum(r["sm_max"] for r in rows),
+            "sm_ceilings": sum(r["sm_max"] for r in rows) > SM_FULL,
             "containers": len(rows)})
     if name is not None:
         containers = [c for c in containers if c["name"] == name]
     driver = nvml.driver_version() if ok else None
     return {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
+
+
+def sm_shares(directory) -> dict:
+    """device -> {slice: sm.max} over the node's readable slices (for the warning that
+    shares summed over 100% are ceilings)."""
+    out = {}
+    for name in list_names(directory):
+        try:
+            quota = read_quota(directory, name)
+        except VgpuError:
+            continue
+        for d in quota.held():
+            out.setdefault(d, {})[name] = quota.devices[d].sm_max
+    return out
 
 
 def _guaranteed(row):
@@ -189,6 +209,12 @@ def _mem(v):
     return "max" if v is None else format_memory(v)
 
 
+def _percent(v):
+    """A measured share (1/100 percent) in whole percent, whatever its source, so the
+    columns keep one format from frame to frame; None -> `-`."""
+    return "-" if v is None else f"{round(v / 100)}%"
+
+
 def render(data: dict, wide=True) -> str:
     out = []
     rows = []
@@ -203,10 +229,12 @@ def render(data: dict, wide=True) -> str:
             gpu_mem = f"{format_memory(cd['memory_current'])}/{_mem(mem_cap)}"
             if mem_cap:
                 gpu_mem += f" ({cd['memory_current'] * 100 // mem_cap}%)"
-            util = f"{format_share(cd['sm_used'])}/{format_share(cd['sm_max'])}"
+            util = f"{_percent(cd['sm_used'])}/{format_share(cd['sm_max'])}"
             procs = str(live) + (f" (+{dead} dead)" if dead else "")
-            rows.append([c["name"], cd["index"], gpu_mem, util, format_duration_ns(cd["throttled_ns"]),
-                         cd["oom_refusals"], procs, c["generation"]])
+            rate = cd.get("throttled_ns_per_s")
+            throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
+            rows.append([c["name"], cd["index"], gpu_mem, util, throttled, cd["oom_refusals"], procs,
+                         c["generation"]])
     if rows:
         out.append(table(["CONTAINER", "DEVICE", "GPU-MEMORY", "GPU-UTIL", "THROTTLED", "OOM", "PROCESSES",
                            "GEN"], rows))
@@ -218,7 +246,7 @@ def render(data: dict, wide=True) -> str:
         for p in c["processes"]:
             mem = ", ".join(f"{format_memory(b)}" + (f" on {d}" if len(p["memory"]) > 1 else "")
                             for d, b in p["memory"].items()) or "0"
-            sm = "-" if p["sm_util"] is None else ", ".join(format_share(v) for v in p["sm_util"].values())
+            sm = "-" if p["sm_util"] is None else ", ".join(_percent(v) for v in p["sm_util"].values())
             cmd = p["command"] if p["alive"] else f"{p['command']} (dead: vgpu-ctl reap)"
             prow.append([c["name"], p["pid"], p["host_pid"] if p["host_pid"] is not None else "-", mem, sm,
                          cmd if len(cmd) <= 60 else cmd[:57] + "..."])
@@ -235,7 +263,8 @@ def render(data: dict, wide=True) -> str:
                      f"{alloc}/{format_memory(total)}" if total else alloc,
                      format_memory(d["memory_guaranteed"]),
                      f"{format_memory(d['memory_used'])}/{format_memory(total)}" if total else "-",
-                     format_share(d["sm_allocated"]), format_share(d["gpu_util"]), d["containers"]])
+                     format_share(d["sm_allocated"]) + (" (ceilings)" if d["sm_allocated"] > SM_FULL else ""),
+                     _percent(d["gpu_util"]), d["containers"]])
     if drow:
         out.append("")
         out.append(table(["DEVICE", "NAME", "MEMORY-ALLOCATED", "GUARANTEED", "MEMORY-USED", "SM-ALLOCATED",
