@@ -200,6 +200,39 @@ def test_sm_shares_over_100_percent_warn_on_create_and_resize_and_status_says_ce
     assert json.loads(ctl("status", "--json", "--dir", node).stdout)["devices"][0]["sm_ceilings"] is True
     ctl("resize", "b", "--sm", "20%", "--dir", node)
     assert "(ceilings)" not in ctl("status", "--dir", node).stdout
+    r = ctl("create", "d", "--memory", "1Gi", "--dir", node)     # no --sm: no SM cap, no warning of its own
+    assert r.exit_code == 0 and r.stderr == ""
+    assert "190% (ceilings)" in ctl("status", "--dir", node).stdout
+
+
+# === shell completion, licence ===
+
+def test_shell_completion_offers_commands_and_the_nodes_slices(tmp_path):
+    node = tmp_path / "vgpu"
+    env = {**os.environ, "LD_LIBRARY_PATH": "", "VGPU_DIR": str(node)}
+    for name in ("train", "tiny", "infer"):
+        subprocess.run([CTL, "create", name, "--memory", "1Gi", "--overcommit"], env=env, check=True,
+                       capture_output=True)
+
+    def complete(words, cword):
+        out = subprocess.run([CTL], env={**env, "_VGPU_CTL_COMPLETE": "bash_complete", "COMP_WORDS": words,
+                                         "COMP_CWORD": str(cword)}, capture_output=True, text=True, check=True)
+        return out.stdout.split()
+
+    assert complete("vgpu-ctl cre", 1) == ["plain,create"]
+    assert complete("vgpu-ctl resize t", 2) == ["plain,tiny", "plain,train"]
+    assert complete(f"vgpu-ctl status --dir {node} i", 4) == ["plain,infer"]
+    script = subprocess.run([CTL], env={**env, "_VGPU_CTL_COMPLETE": "bash_source"}, capture_output=True,
+                            text=True, check=True).stdout
+    assert "complete -o nosort -F _vgpu_ctl_completion vgpu-ctl" in script
+
+
+def test_the_licence_is_the_one_pyproject_names():
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "LICENSE").read_text()
+    assert 'license = "Apache-2.0"' in (root / "pyproject.toml").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 150
 
 
 # === status --watch ===

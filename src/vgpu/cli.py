@@ -142,6 +142,15 @@ class Share(click.ParamType):
 class Name(click.ParamType):
     name = "NAME"
 
+    def shell_complete(self, ctx, param, incomplete):
+        """Tab completion offers the node's slices (--dir / VGPU_DIR as typed so far)."""
+        from click.shell_completion import CompletionItem
+        try:
+            names = slices.list_names(ctx.params.get("directory"))
+        except Exception:   # completion must never fail loudly
+            return []
+        return [CompletionItem(n) for n in names if n.startswith(incomplete)]
+
     def convert(self, value, param, ctx):
         if not slices.valid_name(value):
             self.fail(f"{value!r} is not a valid container name (letters, digits, '-', '_', '.'; not starting "
@@ -429,7 +438,8 @@ def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     _node_dir_for_create(directory, parents)
     quota = slices.create(directory, name, _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit),
                           overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint)
-    _warn_sm_ceilings(directory, quota.held())
+    if sm is not None:   # without --sm a slice has no SM cap: nothing to warn about by itself
+        _warn_sm_ceilings(directory, quota.held())
     files = slices.paths(directory, name)
     if as_json:
         _emit_json({**quota.to_json(), "quota": files["quota"], "usage": files["usage"]})
