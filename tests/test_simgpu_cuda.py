@@ -1339,6 +1339,150 @@ print(json.dumps([capturing, after_capture, once, twice]))
     assert twice == ms(160)
 
 
+
+# === graphs: memory nodes and the graph memory reserve ===
+
+GRAPH_MEM = POOL + """
+G = cu.CUgraphMem_attribute
+AUTO_FREE = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+
+def alloc_node(graph, size, device=0):
+    params = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    params.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    params.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    params.poolProps.location.id = device
+    params.bytesize = size
+    node = ok(cu.cuGraphAddMemAllocNode(graph, None, 0, params))
+    return node, params.dptr
+
+def graph_mem(device=0):
+    \"\"\"[used, used high, reserved, reserved high]\"\"\"
+    return [int(ok(cu.cuDeviceGetGraphMemAttribute(device, a))) for a in (
+        G.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, G.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+        G.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, G.CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)]
+"""
+
+
+def test_graph_allocations_take_device_memory_at_launch_and_stay_reserved_until_trimmed(sim_env):
+    r = cuda(GRAPH_MEM + """
+graph = ok(cu.cuGraphCreate(0))
+node, p = alloc_node(graph, 48 << 20)
+added = [graph_mem(), mine()]
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+launched = [graph_mem(), mine()]
+ok(cu.cuMemcpyHtoD(p, b"graph memory", 12))
+back = bytearray(12)
+ok(cu.cuMemcpyDtoH(back, p, 12))
+relaunch = rc(cu.cuGraphLaunch(exe, s))        # its allocation is still live
+ok(cu.cuMemFreeAsync(p, s))
+ok(cu.cuStreamSynchronize(s))
+freed = [graph_mem(), mine()]
+ok(cu.cuGraphLaunch(exe, s))                   # once freed, it can run again: same address
+ok(cu.cuMemFree(p))
+ok(cu.cuGraphExecDestroy(exe))
+ok(cu.cuGraphDestroy(graph))
+destroyed = [graph_mem(), mine()]
+ok(cu.cuDeviceGraphMemTrim(0))
+print(json.dumps([added, launched, back.decode(), relaunch, freed, destroyed, [graph_mem(), mine()]]))
+""", sim_env)
+    added, launched, data, relaunch, freed, destroyed, trimmed = r
+    assert added == [[0, 0, 0, 0], 0]                                   # nothing until launch
+    assert launched == [[48 * MiB, 48 * MiB, 48 * MiB, 48 * MiB], 48 * MiB]
+    assert data == "graph memory"
+    assert relaunch == INVALID_VALUE
+    assert freed == [[0, 48 * MiB, 48 * MiB, 48 * MiB], 48 * MiB]        # back in the reserve
+    assert destroyed == [[0, 48 * MiB, 48 * MiB, 48 * MiB], 48 * MiB]    # kept past the graph
+    assert trimmed == [[0, 48 * MiB, 0, 48 * MiB], 0]
+
+
+def test_an_allocation_freed_inside_its_graph_only_raises_the_reserve(sim_env):
+    r = cuda(GRAPH_MEM + """
+graph = ok(cu.cuGraphCreate(0))
+a, pa = alloc_node(graph, 16 << 20)
+b, pb = alloc_node(graph, (8 << 20) + 1)       # a footprint of 10 MiB
+ok(cu.cuGraphAddMemFreeNode(graph, [a], 1, pa))
+twice = rc(cu.cuGraphAddMemFreeNode(graph, [a], 1, pa))
+bogus = rc(cu.cuGraphAddMemFreeNode(graph, None, 0, cu.CUdeviceptr(0xdead0000)))
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+second_exec = rc(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+once = graph_mem()
+outside = rc(cu.cuMemFree(pa))                 # the graph frees it: nobody else may
+ok(cu.cuMemFree(pb))
+ok(cu.cuGraphLaunch(exe, s))
+print(json.dumps([twice, bogus, second_exec, once, outside, graph_mem(), mine()]))
+""", sim_env)
+    twice, bogus, second_exec, once, outside, again, nvml = r
+    assert (twice, bogus, second_exec, outside) == (INVALID_VALUE,) * 4
+    assert once == [10 * MiB, 26 * MiB, 26 * MiB, 26 * MiB]   # b stays; a lived only in the launch
+    assert again == [10 * MiB, 26 * MiB, 26 * MiB, 26 * MiB]  # the reserve serves the relaunch
+    assert nvml == 26 * MiB
+
+
+def test_auto_free_on_launch_frees_the_previous_graph_launchs_allocations(sim_env):
+    r = cuda(GRAPH_MEM + """
+graph = ok(cu.cuGraphCreate(0))
+node, p = alloc_node(graph, 32 << 20)
+exe = ok(cu.cuGraphInstantiate(graph, AUTO_FREE))
+out = []
+for _ in range(3):
+    ok(cu.cuGraphLaunch(exe, s))
+    out.append(graph_mem()[::2])
+params = ok(cu.cuGraphMemAllocNodeGetParams(node))
+print(json.dumps([out, int(params.bytesize), int(params.dptr) == int(p)]))
+""", sim_env)
+    assert r == [[[32 * MiB, 32 * MiB]] * 3, 32 * MiB, True]
+
+
+def test_a_graph_launch_that_does_not_fit_on_the_device_is_out_of_memory(sim_env):
+    r = cuda(GRAPH_MEM + """
+graph = ok(cu.cuGraphCreate(0))
+alloc_node(graph, 16 << 30)
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+hog = ok(cu.cuMemAlloc(10 << 30))
+refused = [rc(cu.cuGraphLaunch(exe, s)), graph_mem(), mine()]
+ok(cu.cuMemFree(hog))
+print(json.dumps([refused, rc(cu.cuGraphLaunch(exe, s)), graph_mem()[2]]))
+""", sim_env)
+    refused, fits, reserved = r
+    assert refused == [OUT_OF_MEMORY, [0, 0, 0, 0], 10 * GiB]
+    assert (fits, reserved) == (SUCCESS, 16 * GiB)
+
+
+def test_captured_stream_ordered_allocations_become_graph_memory_nodes(sim_env):
+    r = cuda(GRAPH_MEM + """
+ok(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+kept = ok(cu.cuMemAllocAsync(8 << 20, s))
+scratch = ok(cu.cuMemAllocAsync(4 << 20, s))
+ok(cu.cuMemFreeAsync(scratch, s))
+graph = ok(cu.cuStreamEndCapture(s))
+captured = [graph_mem(), mine()]                 # capturing allocates nothing
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+print(json.dumps([captured, graph_mem(), mine()]))
+""", sim_env)
+    assert r == [[[0, 0, 0, 0], 0], [8 * MiB, 12 * MiB, 12 * MiB, 12 * MiB], 12 * MiB]
+
+
+def test_graph_memory_watermarks_reset_to_zero_only(sim_env):
+    r = cuda(GRAPH_MEM + """
+graph = ok(cu.cuGraphCreate(0))
+node, p = alloc_node(graph, 8 << 20)
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+ok(cu.cuMemFree(p))
+ok(cu.cuDeviceGraphMemTrim(0))
+before = graph_mem()
+refused = [rc(cu.cuDeviceSetGraphMemAttribute(0, G.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, cu.cuuint64_t(1))),
+           rc(cu.cuDeviceSetGraphMemAttribute(0, G.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, cu.cuuint64_t(0)))]
+for a in (G.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, G.CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH):
+    ok(cu.cuDeviceSetGraphMemAttribute(0, a, cu.cuuint64_t(0)))
+print(json.dumps([before, refused, graph_mem(), rc(cu.cuDeviceGraphMemTrim(7))]))
+""", sim_env)
+    assert r == [[0, 8 * MiB, 0, 8 * MiB], [INVALID_VALUE] * 2, [0, 0, 0, 0], INVALID_DEVICE]
+
+
 def test_launch_ex_and_cooperative_launch_take_simulated_time(sim_env):
     r = cuda("""
 context()
@@ -1909,6 +2053,23 @@ print(json.dumps([os.getpid(), report]))
 """, sim_env)
     parent, child = r
     assert child["processes"] == sorted([[parent, 96 * MiB], [child["pid"], 128 * MiB]])
+
+
+# === the ABI simgpu writes itself (csrc/cuda_abi.h) against NVIDIA's cuda.h ===
+
+CUDA_INCLUDE = Path("/usr/local/cuda/include")
+
+
+@pytest.mark.skipif(not (CUDA_INCLUDE / "cuda.h").exists(), reason="CUDA toolkit headers absent")
+def test_pool_location_and_graph_memory_abi_matches_cuda_h(c_program, tmp_path):
+    ours = c_program("abi_values")
+    theirs = tmp_path / "abi_values_toolkit"
+    subprocess.run(["cc", "-std=gnu11", "-Wall", "-Werror", "-DWITH_TOOLKIT", "-I", str(CUDA_INCLUDE),
+                    str(ROOT / "tests" / "programs" / "abi_values.c"), "-o", str(theirs)], check=True)
+    out = [subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+           for exe in (ours, theirs)]
+    assert out[0] == out[1]
+    assert "sizeof(CUDA_MEM_ALLOC_NODE_PARAMS)=" in out[0]
 
 
 # === a C client through dlopen ===

@@ -108,17 +108,28 @@ struct vgpu_array {
 };
 
 struct kernel_node { struct vgpu_function *fn; uint64_t blocks; };
+struct graph_mem;
 struct vgpu_graph {
     struct hdr h;
     struct kernel_node *nodes;
     size_t count, cap;
+    struct graph_mem **mem;     /* its allocation nodes */
+    size_t nmem, mem_cap;
 };
-struct vgpu_graph_node { struct hdr h; struct vgpu_graph *graph; };
+struct vgpu_graph_node {
+    struct hdr h;
+    struct vgpu_graph *graph;
+    struct graph_mem *mem;      /* memory nodes: the allocation */
+    int frees;                  /* a free node (else an allocation node) */
+};
 struct vgpu_graph_exec {
     struct hdr h;
     int dev;
     uint64_t duration_ns;
     size_t kernels;
+    struct graph_mem **mem;     /* the graph's allocation nodes */
+    size_t nmem;
+    unsigned long long flags;
 };
 
 struct vgpu_vmm {               /* a cuMemCreate allocation */
@@ -833,7 +844,7 @@ SIMGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value)
  * Sorted by address, so device pointers inside an allocation are recognised (copies
  * check them; frees find their size).  Reserved VMM ranges are entries too. */
 
-enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED };
+enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED, A_GRAPH };
 
 struct alloc {
     uint64_t base, size;
@@ -842,6 +853,7 @@ struct alloc {
     uint64_t footprint;          /* device memory it holds (0 for host memory) */
     struct vgpu_mempool *pool;   /* stream-ordered allocations: the pool it came from */
     struct vgpu_ctx *ctx;        /* the context it goes with (NULL: none, e.g. pools) */
+    struct graph_mem *graph_mem; /* A_GRAPH: the allocation node's record */
 };
 
 static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -931,7 +943,7 @@ static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_ctx *ctx
     if (simgpu_mem_reserve(dev, footprint))
         return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = map_lazy(size);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL, ctx})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL, ctx, NULL})) {
         if (p)
             munmap(p, size);
         simgpu_mem_release(dev, footprint);
@@ -983,13 +995,17 @@ static void free_allocations_of(struct vgpu_ctx *ctx)
     handles_drop(K_ARRAY, array_in_ctx, ctx, array_release);
 }
 
+static CUresult graph_mem_free(uint64_t ptr);
+
 static CUresult dev_free(CUdeviceptr ptr)
 {
     struct alloc a;
     if (ptr == 0)
         return CUDA_SUCCESS;
-    if (alloc_remove(ptr, (1u << A_DEVICE) | (1u << A_MANAGED), &a))
-        return CUDA_ERROR_INVALID_VALUE;
+    if (alloc_remove(ptr, (1u << A_DEVICE) | (1u << A_MANAGED), &a)) {
+        CUresult r = graph_mem_free(ptr);   /* or a graph allocation, freed outside its graph */
+        return r == CUDA_ERROR_NOT_FOUND ? CUDA_ERROR_INVALID_VALUE : r;
+    }
     alloc_drop(&a);
     return CUDA_SUCCESS;
 }
@@ -1072,7 +1088,7 @@ SIMGPU_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int F
     if (!pp || !bytesize)
         return CUDA_ERROR_INVALID_VALUE;
     void *p = map_lazy(bytesize);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL, c})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL, c, NULL})) {
         if (p)
             munmap(p, bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1259,7 +1275,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_mempool
         return r;
     void *m = map_lazy(size);
     if (!m || alloc_insert((struct alloc){(uint64_t)(uintptr_t)m, size, pool->dev, A_DEVICE, footprint,
-                                          pool, NULL})) {
+                                          pool, NULL, NULL})) {
         if (m)
             munmap(m, size);
         pool_give_back(pool, footprint);
@@ -1401,15 +1417,21 @@ SIMGPU_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *
     return r;
 }
 
+static CUresult capture_alloc(struct vgpu_stream *s, CUdeviceptr *dptr, uint64_t size, int dev);
+static CUresult capture_free(struct vgpu_stream *s, CUdeviceptr dptr);
+
 SIMGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                                CUstream hStream)
 {
     REQUIRE_INIT();
     CUresult err;
-    if (!resolve_stream(hStream, &err))
+    struct vgpu_stream *s = resolve_stream(hStream, &err);
+    if (!s)
         return err;
     if (!pool_ok(pool))
         return CUDA_ERROR_INVALID_VALUE;
+    if (s->capture)
+        return capture_alloc(s, dptr, bytesize, pool->dev);
     return pool_alloc(dptr, bytesize, pool);
 }
 
@@ -1427,6 +1449,8 @@ SIMGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstr
     struct vgpu_stream *s = resolve_stream(hStream, &err);
     if (!s)
         return err;
+    if (s->capture)   /* captured: an allocation node, memory allocated at each launch */
+        return capture_alloc(s, dptr, bytesize, s->ctx->dev);
     CUmemoryPool pool;
     if ((err = cuDeviceGetMemPool(&pool, s->ctx->dev)) != CUDA_SUCCESS)
         return err;
@@ -1442,8 +1466,11 @@ SIMGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     REQUIRE_INIT();
     CUresult err;
-    if (!resolve_stream(hStream, &err))
+    struct vgpu_stream *s = resolve_stream(hStream, &err);
+    if (!s)
         return err;
+    if (s->capture)
+        return capture_free(s, dptr);
     return dev_free(dptr);   /* a pool allocation's memory stays in its pool */
 }
 
@@ -1545,7 +1572,7 @@ SIMGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
     if (aligned > p)
         munmap(p, (size_t)(aligned - p));
     munmap(aligned + size, (size_t)(p + size + align - (aligned + size)));
-    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL, NULL})) {
+    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL, NULL, NULL})) {
         munmap(aligned, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1637,6 +1664,8 @@ SIMGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 static void close_vmm_fd(void *v) { close(((struct vgpu_vmm *)v)->fd); }
 
 /* In a forked child: none of the parent's device memory is the child's to free. */
+static void forget_graph_mem(void);
+
 static void forget_allocations(void)
 {
     pthread_mutex_init(&arena_lock, NULL);   /* another thread may have held it at fork */
@@ -1649,6 +1678,7 @@ static void forget_allocations(void)
     memset(default_pool, 0, sizeof default_pool);
     memset(current_pool, 0, sizeof current_pool);
     handles_drop(K_POOL, NULL, NULL, NULL);
+    forget_graph_mem();
     handles_drop(K_ARRAY, NULL, NULL, NULL);
     handles_drop(K_VMM, NULL, NULL, close_vmm_fd);
 }
@@ -2498,11 +2528,354 @@ static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, 
     return CUDA_SUCCESS;
 }
 
+static void graph_mem_unref_locked(struct graph_mem *m);
+static pthread_mutex_t graph_mem_lock;
+
 static void graph_free(struct vgpu_graph *g)
 {
+    pthread_mutex_lock(&graph_mem_lock);
+    for (size_t i = 0; i < g->nmem; i++)
+        graph_mem_unref_locked(g->mem[i]);   /* a live allocation stays until freed */
+    pthread_mutex_unlock(&graph_mem_lock);
+    free(g->mem);
     free(g->nodes);
     handle_free(g);
 }
+
+/* === graphs: memory nodes ===
+ * As cuGraphAddMemAllocNode, cuGraphLaunch and cuDeviceGraphMemTrim document them: an
+ * allocation node gets its address when it is added (fixed across launches); its memory
+ * is allocated when the graph is launched, from a per-device graph memory reserve of the
+ * process, and freed by a free node of the same graph, by cuMemFree/cuMemFreeAsync, or by
+ * the next launch of a graph instantiated with AUTO_FREE_ON_LAUNCH.  Relaunching a graph
+ * whose allocations are still live fails with CUDA_ERROR_INVALID_VALUE.  Freed graph
+ * memory stays in the reserve (also when graphs are destroyed) until cuDeviceGraphMemTrim.
+ * The reserve counts as this process's device memory.
+ * Model, not measured: USED is the footprint of the live allocations; an allocation freed
+ * inside the graph is live only while the launch runs, so it only raises the reserve (to
+ * the launch's peak) and the high watermarks; the reserve grows and is trimmed in
+ * POOL_CHUNK units.  Free nodes for another graph's allocations are not supported. */
+
+struct graph_mem {
+    uint64_t dptr, size, footprint;
+    int dev;
+    int live;                    /* allocated by a launch, not freed since */
+    int freed_in_graph;          /* the owning graph has a free node for it */
+    int refs;                    /* the owning graph and its executable graph */
+    struct vgpu_graph_exec *exec;   /* the one executable graph of its graph, if any */
+    CUmemPoolProps props;
+};
+
+static pthread_mutex_t graph_mem_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    uint64_t used, used_high, reserved, reserved_high;
+} graph_pool[SIMGPU_MAX_DEVICES];   /* under graph_mem_lock */
+
+static void graph_pool_sub_locked(int dev, uint64_t bytes)
+{
+    graph_pool[dev].used = graph_pool[dev].used >= bytes ? graph_pool[dev].used - bytes : 0;
+}
+
+/* Under graph_mem_lock.  Free the record (and its address) once nothing refers to it. */
+static void graph_mem_unref_locked(struct graph_mem *m)
+{
+    if (--m->refs > 0 || m->live)
+        return;
+    struct alloc a;
+    if (alloc_remove(m->dptr, 1u << A_GRAPH, &a) == 0)
+        munmap((void *)(uintptr_t)a.base, a.size);
+    free(m);
+}
+
+/* cuMemFree / cuMemFreeAsync of a graph allocation: CUDA_ERROR_NOT_FOUND if `ptr` is none. */
+static CUresult graph_mem_free(uint64_t ptr)
+{
+    struct alloc a;
+    if (!alloc_find(ptr, 1, &a) || a.kind != A_GRAPH || a.base != ptr)
+        return CUDA_ERROR_NOT_FOUND;
+    struct graph_mem *m = a.graph_mem;
+    pthread_mutex_lock(&graph_mem_lock);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;   /* not allocated now, or the graph frees it */
+    if (m->live && !m->freed_in_graph) {
+        m->live = 0;
+        graph_pool_sub_locked(m->dev, m->footprint);
+        m->refs++;
+        graph_mem_unref_locked(m);   /* frees it if its graph is gone */
+        r = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&graph_mem_lock);
+    return r;
+}
+
+static CUresult graph_add_mem(struct vgpu_graph *g, struct graph_mem *m)
+{
+    if (g->nmem == g->mem_cap) {
+        size_t cap = g->mem_cap ? g->mem_cap * 2 : 8;
+        struct graph_mem **n = realloc(g->mem, cap * sizeof *n);
+        if (!n)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        g->mem = n;
+        g->mem_cap = cap;
+    }
+    g->mem[g->nmem++] = m;
+    return CUDA_SUCCESS;
+}
+
+/* An allocation node of `size` bytes on the device of `props` in graph `g`. */
+static CUresult graph_new_alloc(struct vgpu_graph *g, const CUmemPoolProps *props, uint64_t size,
+                                struct graph_mem **out)
+{
+    int dev;
+    if (props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED || props->handleTypes || !size)
+        return CUDA_ERROR_INVALID_VALUE;   /* documented: no IPC for graph allocations */
+    CUresult r = mem_location(&props->location, &dev);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (dev == HOST_MEMORY)
+        return CUDA_ERROR_NOT_SUPPORTED;   /* simgpu: graph allocations live on a device */
+    if (size > (1ull << 56))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct graph_mem *m = calloc(1, sizeof *m);
+    void *va = m ? map_lazy(size) : NULL;
+    if (!va) {
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *m = (struct graph_mem){.dptr = (uint64_t)(uintptr_t)va, .size = size,
+                            .footprint = vgpu_alloc_footprint(size), .dev = dev, .refs = 1,
+                            .props = *props};
+    struct alloc a = {m->dptr, size, dev, A_GRAPH, 0, NULL, NULL, m};
+    if (alloc_insert(a) || graph_add_mem(g, m) != CUDA_SUCCESS) {
+        struct alloc gone;
+        alloc_remove(m->dptr, 1u << A_GRAPH, &gone);
+        munmap(va, size);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = m;
+    return CUDA_SUCCESS;
+}
+
+/* A free node in `g` for `dptr`, which must be one of g's allocations. */
+static CUresult graph_new_free(struct vgpu_graph *g, uint64_t dptr, struct graph_mem **out)
+{
+    struct alloc a;
+    if (!alloc_find(dptr, 1, &a) || a.base != dptr || a.kind != A_GRAPH)
+        return CUDA_ERROR_INVALID_VALUE;   /* not an address an allocation node returned */
+    struct graph_mem *m = a.graph_mem;
+    int owned = 0;
+    for (size_t i = 0; i < g->nmem && !owned; i++)
+        owned = g->mem[i] == m;
+    if (!owned)
+        return CUDA_ERROR_NOT_SUPPORTED;   /* simgpu: only the owning graph frees */
+    pthread_mutex_lock(&graph_mem_lock);
+    CUresult r = m->freed_in_graph || m->live ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (r == CUDA_SUCCESS)
+        m->freed_in_graph = 1;   /* freed twice in one graph: invalid, as documented */
+    pthread_mutex_unlock(&graph_mem_lock);
+    *out = m;
+    return r;
+}
+
+/* At launch: allocate the executable graph's allocations from the graph reserve. */
+static CUresult graph_launch_mem(struct vgpu_graph_exec *e)
+{
+    if (!e->nmem)
+        return CUDA_SUCCESS;
+    pthread_mutex_lock(&graph_mem_lock);
+    CUresult r = CUDA_SUCCESS;
+    for (size_t i = 0; i < e->nmem && r == CUDA_SUCCESS; i++) {
+        struct graph_mem *m = e->mem[i];
+        if (!m->live)
+            continue;
+        if (e->flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) {
+            m->live = 0;   /* as though the launch called cuMemFreeAsync on it */
+            graph_pool_sub_locked(m->dev, m->footprint);
+        } else {
+            r = CUDA_ERROR_INVALID_VALUE;   /* "allocations ... remain unfreed" */
+        }
+    }
+    uint64_t peak[SIMGPU_MAX_DEVICES] = {0}, kept[SIMGPU_MAX_DEVICES] = {0}, grow[SIMGPU_MAX_DEVICES] = {0};
+    for (size_t i = 0; i < e->nmem && r == CUDA_SUCCESS; i++) {
+        struct graph_mem *m = e->mem[i];
+        peak[m->dev] += m->footprint;
+        if (!m->freed_in_graph)
+            kept[m->dev] += m->footprint;
+    }
+    int d = 0;
+    for (; r == CUDA_SUCCESS && d < SIMGPU_MAX_DEVICES; d++) {
+        uint64_t need = graph_pool[d].used + peak[d];
+        if (need > graph_pool[d].reserved) {
+            grow[d] = round_up(need - graph_pool[d].reserved, POOL_CHUNK);
+            if (simgpu_mem_reserve(d, grow[d]))
+                r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+        for (int u = 0; u < d - 1; u++)
+            simgpu_mem_release(u, grow[u]);
+    } else if (r == CUDA_SUCCESS) {
+        for (d = 0; d < SIMGPU_MAX_DEVICES; d++) {
+            graph_pool[d].reserved += grow[d];
+            if (graph_pool[d].used + peak[d] > graph_pool[d].used_high)
+                graph_pool[d].used_high = graph_pool[d].used + peak[d];
+            if (graph_pool[d].reserved > graph_pool[d].reserved_high)
+                graph_pool[d].reserved_high = graph_pool[d].reserved;
+            graph_pool[d].used += kept[d];
+        }
+        for (size_t i = 0; i < e->nmem; i++)
+            e->mem[i]->live = !e->mem[i]->freed_in_graph;
+    }
+    pthread_mutex_unlock(&graph_mem_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phNode, CUgraph g, const CUgraphNode *deps,
+                                              size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *params)
+{
+    REQUIRE_INIT();
+    (void)deps, (void)ndeps;
+    if (!phNode || !params || !handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct graph_mem *m;
+    CUresult r = graph_new_alloc(g, &params->poolProps, params->bytesize, &m);
+    if (r != CUDA_SUCCESS) {
+        handle_free(n);
+        return r;
+    }
+    n->graph = g;
+    n->mem = m;
+    params->dptr = m->dptr;
+    *phNode = n;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phNode, CUgraph g, const CUgraphNode *deps,
+                                             size_t ndeps, CUdeviceptr dptr)
+{
+    REQUIRE_INIT();
+    (void)deps, (void)ndeps;
+    if (!phNode || !handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct graph_mem *m;
+    CUresult r = graph_new_free(g, dptr, &m);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    n->graph = g;
+    n->mem = m;
+    n->frees = 1;
+    *phNode = n;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS *out)
+{
+    REQUIRE_INIT();
+    if (!out || !handle_ok(node, K_GRAPH_NODE) || !node->mem || node->frees)
+        return CUDA_ERROR_INVALID_VALUE;
+    *out = (CUDA_MEM_ALLOC_NODE_PARAMS){.poolProps = node->mem->props, .accessDescs = NULL,
+                                        .accessDescCount = 0, .bytesize = node->mem->size,
+                                        .dptr = node->mem->dptr};
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphMemFreeNodeGetParams(CUgraphNode node, CUdeviceptr *dptr)
+{
+    REQUIRE_INIT();
+    if (!dptr || !handle_ok(node, K_GRAPH_NODE) || !node->mem || !node->frees)
+        return CUDA_ERROR_INVALID_VALUE;
+    *dptr = node->mem->dptr;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&graph_mem_lock);
+    uint64_t keep = round_up(graph_pool[dev].used, POOL_CHUNK);
+    if (graph_pool[dev].reserved > keep) {
+        simgpu_mem_release(dev, graph_pool[dev].reserved - keep);
+        graph_pool[dev].reserved = keep;
+    }
+    pthread_mutex_unlock(&graph_mem_lock);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&graph_mem_lock);
+    CUresult r = CUDA_SUCCESS;
+    switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = graph_pool[dev].used; break;
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = graph_pool[dev].used_high; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = graph_pool[dev].reserved; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = graph_pool[dev].reserved_high; break;
+    default: r = CUDA_ERROR_INVALID_VALUE; break;
+    }
+    pthread_mutex_unlock(&graph_mem_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, int attr, void *value)
+{
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!value || *(cuuint64_t *)value != 0)
+        return CUDA_ERROR_INVALID_VALUE;   /* "High watermark can only be reset to zero" */
+    pthread_mutex_lock(&graph_mem_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (attr == CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)
+        graph_pool[dev].used_high = graph_pool[dev].used;
+    else if (attr == CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)
+        graph_pool[dev].reserved_high = graph_pool[dev].reserved;
+    else
+        r = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&graph_mem_lock);
+    return r;
+}
+
+/* Stream capture turns cuMemAllocAsync / cuMemFreeAsync into allocation and free nodes. */
+static CUresult capture_alloc(struct vgpu_stream *s, CUdeviceptr *dptr, uint64_t size, int dev)
+{
+    if (!dptr)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                            .location = {dev < 0 ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
+                                         dev < 0 ? 0 : dev}};
+    struct graph_mem *m;
+    CUresult r = graph_new_alloc(s->capture, &props, size, &m);
+    if (r == CUDA_SUCCESS)
+        *dptr = m->dptr;
+    return r;
+}
+
+static CUresult capture_free(struct vgpu_stream *s, CUdeviceptr dptr)
+{
+    struct graph_mem *m;
+    return graph_new_free(s->capture, dptr, &m);
+}
+
+/* In a forked child: the parent's graph memory is the parent's. */
+static void forget_graph_mem(void)
+{
+    pthread_mutex_init(&graph_mem_lock, NULL);
+    memset(graph_pool, 0, sizeof graph_pool);
+}
+
 
 SIMGPU_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
 {
@@ -2560,6 +2933,27 @@ SIMGPU_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phExec, CUgraph 
     for (size_t i = 0; i < g->count; i++)
         e->duration_ns += kernel_ns(g->nodes[i].fn, g->nodes[i].blocks);
     e->kernels = g->count;
+    e->flags = flags;
+    if (g->nmem) {
+        pthread_mutex_lock(&graph_mem_lock);
+        int second = 0;   /* "at most one executable graph ... at a time" with memory nodes */
+        for (size_t i = 0; i < g->nmem; i++)
+            second |= g->mem[i]->exec != NULL;
+        e->mem = second ? NULL : malloc(g->nmem * sizeof *e->mem);
+        if (e->mem) {
+            memcpy(e->mem, g->mem, g->nmem * sizeof *e->mem);
+            e->nmem = g->nmem;
+            for (size_t i = 0; i < g->nmem; i++) {
+                g->mem[i]->exec = e;
+                g->mem[i]->refs++;
+            }
+        }
+        pthread_mutex_unlock(&graph_mem_lock);
+        if (!e->mem) {
+            handle_free(e);
+            return second ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
     *phExec = e;
     return CUDA_SUCCESS;
 }
@@ -2579,6 +2973,13 @@ SIMGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
     REQUIRE_INIT();
     if (!handle_ok(e, K_GRAPH_EXEC))
         return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&graph_mem_lock);
+    for (size_t i = 0; i < e->nmem; i++) {
+        e->mem[i]->exec = NULL;
+        graph_mem_unref_locked(e->mem[i]);
+    }
+    pthread_mutex_unlock(&graph_mem_lock);
+    free(e->mem);
     handle_free(e);
     return CUDA_SUCCESS;
 }
@@ -2600,6 +3001,8 @@ SIMGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
     CUresult err;
     struct vgpu_stream *s = resolve_stream(h, &err);
     if (!s)
+        return err;
+    if ((err = graph_launch_mem(e)) != CUDA_SUCCESS)
         return err;
     if (e->kernels)
         stream_enqueue(s, e->duration_ns);
@@ -2848,7 +3251,14 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuGraphUpload, 11010, 0, cuGraphUpload)                                  \
     X(cuGraphUpload, 11010, 1, cuGraphUpload_ptsz)                             \
     X(cuGraphLaunch, 10000, 0, cuGraphLaunch)                                  \
-    X(cuGraphLaunch, 10000, 1, cuGraphLaunch_ptsz)
+    X(cuGraphLaunch, 10000, 1, cuGraphLaunch_ptsz)                             \
+    X(cuGraphAddMemAllocNode, 11040, 0, cuGraphAddMemAllocNode)                \
+    X(cuGraphAddMemFreeNode, 11040, 0, cuGraphAddMemFreeNode)                  \
+    X(cuGraphMemAllocNodeGetParams, 11040, 0, cuGraphMemAllocNodeGetParams)    \
+    X(cuGraphMemFreeNodeGetParams, 11040, 0, cuGraphMemFreeNodeGetParams)      \
+    X(cuDeviceGraphMemTrim, 11040, 0, cuDeviceGraphMemTrim)                    \
+    X(cuDeviceGetGraphMemAttribute, 11040, 0, cuDeviceGetGraphMemAttribute)    \
+    X(cuDeviceSetGraphMemAttribute, 11040, 0, cuDeviceSetGraphMemAttribute)
 
 struct entry { const char *name; int version, per_thread; void *fn; };
 
