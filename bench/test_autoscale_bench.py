@@ -12,11 +12,13 @@
    (window 1 s, interval 100 ms).  Window close = when the hot streak reached a whole
    window; enforced = when the process's cuMemGetInfo first showed the new total.
 """
+import fcntl
 import json
 import mmap
 import os
 import select
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from vgpu.policy import MEMORY, Policy
 
 GiB, MiB = 1 << 30, 1 << 20
 N = 1000
+HOLDER_SLOT = slices.MAX_PROCS - 1
 TICKS = 40
 GOAL_PERCENT = 1.0
 
@@ -48,19 +51,25 @@ def _populate(directory, state):
     for i in range(N):
         fd = os.open(os.path.join(directory, f"c{i:04d}", "usage"), os.O_RDWR)
         mm = mmap.mmap(fd, slices.USAGE_SIZE)
-        os.close(fd)
-        usage.append((mm, ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm)).devices[0]))
+        # the memory is held by a live process: this one, owning the last slot's lock
+        # (the descriptor stays open with the mapping), so the autoscaler's reaping keeps it
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                        slices.LOCK_BASE + HOLDER_SLOT, 1, 0))
+        u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
+        lib.vgpu_store_i32(ffi.addressof(u.procs[HOLDER_SLOT], "pid"), os.getpid())
+        u.slots_used = slices.MAX_PROCS
+        usage.append((mm, fd, u.devices[0], ffi.addressof(u.charge[0], HOLDER_SLOT)))
     return usage
 
 
 def _advance(usage, state, second):
     """One second of each slice's life, as its shim would count it."""
-    for _, u in usage:
+    for _, _, u, held in usage:
         if state == "in band":        # 60% of 4Gi held; 14% of the GPU used of a 20% share
-            lib.vgpu_store_u64(ffi.addressof(u, "memory_current"), int(0.6 * 4 * GiB))
+            lib.vgpu_store_u64(held, int(0.6 * 4 * GiB))
             lib.vgpu_store_u64(ffi.addressof(u, "gpu_time_ns"), second * 140_000_000)
         elif state == "saturated at limit":     # 95% of 8Gi, 40% of the GPU, waiting 60% of the time
-            lib.vgpu_store_u64(ffi.addressof(u, "memory_current"), int(0.95 * 8 * GiB))
+            lib.vgpu_store_u64(held, int(0.95 * 8 * GiB))
             lib.vgpu_store_u64(ffi.addressof(u, "gpu_time_ns"), second * 400_000_000)
             lib.vgpu_store_u64(ffi.addressof(u, "throttled_ns"), second * 600_000_000)
 

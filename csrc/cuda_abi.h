@@ -169,7 +169,7 @@ enum {
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
 };
-enum {                                          /* CUmemPool_attribute */
+typedef enum {
     CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,   /* int */
     CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,         /* int */
     CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3, /* int */
@@ -178,7 +178,7 @@ enum {                                          /* CUmemPool_attribute */
     CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
-};
+} CUmemPool_attribute;
 enum {                                          /* CUgraphMem_attribute (cuuint64_t each) */
     CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
     CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,

@@ -22,7 +22,7 @@
 /* cffi:begin */
 #define VGPU_QUOTA_MAGIC 0x41544f5155504756
 #define VGPU_USAGE_MAGIC 0x4547415355504756
-#define VGPU_ABI_VERSION 1
+#define VGPU_ABI_VERSION 2
 #define VGPU_MAX_DEVICES 16
 #define VGPU_MAX_PROCS 64
 #define VGPU_NAME_MAX 64
@@ -54,8 +54,7 @@ struct vgpu_quota {
 };
 
 struct vgpu_usage_device {
-    uint64_t memory_current;    /* bytes held by all processes of the container */
-    uint64_t memory_peak;
+    uint64_t memory_peak;       /* highest memory.current an admission saw */
     uint64_t oom_refusals;      /* allocations refused by the cap */
     uint64_t launches;          /* launches paced against sm.max (none at 100%) */
     uint64_t gpu_time_ns;       /* GPU time charged for them (corrected estimates) */
@@ -67,23 +66,32 @@ struct vgpu_usage_device {
     uint64_t sm_check_ns;       /* when the correction was last computed (CLOCK_MONOTONIC) */
     uint64_t sm_check_throttled_ns;   /* throttled_ns at that moment */
     uint64_t sm_check_share;    /* sm.max at that moment: a window across a resize is skipped */
-    uint64_t reserved[5];
+    uint64_t reserved[6];
 };
 
 struct vgpu_usage_proc {
     int32_t pid;                /* as the process sees itself; 0 = free slot */
     uint32_t state;
     uint64_t started_ns;
-    uint64_t memory[VGPU_MAX_DEVICES];   /* bytes this process holds, per device */
     char comm[32];
     uint64_t reserved[4];
 };
 
+/* Memory is counted in one place only: charge[d][p], the bytes the process in slot p
+ * holds on device d, written by that process alone (and, once it is dead, by whoever
+ * reaps it).  memory.current of device d is the sum of charge[d][*]; there is no
+ * second counter that a kill between two updates could leave out of step.  An
+ * allocation adds to its own charge first and then sums the row: of two processes
+ * racing for the last bytes at least one sees the other, so the cap holds without a
+ * lock (see shim/memory.c). */
 struct vgpu_usage {
     uint64_t magic;
     uint32_t abi_version;
     uint32_t size;
+    uint32_t slots_used;        /* slots ever claimed (a bound on the sum, 0..VGPU_MAX_PROCS) */
+    uint32_t flags;
     struct vgpu_usage_device devices[VGPU_MAX_DEVICES];
+    uint64_t charge[VGPU_MAX_DEVICES][VGPU_MAX_PROCS];
     struct vgpu_usage_proc procs[VGPU_MAX_PROCS];
     uint64_t reserved[32];
 };

@@ -8,7 +8,7 @@
  *                out its hook only when the driver would hand out exactly this ABI
  * VGPU_NVML_HOOKS(X): X(symbol, return type, parameter list)
  *
- * Expanded in shim.c (declarations, real-symbol resolution, dlsym and cuGetProcAddress
+ * Expanded in shim/internal.h and shim/shim.c (declarations, real-symbol resolution, dlsym and cuGetProcAddress
  * tables) and in tests/programs/hook_signatures.c, which checks each parameter list
  * against NVIDIA's typedefs where the CUDA toolkit is installed.  Type names are those of
  * cuda.h, so the list compiles against either csrc/cuda_abi.h or the real headers.
@@ -60,6 +60,16 @@
     X(cuDeviceGetDefaultMemPool, cuDeviceGetDefaultMemPool, 11020, 0, CUresult,                    \
       (CUmemoryPool *pool_out, CUdevice dev))                                                      \
     X(cuDeviceGetMemPool, cuDeviceGetMemPool, 11020, 0, CUresult, (CUmemoryPool *pool, CUdevice dev)) \
+    /* === pools give memory back (their reserve is what is charged) === */                      \
+    X(cuMemPoolTrimTo, cuMemPoolTrimTo, 11020, 0, CUresult, (CUmemoryPool pool, size_t minBytesToKeep)) \
+    X(cuMemPoolSetAttribute, cuMemPoolSetAttribute, 11020, 0, CUresult,                            \
+      (CUmemoryPool pool, CUmemPool_attribute attr, void *value))                                  \
+    X(cuMemPoolDestroy, cuMemPoolDestroy, 11020, 0, CUresult, (CUmemoryPool pool))                 \
+    /* === synchronisation: where pools release what was freed into them === */                  \
+    X(cuStreamSynchronize, cuStreamSynchronize, 2000, 0, CUresult, (CUstream hStream))             \
+    X(cuStreamSynchronize_ptsz, cuStreamSynchronize, 7000, 1, CUresult, (CUstream hStream))        \
+    X(cuEventSynchronize, cuEventSynchronize, 2000, 0, CUresult, (CUevent hEvent))                 \
+    X(cuCtxSynchronize, cuCtxSynchronize, 2000, 0, CUresult, (void))                               \
     /* === free (always calls the real free) === */                                               \
     X(cuMemFree_v2, cuMemFree, 3020, 0, CUresult, (CUdeviceptr dptr))                              \
     X(cuMemFreeAsync, cuMemFreeAsync, 11020, 0, CUresult, (CUdeviceptr dptr, CUstream hStream))    \

@@ -77,17 +77,35 @@ def c_program(tmp_path_factory):
     return build
 
 
+_STAGED_HOLDERS = []   # descriptors whose OFD locks keep staged slots alive
+
+
 def write_usage_counters(directory, name, device=0, **counters):
     """Set a slice's usage counters on `device` as the shim does (atomic stores into the
-    mapped file): lets controller tests stage any usage without a workload."""
+    mapped file): lets controller tests stage any usage without a workload.  memory_current
+    is not a field but the sum of the slots' charges: it is staged in the last slot, held
+    (locked) by this test process as a live process would hold it, so reaping keeps it."""
+    import fcntl
     import mmap
+    import struct
 
     from vgpu._region import ffi, lib
-    fd = os.open(os.path.join(directory, name, "usage"), os.O_RDWR)
+    path = os.path.join(directory, name, "usage")
+    fd = os.open(path, os.O_RDWR)
     try:
         mm = mmap.mmap(fd, ffi.sizeof("struct vgpu_usage"))
     finally:
         os.close(fd)
     u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(mm))
     for k, v in counters.items():
-        lib.vgpu_store_u64(ffi.addressof(u.devices[device], k), v)
+        if k == "memory_current":
+            slot = lib.VGPU_MAX_PROCS - 1
+            holder = os.open(path, os.O_RDWR)
+            fcntl.fcntl(holder, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                                (1 << 40) + slot, 1, 0))
+            _STAGED_HOLDERS.append(holder)
+            lib.vgpu_store_i32(ffi.addressof(u.procs[slot], "pid"), os.getpid())
+            lib.vgpu_store_u64(ffi.addressof(u.charge[device], slot), v)
+            u.slots_used = lib.VGPU_MAX_PROCS
+        else:
+            lib.vgpu_store_u64(ffi.addressof(u.devices[device], k), v)

@@ -304,16 +304,15 @@ def test_reap_returns_a_dead_slots_memory(ctl):
     path = ctl.dir / "c1" / "usage"
     data = bytearray(path.read_bytes())
     u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))
-    u.devices[0].memory_current = 3 * GiB
-    u.procs[5].pid, u.procs[5].memory[0], u.procs[5].comm = 4242, GiB, b"python3"
-    u.procs[7].pid, u.procs[7].memory[0] = 4343, 2 * GiB
+    u.procs[5].pid, u.charge[0][5], u.procs[5].comm = 4242, GiB, b"python3"
+    u.procs[7].pid, u.charge[0][7] = 4343, 2 * GiB
     path.write_bytes(bytes(data))
     r = ctl("reap")
     assert r.stdout.splitlines() == ["c1: slot 5 pid 4242 (python3) gone; returned 1Gi on device 0",
                                      "c1: slot 7 pid 4343 () gone; returned 2Gi on device 0"]
     after = bytearray(path.read_bytes())
     u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(after))
-    assert (u.devices[0].memory_current, u.procs[5].pid, u.procs[7].pid, u.procs[5].memory[0]) == (0, 0, 0, 0)
+    assert (sum(u.charge[0]), u.procs[5].pid, u.procs[7].pid) == (0, 0, 0)
     assert u.magic == lib.VGPU_USAGE_MAGIC
 
 

@@ -187,10 +187,8 @@ def test_reap_after_kill_9_returns_the_memory(node, agents):
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(10)
 
-    procs = {p["pid"]: p for p in node.ctl_json("status", "c1")["containers"][0]["processes"]}
-    assert (procs[a.pid]["alive"], procs[b.pid]["alive"]) == (False, True)
-    assert "dead: vgpu-ctl reap" in node.ctl("status").stdout
-
+    usage = read_usage(node.dir, "c1")      # the file as the shim left it: a's slot is dead
+    assert {p.pid: p.alive for p in usage.procs} == {a.pid: False, b.pid: True}
     reaped = node.ctl_json("reap")
     assert [(r["container"], r["pid"], r["memory"]) for r in reaped] == [("c1", a.pid, {"0": GiB})]
     usage = read_usage(node.dir, "c1")
@@ -198,6 +196,21 @@ def test_reap_after_kill_9_returns_the_memory(node, agents):
     assert [(p.pid, p.memory) for p in usage.procs] == [(b.pid, {0: 512 * MiB})]
     assert node.ctl("reap").stdout.strip() == "nothing to reap"
     assert b.call("alloc", 3 * GiB + 512 * MiB) == SUCCESS    # the whole budget is there again
+
+
+def test_status_reaps_what_it_reads(node, agents):
+    """status shows what live processes hold: a killed process's slot is reaped by the
+    read itself, not left for a later `reap`."""
+    node.ctl("create", "c1", "--memory", "4Gi")
+    a = agents(node.workload_env("c1"))
+    b = agents(node.workload_env("c1"))
+    assert a.call("alloc", GiB) == SUCCESS and b.call("alloc", 512 * MiB) == SUCCESS
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    c = node.ctl_json("status", "c1")["containers"][0]
+    assert [p["pid"] for p in c["processes"]] == [b.pid]
+    assert c["devices"][0]["memory_current"] == 512 * MiB
+    assert node.ctl("reap").stdout.strip() == "nothing to reap"
 
 
 def test_delete_is_refused_while_processes_run(node, agents):

@@ -80,7 +80,7 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
     assert v[("vgpu_sm_throttled_seconds_total", cd("train"))] == 1.25
     assert v[("vgpu_resize_events_total", (("container", "train"),))] == 2
     assert v[("vgpu_resize_events_total", (("container", "notebook"),))] == 0
-    assert v[("vgpu_processes", (("container", "train"),))] == 0
+    assert v[("vgpu_processes", (("container", "train"),))] == 1   # the test, holding the staged memory
     dev = (("device", "0"),)
     assert v[("vgpu_device_memory_quota_bytes", dev)] == 11 * GiB          # the uncapped one adds nothing
     assert v[("vgpu_device_memory_guaranteed_bytes", dev)] == 8 * GiB

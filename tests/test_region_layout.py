@@ -29,7 +29,7 @@ def test_every_field_offset_and_struct_size_match_what_c_compiles(tmp_path):
 
 
 def test_files_carry_magic_and_abi_version_constants():
-    assert lib.VGPU_ABI_VERSION == 1
+    assert lib.VGPU_ABI_VERSION == 2
     assert lib.VGPU_QUOTA_MAGIC != lib.VGPU_USAGE_MAGIC
     # reserved space at the end lets later versions grow without moving fields
     assert ffi.offsetof("struct vgpu_quota", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_quota")

@@ -43,6 +43,14 @@ HOOKED = {
     ("cuMemPoolCreate", 11020, 0): "cuMemPoolCreate",
     ("cuDeviceGetDefaultMemPool", 11020, 0): "cuDeviceGetDefaultMemPool",
     ("cuDeviceGetMemPool", 11020, 0): "cuDeviceGetMemPool",
+    ("cuMemPoolTrimTo", 11020, 0): "cuMemPoolTrimTo",
+    ("cuMemPoolSetAttribute", 11020, 0): "cuMemPoolSetAttribute",
+    ("cuMemPoolDestroy", 11020, 0): "cuMemPoolDestroy",
+    ("cuStreamSynchronize", 2000, 0): "cuStreamSynchronize",
+    ("cuStreamSynchronize", 7000, 2): "cuStreamSynchronize_ptsz",
+    ("cuEventSynchronize", 2000, 0): "cuEventSynchronize",
+    ("cuCtxSynchronize", 2000, 0): "cuCtxSynchronize",
+    ("cuStreamSynchronize", 12000, 2): "cuStreamSynchronize_ptsz",
     ("cuMemCreate", 12000, 0): "cuMemCreate",
     ("cuMemMap", 12000, 0): "cuMemMap",
     ("cuMemUnmap", 12000, 0): "cuMemUnmap",
@@ -62,7 +70,7 @@ HOOKED = {
 }
 # Older ABIs of hooked entry points are not the hook's ABI: they must not get the hook.
 NOT_HOOKED = [("cuMemAlloc", 2000, 0), ("cuMemGetInfo", 2000, 0), ("cuDeviceTotalMem", 2000, 0),
-              ("cuMemAllocAsync", 11010, 2), ("cuLaunchKernel", 3000, 0), ("cuStreamSynchronize", 12000, 2),
+              ("cuMemAllocAsync", 11010, 2), ("cuLaunchKernel", 3000, 0), ("cuCtxSynchronize", 13000, 0),
               ("", 12000, 0),
               ("cuGetExportTable", 12000, 0)]
 
@@ -173,7 +181,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 31   # every hooked entry point cudart asks for
+    assert hooked_seen == 38   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -213,7 +221,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 31
+    assert len(hooked) == 38
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

@@ -21,7 +21,7 @@ LIBRARIES = {
     "simgpu/libcuda.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
     "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/nvml.c"],
                                  "libnvidia-ml.so.1", []),
-    "libvgpu.so": (["shim/shim.c"], "libvgpu.so", []),
+    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c"], "libvgpu.so", []),
 }
 
 

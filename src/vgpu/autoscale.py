@@ -45,10 +45,14 @@ _COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_t
 
 _DEV_SIZE = ffi.sizeof("struct vgpu_usage_device")
 _DEV_BASE = ffi.offsetof("struct vgpu_usage", "devices")
-_FIELD = {f: ffi.offsetof("struct vgpu_usage_device", f) for f in _COUNTERS}
-assert [_FIELD[f] for f in _COUNTERS] == [8 * i for i in range(len(_COUNTERS))], "usage counters moved"
-_SPAN = 8 * len(_COUNTERS)
-_UNPACK = struct.Struct("<%dQ" % len(_COUNTERS)).unpack
+_STORED = _COUNTERS[1:]        # memory_current is the sum of the slots' charges (slices.py)
+_FIELD = {f: ffi.offsetof("struct vgpu_usage_device", f) for f in _STORED}
+assert [_FIELD[f] for f in _STORED] == [8 * i for i in range(len(_STORED))], "usage counters moved"
+_SPAN = 8 * len(_STORED)
+_UNPACK = struct.Struct("<%dQ" % len(_STORED)).unpack
+_ROW = 8 * slices.MAX_PROCS
+_UNPACK_ROW = struct.Struct("<%dQ" % slices.MAX_PROCS).unpack
+REAP_S = 1.0           # dead processes' slots are reaped this often (their memory back within it)
 
 
 class SliceView:
@@ -128,7 +132,10 @@ class SliceView:
         if self._ufd is None:
             return (0,) * len(_COUNTERS)
         data = os.pread(self._ufd, _SPAN, _DEV_BASE + d * _DEV_SIZE)
-        return _UNPACK(data) if len(data) == _SPAN else None
+        row = os.pread(self._ufd, _ROW, slices.charge_offset(d, 0))
+        if len(data) != _SPAN or len(row) != _ROW:
+            return None
+        return (sum(_UNPACK_ROW(row)) & 0xFFFFFFFFFFFFFFFF,) + _UNPACK(data)
 
     def all_counters(self, d):
         c = self.read(d)
@@ -250,6 +257,7 @@ class Autoscaler:
         self.last_tick_s = 0.0
         self._capacity = {}     # device -> (bytes or None, when asked)
         self._problems = {}     # slices that cannot be read, as last logged
+        self._reaped_at = None  # when dead processes' slots were last reaped
         self._lock = threading.Lock()
         # SM use over the last SMOOTH_S (at most a sixth of the window), never under one interval
         lookback = max(interval, min(SMOOTH_S, self.policy.window / 6))
@@ -317,6 +325,11 @@ class Autoscaler:
                     self.log(json.dumps({"ts": _utc(), "event": "error", "container": name, "error": why},
                                         separators=(",", ":")))
             self._problems = dict(self.reader.problems)
+        if self._reaped_at is None or now - self._reaped_at >= REAP_S:
+            self._reaped_at = now
+            if not self.dry_run:
+                for name in views:
+                    slices.reap_quietly(self.directory, name)
         items = []
         mem_alloc, sm_alloc = {}, {}     # device -> sum of the quotas of every slice on it
         nvml_util = {} if self.use_nvml else None

@@ -647,6 +647,9 @@ def reap(names, directory, as_json):
     if not reaped:
         click.echo("nothing to reap")
     for r in reaped:
+        if "error" in r:
+            click.echo(f"{r['container']}: not reaped: {r['error']}", err=True)
+            continue
         mem = ", ".join(f"{format_memory(b)} on device {d}" for d, b in r["memory"].items()) or "no memory"
         click.echo(f"{r['container']}: slot {r['slot']} pid {r['pid']} ({r['comm']}) gone; returned {mem}")
 

@@ -103,6 +103,7 @@ class NodeCollector:
             resizes.add_metric([name], max(0, (v.gen - 2) // 2))
             usage = None
             try:
+                slices.reap_quietly(self.directory, name)
                 usage = slices.read_usage(self.directory, name)
             except (slices.VgpuError, OSError):
                 pass

@@ -377,6 +377,22 @@ class Proc:
 
 
 _USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
+# memory_current is not a field: it is the sum of the slots' charges (csrc/vgpu_region.h)
+_STORED_COUNTERS = _USAGE_COUNTERS[1:]
+CHARGE_OFFSET = ffi.offsetof("struct vgpu_usage", "charge")
+_CHARGES = struct.Struct("<%dQ" % (MAX_DEVICES * MAX_PROCS))
+_PROC_SIZE = ffi.sizeof("struct vgpu_usage_proc")
+_PROC_BASE = ffi.offsetof("struct vgpu_usage", "procs")
+_PID_AT = ffi.offsetof("struct vgpu_usage_proc", "pid")
+
+
+def charge_offset(device, slot):
+    """File offset of the bytes the process in `slot` holds on `device`."""
+    return CHARGE_OFFSET + 8 * (device * MAX_PROCS + slot)
+
+
+def pid_offset(slot):
+    return _PROC_BASE + slot * _PROC_SIZE + _PID_AT
 
 
 @dataclass
@@ -400,17 +416,22 @@ def _read_usage_fd(fd, shown) -> Usage:
     if len(data) < USAGE_SIZE:
         raise BadFile(f"{shown} is truncated ({len(data)} bytes, need {USAGE_SIZE})",
                       "the container's processes recreate it; `vgpu-ctl delete` and `create` resets it")
-    with contextlib.nullcontext(ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))) as u:
-        _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
-        devices = {d: {c: getattr(u.devices[d], c) for c in _USAGE_COUNTERS} for d in range(MAX_DEVICES)}
-        procs = []
-        for i in range(MAX_PROCS):
-            p = u.procs[i]
-            pid = lib.vgpu_load_i32(ffi.addressof(p, "pid"))
-            if pid:
-                procs.append(Proc(i, pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
-                                  {d: p.memory[d] for d in range(MAX_DEVICES) if p.memory[d]},
-                                  slot_alive(fd, i)))
+    charges = _CHARGES.unpack_from(data, CHARGE_OFFSET)
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))
+    _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
+    devices = {}
+    for d in range(MAX_DEVICES):
+        row = charges[d * MAX_PROCS:(d + 1) * MAX_PROCS]
+        # the container's own file: a sum past 64 bits is its scribbling, shown as such
+        devices[d] = {"memory_current": sum(row) & 0xFFFFFFFFFFFFFFFF,
+                      **{c: getattr(u.devices[d], c) for c in _STORED_COUNTERS}}
+    procs = []
+    for i in range(MAX_PROCS):
+        p = u.procs[i]
+        memory = {d: charges[d * MAX_PROCS + i] for d in range(MAX_DEVICES) if charges[d * MAX_PROCS + i]}
+        if p.pid or memory:
+            procs.append(Proc(i, p.pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
+                              memory, slot_alive(fd, i)))
     return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
 
 
@@ -455,6 +476,7 @@ def read_all(directory) -> list:
         quota = usage = problem = None
         try:
             quota = read_quota(directory, name)
+            reap_quietly(directory, name)
             usage = read_usage(directory, name)
         except VgpuError as e:
             problem = str(e)
@@ -726,49 +748,68 @@ def _write_devices(fd, new: dict) -> int:
 # === reap ===
 
 def reap(directory, names=None) -> list:
-    """Clear the process slots of dead processes (lock free, pid still set): their memory
-    goes back to the slice's counters.  Returns what was reclaimed."""
+    """Clear the process slots of dead processes (lock free, pid or charge still set):
+    their memory goes back to the slice.  Returns what was reclaimed.  A slice whose
+    usage file is broken is skipped and reported ({"container", "error"}), never fatal:
+    the file is writable from inside the container."""
     out = []
     for name in (list_names(directory) if names is None else names):
-        with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
-            shown = os.path.join(node_dir(directory), name, USAGE)
-            try:
-                fd = _open_in(cfd, USAGE, _RW, shown)
-            except FileNotFoundError:
-                continue
-            with _fd(fd):
-                _check_regular(fd, shown, USAGE_SIZE)
-                with _mapped(fd, "struct vgpu_usage", USAGE_SIZE, writable=True) as u:
-                    _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
-                    for i in range(MAX_PROCS):
-                        rec = _reap_slot(fd, u, i)
-                        if rec:
-                            out.append({"container": name, **rec})
+        try:
+            out += [{"container": name, **rec} for rec in reap_slice(directory, name)]
+        except NotFound:
+            if names is not None:
+                raise
+        except VgpuError as e:
+            out.append({"container": name, "error": str(e)})
     return out
 
 
-def _reap_slot(fd, u, i):
-    p = u.procs[i]
-    pid_p = ffi.addressof(p, "pid")
-    if not lib.vgpu_load_i32(pid_p):
-        return None
-    try:   # holding the slot's lock: no process can claim it while we drain it
+def reap_quietly(directory, name):
+    """Reap before reading, where this process may (root, or the slice's owner): what is
+    reported is then what live processes hold.  Anything wrong is for the read to say."""
+    try:
+        reap_slice(directory, name)
+    except (VgpuError, OSError):
+        pass
+
+
+def reap_slice(directory, name) -> list:
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        shown = os.path.join(node_dir(directory), name, USAGE)
+        try:
+            fd = _open_in(cfd, USAGE, _RW, shown)
+        except FileNotFoundError:
+            return []
+        with _fd(fd):
+            usage = _read_usage_fd(fd, shown)
+            return [rec for rec in (_reap_slot(fd, p) for p in usage.procs if not p.alive) if rec]
+
+
+def _reap_slot(fd, proc):
+    """Drain one slot with pread/pwrite only (no mapping: see _read_usage_fd) while
+    holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
+    charges only ever lowers them, so a shim summing them mid-way sees a value between
+    before and after, both true of a dead process."""
+    i = proc.slot
+    try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
     except (BlockingIOError, PermissionError):
-        return None    # its owner is alive
+        return None    # its owner is alive (or came to life since the read)
     try:
-        pid = lib.vgpu_load_i32(pid_p)
-        if not pid:
-            return None
         memory = {}
         for d in range(MAX_DEVICES):
-            held = lib.vgpu_exchange_u64(ffi.addressof(p.memory, d), 0)
+            at = charge_offset(d, i)
+            raw = os.pread(fd, 8, at)
+            held = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
             if held:
-                lib.vgpu_sub_u64(ffi.addressof(u.devices[d], "memory_current"), held)
+                os.pwrite(fd, bytes(8), at)
                 memory[d] = held
-        rec = {"slot": i, "pid": pid, "comm": ffi.string(p.comm).decode(errors="replace"),
-               "memory": {str(d): b for d, b in memory.items()}}
-        lib.vgpu_store_i32(pid_p, 0)
-        return rec
+        raw = os.pread(fd, 4, pid_offset(i))
+        pid = struct.unpack("<i", raw)[0] if len(raw) == 4 else 0
+        if pid:
+            os.pwrite(fd, bytes(4), pid_offset(i))
+        if not (pid or memory):
+            return None
+        return {"slot": i, "pid": pid, "comm": proc.comm, "memory": {str(d): b for d, b in memory.items()}}
     finally:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_UNLCK, i))

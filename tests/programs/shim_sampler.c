@@ -4,7 +4,7 @@
  *
  * Run WITHOUT the shim.  Every INTERVAL_US it reads nvmlDeviceGetMemoryInfo's `used`
  * from libnvidia-ml.so.1 (simgpu: the node's real memory) and, once the file exists,
- * devices[0].memory_current of the container's usage file.  It stops when stdin reaches
+ * memory.current of device 0 in the container's usage file.  It stops when stdin reaches
  * end of file and prints one JSON line: samples, the maximum of each, and the last. */
 #define _GNU_SOURCE
 #include "nvml_abi.h"
@@ -80,7 +80,9 @@ int main(int argc, char **argv)
             }
         }
         if (usage) {
-            unsigned long long cur = __atomic_load_n(&usage->devices[0].memory_current, __ATOMIC_ACQUIRE);
+            unsigned long long cur = 0;   /* memory.current: the sum of the slots' charges */
+            for (int i = 0; i < VGPU_MAX_PROCS; i++)
+                cur += __atomic_load_n(&usage->charge[0][i], __ATOMIC_ACQUIRE);
             usage_samples++;
             last_current = cur;
             if (cur > max_current)

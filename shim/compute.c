@@ -1,0 +1,418 @@
+/* compute.c — the compute share: cost estimates, pacing, and the launch hooks. */
+#include "internal.h"
+
+#include <errno.h>
+#include <string.h>
+#include <time.h>
+
+/* === compute share ===
+ * Each launch is charged its estimated GPU time, and the container's processes draw on
+ * one bucket per device kept in the usage file as a virtual clock (GCRA): a launch moves
+ * the clock cost / sm.max ahead and waits (sleeping, never spinning, never failing)
+ * until the clock is at most SM_BURST_NS ahead of real time.
+ *   estimate: per (function, grid) the lower envelope of sampled CUDA event timings
+ *             (one launch in SAMPLE_EVERY, a bounded number of samples in flight);
+ *             graph launches likewise per executable graph;
+ *   correction: every SM_CHECK_NS, while the container is held back by its share, one of
+ *             its processes compares the share NVML measured for the container with sm.max
+ *             and moves a cost scale half way to what would have hit it (event timings
+ *             also count time spent waiting behind other tenants' kernels; NVML does not).
+ * At sm.max = 100% a launch costs a generation check and a branch. */
+
+#define SM_FULL 10000u
+#define SM_BURST_NS 20000000ull        /* how far the virtual clock may run ahead */
+#define SM_CHECK_NS 500000000ull       /* correction period */
+#define SAMPLE_EVERY 64
+#define SAMPLE_AGE_NS 50000000ull      /* ... or when the last sample is older than this */
+#define MAX_SAMPLES 16
+#define ESTIMATE_BITS 12
+#define CORR_ONE 65536ull
+
+struct estimate { uint64_t key, ns, sampled_at; uint32_t launches, sampling; };
+static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
+static uint64_t typical_ns;                    /* for launches not measured yet */
+
+/* busy: 0 free, 1 being started, 2 in flight, 3 being read.  A slot keeps its two events
+ * (created once per context: creating events is not cheap on a real driver). */
+struct sample { int busy; uint64_t key; CUcontext ctx; CUevent start, end; };
+static struct sample samples[MAX_SAMPLES];
+static int in_flight;   /* samples with busy == 2 */
+
+void compute_atfork_child(void)   /* the samples' events are the parent's */
+{
+    memset(samples, 0, sizeof samples);
+    in_flight = 0;
+}
+
+/* Derived from the quota, recomputed only when its generation moves. */
+static uint32_t sm_gen_seen = 1;             /* (odd: never computed) */
+static int sm_any_limited;
+static uint64_t sm_wall_scale[VGPU_MAX_DEVICES];   /* SM_FULL / sm.max, 16.16; 0 = unlimited */
+#define SM_DENIED UINT64_MAX   /* scale of a device the slice was not given (sm.max 0) */
+static int sm_only_device = -1;              /* the device, when the process sees just one */
+
+/* Any device below 100%?  One load and a branch while the quota does not change. */
+static inline int sm_limited(void)
+{
+    if (S.mode != MODE_ENFORCE)
+        return 0;
+    uint64_t g = LOAD(&S.quota->generation);
+    if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
+        int any = 0, count = 0;
+        for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
+            uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : 0;
+            uint64_t scale = sm == 0 ? SM_DENIED : sm < SM_FULL ? ((uint64_t)SM_FULL << 16) / sm : 0;
+            STORE(&sm_wall_scale[d], scale);
+            any |= scale != 0;
+        }
+        /* with one visible device (the usual container), launches need not ask which */
+        STORE(&sm_only_device, real_cuDeviceGetCount && real_cuDeviceGetCount(&count) == CUDA_SUCCESS &&
+                                   count == 1 ? 0 : -1);
+        STORE(&sm_any_limited, any);
+        STORE(&sm_gen_seen, (uint32_t)g);
+    }
+    return LOAD(&sm_any_limited);
+}
+
+static inline int launch_device(void)
+{
+    int d = LOAD(&sm_only_device);
+    return d >= 0 ? d : current_device();
+}
+
+/* Counters are added to the usage file in batches: one shared atomic per launch would
+ * cost more than the pacing itself. */
+static TLS struct { uint64_t launches, gpu_time_ns; int dev; } pending;
+
+static void flush_counters(void)
+{
+    if (!pending.launches)
+        return;
+    struct vgpu_usage_device *u = &S.usage->devices[pending.dev];
+    __atomic_add_fetch(&u->launches, pending.launches, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&u->gpu_time_ns, pending.gpu_time_ns, __ATOMIC_RELAXED);
+    pending.launches = pending.gpu_time_ns = 0;
+}
+
+static struct estimate *estimate_for(uint64_t key)
+{
+    return &estimates[(key * 0x9E3779B97F4A7C15ull) >> (64 - ESTIMATE_BITS)];
+}
+
+static void learn(uint64_t key, uint64_t ns)
+{
+    struct estimate *e = estimate_for(key);
+    uint64_t old = LOAD(&e->ns);
+    if (LOAD(&e->key) != key || old == 0) {
+        STORE(&e->key, key);
+        STORE(&e->ns, ns);
+    } else {
+        /* follow the lower envelope: a sample is the kernel's time plus any wait behind
+         * other tenants' work, so the shortest samples are the truest; rise slowly */
+        STORE(&e->ns, ns < old ? ns : old + (ns - old) / 64);
+    }
+    uint64_t t = LOAD(&typical_ns);
+    STORE(&typical_ns, t ? (t * 7 + ns) / 8 : ns);
+    STORE(&e->sampling, 0);
+}
+
+/* Collect finished samples (bounded work: MAX_SAMPLES queries at most). */
+static void harvest(void)
+{
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        struct sample *sp = &samples[i];
+        int flying = 2;
+        if (LOAD(&sp->busy) != 2 ||
+            !__atomic_compare_exchange_n(&sp->busy, &flying, 3, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        if (real_cuEventQuery(sp->end) != CUDA_SUCCESS) {
+            STORE(&sp->busy, 2);   /* not done yet */
+            continue;
+        }
+        float ms = 0;
+        if (real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms >= 0)
+            learn(sp->key, ms > 0 ? (uint64_t)((double)ms * 1e6) : 1);   /* 0 means "not measured" */
+        __atomic_sub_fetch(&in_flight, 1, __ATOMIC_RELAXED);
+        STORE(&sp->busy, 0);
+    }
+}
+
+/* A kernel never measured yet: wait for its first sample rather than queue unknown
+ * amounts of work for free (once per kernel and grid). */
+static void await_first_sample(uint64_t key)
+{
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        struct sample *sp = &samples[i];
+        if (LOAD(&sp->busy) == 2 && sp->key == key && real_cuEventSynchronize) {
+            real_cuEventSynchronize(sp->end);
+            harvest();
+            return;
+        }
+    }
+}
+
+/* Start measuring this launch: returns the sample to finish after it, or NULL. */
+static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread)
+{
+    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    CUcontext ctx = NULL;
+    if (!record || !real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime || !real_cuCtxGetCurrent ||
+        real_cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
+        return NULL;
+    harvest();
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        int idle = 0;
+        struct sample *sp = &samples[i];
+        if (!__atomic_compare_exchange_n(&sp->busy, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        if (sp->ctx != ctx) {   /* events belong to a context: make this slot's anew */
+            if (sp->ctx && real_cuEventDestroy_v2) {
+                real_cuEventDestroy_v2(sp->start);
+                real_cuEventDestroy_v2(sp->end);
+            }
+            sp->ctx = NULL;
+            if (real_cuEventCreate(&sp->start, 0) == CUDA_SUCCESS) {
+                if (real_cuEventCreate(&sp->end, 0) == CUDA_SUCCESS)
+                    sp->ctx = ctx;
+                else if (real_cuEventDestroy_v2)
+                    real_cuEventDestroy_v2(sp->start);
+            }
+        }
+        sp->key = key;
+        if (sp->ctx && record(sp->start, stream) == CUDA_SUCCESS)
+            return sp;
+        STORE(&sp->busy, 0);
+        return NULL;
+    }
+    return NULL;   /* all in flight: skip this one */
+}
+
+static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUresult launched)
+{
+    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    if (launched == CUDA_SUCCESS && record(sp->end, stream) == CUDA_SUCCESS) {
+        __atomic_add_fetch(&in_flight, 1, __ATOMIC_RELAXED);
+        STORE(&sp->busy, 2);
+    } else {
+        STORE(&sp->busy, 0);
+    }
+}
+
+static uint64_t wall_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
+ * NOT_MEASURED when NVML cannot say. */
+#define NOT_MEASURED UINT64_MAX
+static uint64_t measured_ns(int dev, uint64_t window_ns)
+{
+    if (!LOAD(&S.nvml_ready))
+        nvml_resolve();
+    static int nvml_up;
+    if (!real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
+        return NOT_MEASURED;
+    if (!LOAD(&nvml_up)) {
+        if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS)
+            return NOT_MEASURED;
+        STORE(&nvml_up, 1);
+    }
+    nvmlDevice_t h;
+    nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
+    unsigned int n = VGPU_MAX_PROCS * 2;
+    if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS)
+        return NOT_MEASURED;
+    nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
+    if (r == NVML_ERROR_NOT_FOUND)
+        return 0;   /* no process ran a kernel in the window */
+    if (r != NVML_SUCCESS)
+        return NOT_MEASURED;
+    uint64_t pct = 0;
+    for (unsigned int i = 0; i < n; i++)
+        for (int p = 0; p < VGPU_MAX_PROCS; p++)
+            if ((unsigned)LOAD(&S.usage->procs[p].pid) == smp[i].pid && smp[i].pid)
+                pct += smp[i].smUtil;
+    return pct * window_ns / 100;
+}
+
+/* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
+ * compares the share NVML measured for the container's processes with sm.max and nudges
+ * the cost scale.  Only while the container was held back by its share (it wanted more):
+ * a container that uses less than its share is not mis-charged, merely idle. */
+static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uint64_t now)
+{
+    uint64_t last = LOAD(&u->sm_check_ns);
+    if (now - last < SM_CHECK_NS ||
+        !__atomic_compare_exchange_n(&u->sm_check_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    uint64_t throttled = LOAD(&u->throttled_ns);
+    uint64_t waited = throttled - __atomic_exchange_n(&u->sm_check_throttled_ns, throttled, __ATOMIC_ACQ_REL);
+    uint64_t share_then = __atomic_exchange_n(&u->sm_check_share, (uint64_t)sm, __ATOMIC_ACQ_REL);
+    uint64_t window = now - last;
+    if (!last || window > 4 * SM_CHECK_NS || waited < window / 100 || share_then != sm)
+        return;   /* first period, a long pause, not held back by the share, or resized */
+    uint64_t actual = measured_ns(dev, window);
+    if (actual == NOT_MEASURED)
+        return;
+    uint64_t target = window * sm / SM_FULL;
+    uint64_t corr = LOAD(&u->sm_correction);
+    if (!corr)
+        corr = CORR_ONE;
+    /* half way to the scale that would have given exactly the share */
+    corr = corr / 2 + corr * actual / target / 2;
+    if (corr < CORR_ONE / 16)
+        corr = CORR_ONE / 16;
+    if (corr > CORR_ONE * 16)
+        corr = CORR_ONE * 16;
+    STORE(&u->sm_correction, corr);
+    DEBUG("device %d: share %.1f%% of %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
+          100.0 * sm / SM_FULL, (double)corr / CORR_ONE);
+}
+
+/* Wait for the container's share, charge the launch, and say whether to sample it
+ * (1), not (0), or that the launch is refused (-1: a device the slice was not given). */
+static int pace(int dev, uint64_t key)
+{
+    uint64_t scale = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_wall_scale[dev]) : 0;
+    if (!scale)
+        return 0;
+    if (scale == SM_DENIED)
+        return -1;   /* fail closed, like its memory; never a wait */
+    struct vgpu_usage_device *u = &S.usage->devices[dev];
+    struct estimate *e = estimate_for(key);
+    uint64_t raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+    if (!raw && LOAD(&e->sampling)) {
+        await_first_sample(key);
+        raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+    }
+    uint32_t n = __atomic_add_fetch(&e->launches, 1, __ATOMIC_RELAXED);
+    uint64_t now = now_ns();
+    /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
+     * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
+    int sample = (raw == 0 || n % SAMPLE_EVERY == 0 || now - LOAD(&e->sampled_at) > SAMPLE_AGE_NS) &&
+                 !LOAD(&e->sampling);
+    if (!raw)
+        raw = LOAD(&typical_ns);
+    uint64_t corr = LOAD(&u->sm_correction);
+    uint64_t cost = corr ? raw * corr >> 16 : raw;
+    uint64_t wall = cost * scale >> 16;
+
+    uint64_t t = LOAD(&u->sm_vtime_ns), next;
+    do
+        next = (t > now ? t : now) + wall;
+    while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (pending.dev != dev)
+        flush_counters();
+    pending.dev = dev;
+    pending.launches++;
+    pending.gpu_time_ns += cost;
+    if (next > now + SM_BURST_NS) {
+        flush_counters();   /* about to sleep anyway */
+        struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
+                              .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+            ;
+        __atomic_add_fetch(&u->throttled_ns, next - SM_BURST_NS - now, __ATOMIC_RELAXED);
+        now = next - SM_BURST_NS;
+    } else if (pending.launches >= 64) {
+        flush_counters();
+    }
+    if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))
+        maybe_correct(dev, u, (uint32_t)((((uint64_t)SM_FULL << 16) + scale / 2) / scale), now);
+    if (!sample && LOAD(&in_flight) && n % 8 == 0)
+        harvest();   /* finished samples are collected every few launches, not each */
+    if (sample) {
+        STORE(&e->sampling, 1);
+        STORE(&e->sampled_at, now);
+    }
+    return sample;
+}
+
+/* The body of every launch hook: pace, maybe measure, launch. */
+#define PACED_LAUNCH(sym, per_thread, key, stream, ...)                                 \
+    ENTER(sym, __VA_ARGS__);                                                            \
+    if (LIKELY(!sm_limited()))                                                          \
+        return real_##sym(__VA_ARGS__);                                                 \
+    int dev_ = launch_device(), paced_ = pace(dev_, (key));                            \
+    if (UNLIKELY(paced_ < 0))                                                           \
+        return CUDA_ERROR_NOT_PERMITTED;                                                \
+    struct sample *sp_ = paced_ ? sample_begin((key), (stream), (per_thread)) : NULL;   \
+    CUresult r_ = real_##sym(__VA_ARGS__);                                              \
+    if (sp_)                                                                            \
+        sample_end(sp_, (stream), (per_thread), r_);                                    \
+    return r_
+
+static inline uint64_t kernel_key(CUfunction f, uint64_t blocks) { return (uint64_t)(uintptr_t)f * 1000003ull ^ blocks; }
+
+SHIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                    unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f, gridDimX,
+                 gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                         unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                         unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                         void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
+                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams, extra);
+}
+
+static inline uint64_t config_key(const CUlaunchConfig *c, CUfunction f)
+{
+    return c ? kernel_key(f, (uint64_t)c->gridDimX * c->gridDimY * c->gridDimZ) : kernel_key(f, 0);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernelEx, 0, config_key(config, f), config ? config->hStream : NULL, config, f,
+                 kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                           void **extra)
+{
+    PACED_LAUNCH(cuLaunchKernelEx_ptsz, 1, config_key(config, f), config ? config->hStream : NULL, config, f,
+                 kernelParams, extra);
+}
+
+SHIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                               unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                               void **kernelParams)
+{
+    PACED_LAUNCH(cuLaunchCooperativeKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
+                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams);
+}
+
+SHIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                    unsigned int gridDimZ, unsigned int blockDimX,
+                                                    unsigned int blockDimY, unsigned int blockDimZ,
+                                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+{
+    PACED_LAUNCH(cuLaunchCooperativeKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream,
+                 f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                 kernelParams);
+}
+
+/* A graph costs its measured duration, learnt per executable graph like a kernel. */
+SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    PACED_LAUNCH(cuGraphLaunch, 0, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
+                 hStream);
+}
+
+SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    PACED_LAUNCH(cuGraphLaunch_ptsz, 1, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
+                 hStream);
+}
+

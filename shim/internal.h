@@ -1,0 +1,148 @@
+/* internal.h — what the shim's files share (never installed, never exported).
+ *
+ *   shim.c     configuration, files, process slots, init, NVML loading, interception
+ *   memory.c   the memory cap: accounting, allocate/free hooks, the view (CUDA and NVML)
+ *   compute.c  the compute share: cost estimates, pacing, launch hooks
+ *
+ * Every symbol here has hidden visibility (-fvisibility=hidden); only the hooks
+ * (SHIM_EXPORT, listed once in hooks.h) leave the library.
+ */
+#ifndef VGPU_SHIM_INTERNAL_H
+#define VGPU_SHIM_INTERNAL_H
+
+#define _GNU_SOURCE
+#include "abi_resolve.h"
+#include "cuda_abi.h"
+#include "hooks.h"
+#include "nvml_abi.h"
+#include "vgpu_region.h"
+
+#include <pthread.h>
+#include <stdint.h>
+
+#define SHIM_EXPORT __attribute__((visibility("default")))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+/* The shim is preloaded (loaded at startup), so its thread-locals can use the static TLS
+ * model: no __tls_get_addr call on every hook. */
+#define TLS __thread __attribute__((tls_model("initial-exec")))
+
+/* === real symbols === */
+
+#define DECLARE_CUDA(sym, base, ver, pt, ret, params) extern ret(*real_##sym) params; SHIM_EXPORT ret sym params;
+VGPU_CUDA_HOOKS(DECLARE_CUDA)
+#define DECLARE_NVML(sym, ret, params) extern ret(*real_##sym) params; SHIM_EXPORT ret sym params;
+VGPU_NVML_HOOKS(DECLARE_NVML)
+#undef DECLARE_CUDA
+#undef DECLARE_NVML
+
+/* driver functions the shim calls but does not hook (X(name, return type, parameters)) */
+#define VGPU_CALLED(X)                                                                         \
+    X(cuCtxGetDevice, CUresult, (CUdevice *))                                                  \
+    X(cuDeviceGetCount, CUresult, (int *))                                                     \
+    X(cuCtxGetCurrent, CUresult, (CUcontext *))                                                \
+    X(cuCtxPushCurrent_v2, CUresult, (CUcontext))                                              \
+    X(cuCtxPopCurrent_v2, CUresult, (CUcontext *))                                             \
+    X(cuStreamGetCtx, CUresult, (CUstream, CUcontext *))                                       \
+    X(cuEventCreate, CUresult, (CUevent *, unsigned int))                                      \
+    X(cuEventRecord, CUresult, (CUevent, CUstream))                                            \
+    X(cuEventRecord_ptsz, CUresult, (CUevent, CUstream))                                       \
+    X(cuEventQuery, CUresult, (CUevent))                                                       \
+    X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                               \
+    X(cuEventDestroy_v2, CUresult, (CUevent))                                                  \
+    X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))
+#define VGPU_NVML_CALLED(X)                                                                    \
+    X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
+    X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
+    X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))             \
+    X(nvmlDeviceGetProcessUtilization, nvmlReturn_t,                                           \
+      (nvmlDevice_t, nvmlProcessUtilizationSample_t *, unsigned int *, unsigned long long))
+#define DECLARE_CALLED(sym, ret, params) extern ret(*real_##sym) params;
+VGPU_CALLED(DECLARE_CALLED)
+VGPU_NVML_CALLED(DECLARE_CALLED)
+#undef DECLARE_CALLED
+
+/* === state === */
+
+enum mode { MODE_PASS, MODE_ENFORCE, MODE_DENY };
+#define LOCK_BASE (1ll << 40)   /* usage slot i is owned by an OFD lock on this byte + i */
+
+struct entry { uint64_t key, value; };   /* allocation table; value: bytes << 4 | device */
+
+struct shim_state {
+    int ready;                  /* atomic: init done */
+    pthread_mutex_t lock;       /* init, slot claim and reaping within this process */
+    enum mode mode;
+    int log_level;              /* 0 errors, 1 info, 2 debug (VGPU_LOG) */
+    const struct vgpu_quota *quota;
+    struct vgpu_usage *usage;
+    int usage_fd;
+    int slot;                   /* this process's slot in the usage file; -1: none (yet) */
+    char usage_path[4096];
+    struct entry *table;
+    uint64_t next_reap_ns;
+    uint64_t next_claim_ns;     /* no slot: when to try again */
+    void *cuda, *nvml;
+    int nvml_ready;
+};
+extern struct shim_state S;
+extern TLS int in_init;   /* recursion guard: hooks called during init pass through */
+
+/* === log === */
+
+void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define ERR(...) vgpu_log(0, __VA_ARGS__)
+#define INFO(...) vgpu_log(1, __VA_ARGS__)
+#define DEBUG(...) vgpu_log(2, __VA_ARGS__)
+void deny(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* === shim.c === */
+
+void init_slow(void);
+static inline void ensure_init(void)
+{
+    if (UNLIKELY(!LOAD(&S.ready)))
+        init_slow();
+}
+void nvml_resolve(void);
+uint64_t now_ns(void);
+int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
+void reap_dead(void);
+void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
+
+/* Start of every CUDA hook: init, a missing driver symbol is an error, unmanaged
+ * programs (and calls made while initialising) go straight to the driver. */
+#define ENTER(sym, ...)                                 \
+    ensure_init();                                      \
+    if (UNLIKELY(!real_##sym))                          \
+        return CUDA_ERROR_NOT_FOUND;                    \
+    if (UNLIKELY(S.mode == MODE_PASS || in_init))       \
+        return real_##sym(__VA_ARGS__)
+
+#define NVML_ENTER(sym, ...)                                     \
+    ensure_init();                                               \
+    if (UNLIKELY(!LOAD(&S.nvml_ready)))                          \
+        nvml_resolve();                                          \
+    if (UNLIKELY(!real_##sym))                                   \
+        return NVML_ERROR_FUNCTION_NOT_FOUND;                    \
+    if (S.mode == MODE_PASS || in_init)                          \
+        return real_##sym(__VA_ARGS__)
+
+/* === memory.c === */
+
+int memory_map_table(void);           /* 0, or -1 when the allocation table cannot be mapped */
+void memory_atfork_child(void);
+int current_device(void);
+int stream_device(CUstream stream);
+int nvml_index(nvmlDevice_t device);
+uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
+void pools_settle(int trim);          /* charge each pool of the process its reserve */
+
+/* === compute.c === */
+
+void compute_atfork_child(void);
+
+#endif

@@ -1,0 +1,965 @@
+/* memory.c — the memory cap: accounting, the allocate and free hooks, the view.
+ *
+ * Hot path (an allocation under quota): no lock, no syscall, no log call — an add to
+ * this process's charge, a sum over the container's slots, and a lock-free table insert.
+ */
+#include "internal.h"
+#include "footprint.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* === memory accounting === */
+
+#define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
+#define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings) */
+#define TABLE_BITS 20
+#define TABLE_SIZE (1u << TABLE_BITS)
+#define TOMBSTONE 1ull
+#define ADMIT_TRIES 4
+#define CLAIM_RETRY_NS 100000000ull   /* no free slot: try again after this */
+
+
+static inline uint64_t memory_cap(int dev)
+{
+    if (S.mode != MODE_ENFORCE || dev < 0 || (uint32_t)dev >= S.quota->device_count)
+        return 0;
+    return LOAD(&S.quota->devices[dev].memory_max);   /* a resize shows up on the next call */
+}
+
+/* The container's bytes on dev: the sum of its slots' charges (seq_cst loads: the
+ * admission below relies on them). */
+uint64_t memory_used(int dev)
+{
+    uint32_t n = LOAD(&S.usage->slots_used);
+    if (n > VGPU_MAX_PROCS)
+        n = VGPU_MAX_PROCS;   /* the file is the container's to scribble on */
+    const uint64_t *row = S.usage->charge[dev];
+    uint64_t used = 0;
+    for (uint32_t i = 0; i < n; i++)
+        used += __atomic_load_n(&row[i], __ATOMIC_SEQ_CST);
+    return used;
+}
+
+/* This process's slot, claimed on its first allocation after a fork (forked helpers
+ * that never touch the GPU cost no slot) or, when all were taken, retried now and
+ * then: slots come free as processes exit. */
+static int have_slot(void)
+{
+    if (LIKELY(S.slot >= 0))
+        return 1;
+    if (S.mode != MODE_ENFORCE || S.usage_fd < 0 || now_ns() < LOAD(&S.next_claim_ns))
+        return 0;
+    pthread_mutex_lock(&S.lock);
+    if (S.slot < 0 && claim_slot() < 0) {
+        reap_dead();
+        if (claim_slot() < 0)
+            STORE(&S.next_claim_ns, now_ns() + CLAIM_RETRY_NS);
+    }
+    pthread_mutex_unlock(&S.lock);
+    return S.slot >= 0;
+}
+
+static void note_peak(struct vgpu_usage_device *u, uint64_t now)
+{
+    uint64_t peak = LOAD(&u->memory_peak);
+    while (peak < now &&
+           !__atomic_compare_exchange_n(&u->memory_peak, &peak, now, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        ;
+}
+
+/* Reserve before allocating.  Publish, then check: add the bytes to this process's own
+ * charge, then sum every slot's charge on the device; over the cap -> take them back
+ * (a racing reader may see that transient: counters can pass the cap for an instant by
+ * one refused request, the device never does).
+ * Of two processes racing for the last bytes, whichever sums second sees the other's
+ * charge (both steps are seq_cst), so the cap is never passed; at worst both retreat,
+ * and the retries (after a reap of dead processes, then a yield) sort it out.  A kill at
+ * any instruction leaves the slot holding exactly what its process may have allocated,
+ * and a dead process's slot is drained whole: there is no second counter to drift. */
+static CUresult admit(int dev, uint64_t bytes)
+{
+    if (UNLIKELY(!have_slot()))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct vgpu_usage_device *u = &S.usage->devices[dev];
+    uint64_t *mine = &S.usage->charge[dev][S.slot];
+    uint64_t cap = memory_cap(dev), used = 0;
+    for (int attempt = 0; bytes <= cap && attempt < ADMIT_TRIES; attempt++) {
+        if (attempt == 1) {
+            reap_dead();
+            pools_settle(1);   /* reserve kept for reuse is given back first */
+        }
+        else if (attempt > 1)
+            sched_yield();   /* let a racing admission finish or retreat */
+        /* a look first: what plainly does not fit is refused without ever showing in
+         * the counters (only a true race leaves a transient that is taken back) */
+        if ((used = memory_used(dev)) <= cap - bytes) {
+            __atomic_add_fetch(mine, bytes, __ATOMIC_SEQ_CST);
+            used = memory_used(dev);
+            if (used <= cap) {
+                note_peak(u, used);
+                return CUDA_SUCCESS;
+            }
+            __atomic_sub_fetch(mine, bytes, __ATOMIC_SEQ_CST);
+        } else {
+            used += bytes;
+        }
+        cap = memory_cap(dev);
+    }
+    __atomic_add_fetch(&u->oom_refusals, 1, __ATOMIC_RELAXED);
+    DEBUG("refused %llu bytes on device %d: %llu of %llu in use", (unsigned long long)bytes, dev,
+          (unsigned long long)(used >= bytes ? used - bytes : 0), (unsigned long long)cap);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static void refund(int dev, uint64_t bytes)
+{
+    if (S.slot < 0 || !bytes)
+        return;
+    __atomic_sub_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+}
+
+/* The allocation table is private to the process (a forked child gets a fresh one). */
+static struct entry *map_table(void)
+{
+    void *t = mmap(NULL, sizeof(struct entry) * TABLE_SIZE, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return t == MAP_FAILED ? NULL : t;
+}
+
+int memory_map_table(void)
+{
+    return (S.table = map_table()) ? 0 : -1;
+}
+
+/* VMM handles and pools, kept under a lock (not hot paths): see "where memory comes from" */
+struct vmm { uint64_t handle, bytes; int dev, mappings, released; };
+struct mapping { uint64_t ptr, size, handle; };
+static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct vmm *vmms;
+static struct mapping *mappings;
+static size_t nvmm, vmm_cap, nmappings, mappings_cap;
+/* charged = reserve (as last read) + pending (provisional charges of allocations in flight) */
+struct pool { CUmemoryPool pool; int dev; uint64_t charged, pending; };   /* dev -1: host memory */
+static struct pool *pools;
+static size_t npools, pools_cap;
+
+/* Where memory of a location lives: a device index (charged there), LOCATION_PASS (not
+ * device memory, or invalid: the driver answers), LOCATION_REFUSED (a location type
+ * newer than the shim: it might be device memory, so it is refused, fail closed). */
+#define LOCATION_PASS (-1)
+#define LOCATION_REFUSED (-3)
+static int location_device(const CUmemLocation *loc)
+{
+    switch (loc->type) {
+    case 1:   /* CU_MEM_LOCATION_TYPE_DEVICE: id is a device ordinal */
+        return loc->id >= 0 && loc->id < VGPU_MAX_DEVICES ? loc->id : LOCATION_PASS;
+    case 0:   /* INVALID / NONE */
+    case 2:   /* HOST */
+    case 3:   /* HOST_NUMA */
+    case 4:   /* HOST_NUMA_CURRENT */
+        return LOCATION_PASS;
+    default:
+        ERR("memory location type %d is unknown to the shim; refused (it may be device memory)", (int)loc->type);
+        return LOCATION_REFUSED;
+    }
+}
+
+/* In a forked child: what the parent allocated is the parent's to free and refund. */
+void memory_atfork_child(void)
+{
+    pthread_mutex_init(&vmm_lock, NULL);
+    if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
+        S.table = map_table();
+    nvmm = nmappings = npools = 0;
+}
+
+/* Lock-free open-addressing table: what each live allocation was charged, and where. */
+static inline uint32_t slot_of(uint64_t key) { return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - TABLE_BITS)); }
+
+static int remember(uint64_t key, int dev, uint64_t bytes)
+{
+    if (!S.table)
+        return -1;
+    for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
+        uint64_t k = LOAD(&S.table[i].key);
+        if ((k == 0 || k == TOMBSTONE) &&
+            __atomic_compare_exchange_n(&S.table[i].key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            STORE(&S.table[i].value, bytes << 4 | (uint64_t)dev);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int forget(uint64_t key, int *dev, uint64_t *bytes)
+{
+    if (!S.table)   /* failed closed before the table existed: nothing was charged */
+        return -1;
+    for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
+        uint64_t k = LOAD(&S.table[i].key);
+        if (k == 0)
+            return -1;
+        if (k == key) {
+            uint64_t v = LOAD(&S.table[i].value);
+            if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE)) {
+                *dev = (int)(v & 15);
+                *bytes = v >> 4;
+                return 0;
+            }
+        }
+    }
+    return -1;
+}
+
+int current_device(void)
+{
+    CUdevice d;
+    if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
+        return -1;
+    return d;
+}
+
+/* The device a stream's work (and its stream-ordered allocations) lands on. */
+int stream_device(CUstream stream)
+{
+    CUcontext ctx, cur = NULL, popped;
+    if (stream == NULL || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD ||
+        !real_cuStreamGetCtx || !real_cuCtxGetCurrent || real_cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS ||
+        real_cuCtxGetCurrent(&cur) != CUDA_SUCCESS || ctx == cur)
+        return current_device();
+    if (!real_cuCtxPushCurrent_v2 || !real_cuCtxPopCurrent_v2 || real_cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS)
+        return -1;
+    int dev = current_device();
+    real_cuCtxPopCurrent_v2(&popped);
+    return dev;
+}
+
+/* Charge `bytes` on `dev`, run the real allocation, remember the result under `key`. */
+#define CHARGED(dev, bytes, real_call, key)                                                    \
+    do {                                                                                       \
+        CUresult r_ = admit((dev), (bytes));                                                   \
+        if (r_ != CUDA_SUCCESS)                                                                \
+            return r_;                                                                         \
+        r_ = (real_call);                                                                      \
+        if (r_ != CUDA_SUCCESS)                                                                \
+            refund((dev), (bytes));                                                            \
+        else if (remember((key), (dev), (bytes)))                                              \
+            ERR("allocation table full: %llu bytes stay charged", (unsigned long long)(bytes)); \
+        return r_;                                                                             \
+    } while (0)
+
+/* Forget `key`, run the real free, refund on success (re-remember on failure). */
+#define RELEASED(real_call, key)                        \
+    do {                                                \
+        int dev_;                                       \
+        uint64_t bytes_;                                \
+        int known_ = forget((key), &dev_, &bytes_) == 0; \
+        CUresult r_ = (real_call);                      \
+        if (known_ && r_ == CUDA_SUCCESS)               \
+            refund(dev_, bytes_);                       \
+        else if (known_)                                \
+            remember((key), dev_, bytes_);              \
+        return r_;                                      \
+    } while (0)
+
+/* === allocate === */
+
+SHIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    ENTER(cuMemAlloc_v2, dptr, bytesize);
+    int dev = current_device();
+    if (dev < 0 || !dptr || !bytesize)
+        return real_cuMemAlloc_v2(dptr, bytesize);   /* the driver reports the error */
+    CHARGED(dev, vgpu_alloc_footprint(bytesize), real_cuMemAlloc_v2(dptr, bytesize), KEY_PTR | *dptr);
+}
+
+SHIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                        unsigned int ElementSizeBytes)
+{
+    ENTER(cuMemAllocPitch_v2, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    int dev = current_device();
+    if (dev < 0 || !dptr || !pPitch || !WidthInBytes || !Height)
+        return real_cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    /* the pitch is known only afterwards: reserve at the usual 512-byte alignment, then
+     * settle the difference */
+    uint64_t guess = vgpu_alloc_footprint((WidthInBytes + 511) / 512 * 512 * (uint64_t)Height);
+    CUresult r = admit(dev, guess);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real_cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (r != CUDA_SUCCESS) {
+        refund(dev, guess);
+        return r;
+    }
+    uint64_t actual = vgpu_alloc_footprint((uint64_t)*pPitch * Height);
+    if (actual > guess && admit(dev, actual - guess) != CUDA_SUCCESS) {
+        refund(dev, guess);
+        if (real_cuMemFree_v2)
+            real_cuMemFree_v2(*dptr);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (actual < guess)
+        refund(dev, guess - actual);
+    if (remember(KEY_PTR | *dptr, dev, actual))
+        ERR("allocation table full: %llu bytes stay charged", (unsigned long long)actual);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    ENTER(cuMemAllocManaged, dptr, bytesize, flags);
+    int dev = current_device();
+    if (dev < 0 || !dptr || !bytesize)
+        return real_cuMemAllocManaged(dptr, bytesize, flags);
+    CHARGED(dev, vgpu_alloc_footprint(bytesize), real_cuMemAllocManaged(dptr, bytesize, flags), KEY_PTR | *dptr);
+}
+
+/* === pools: stream-ordered allocation ===
+ * A pool keeps what is freed into it (up to its release threshold, until a
+ * synchronisation; forever with a threshold of UINT64_MAX), so what the device holds
+ * for a pool is its reserve, not its live allocations.  The shim charges each pool of
+ * the process its CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: an allocation is admitted for
+ * its footprint in whole 2 MiB chunks (what simgpu's reserve grows by at most; a real
+ * driver's pool may take larger chunks, which are charged when seen, past the cap),
+ * then the pool is re-read and the charge set to the reserve: growth charged first,
+ * the provisional charge refunded after, so the count never drops below the device's.
+ * Frees change nothing until the driver releases reserve (at a synchronisation, a trim,
+ * a threshold change, a destroy); the charge follows on the next stream-ordered call,
+ * memory query, refusal or trim.  Between those it is higher than the device: the safe
+ * side, and never a refusal, since a refusal re-reads every pool first. */
+
+
+/* Charge what the device already holds for the process: no cap check, the bytes are
+ * spent (the next admissions see them). */
+static void charge_held(int dev, uint64_t bytes)
+{
+    if (S.slot >= 0 && bytes)
+        note_peak(&S.usage->devices[dev],
+                  (__atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST), memory_used(dev)));
+}
+
+/* Called with vmm_lock held.  dev < 0: a pool of host memory (not charged). */
+static struct pool *pool_record(CUmemoryPool pool, int dev)
+{
+    for (size_t i = 0; i < npools; i++)
+        if (pools[i].pool == pool)
+            return &pools[i];
+    if (npools == pools_cap) {
+        struct pool *n = realloc(pools, (pools_cap ? 2 * pools_cap : 16) * sizeof *n);
+        if (!n)
+            return NULL;
+        pools = n;
+        pools_cap = pools_cap ? 2 * pools_cap : 16;
+    }
+    pools[npools] = (struct pool){pool, dev, 0, 0};
+    return &pools[npools++];
+}
+
+static void note_pool(CUmemoryPool pool, int dev)
+{
+    pthread_mutex_lock(&vmm_lock);
+    struct pool *p = pool_record(pool, dev);
+    if (p && p->dev != dev && !p->charged)
+        p->dev = dev;
+    pthread_mutex_unlock(&vmm_lock);
+}
+
+/* Bring the charge of one pool to its reserve plus what is in flight; called with
+ * vmm_lock held.  trim: first give the pool's unused reserve back to the driver. */
+static void pool_settle_locked(struct pool *p, int trim)
+{
+    cuuint64_t reserved;
+    if (p->dev < 0 || !real_cuMemPoolGetAttribute)
+        return;
+    if (trim && real_cuMemPoolTrimTo)
+        real_cuMemPoolTrimTo(p->pool, 0);
+    if (real_cuMemPoolGetAttribute(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+        return;   /* (a destroyed pool is settled by the destroy hook) */
+    uint64_t target = reserved + p->pending;
+    if (target > p->charged)
+        charge_held(p->dev, target - p->charged);
+    else
+        refund(p->dev, p->charged - target);
+    p->charged = target;
+}
+
+/* trim: under the cap's pressure, reserve kept for reuse becomes budget again (the
+ * pools lose only their cache; nothing in use is touched). */
+void pools_settle(int trim)
+{
+    if (!LOAD(&npools))
+        return;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < npools; i++)
+        pool_settle_locked(&pools[i], trim);
+    pthread_mutex_unlock(&vmm_lock);
+}
+
+/* The pool a stream-ordered allocation on `stream` comes from: the device's current one. */
+static CUmemoryPool current_pool(int dev)
+{
+    CUmemoryPool pool = NULL;
+    if (!real_cuDeviceGetMemPool || real_cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS)
+        return NULL;
+    return pool;
+}
+
+static CUresult pool_alloc(int dev, CUmemoryPool pool, uint64_t bytes, CUresult r_call(void *), void *call)
+{
+    if (!pool)   /* no pool to read: charged as a plain allocation, for good */
+        return admit(dev, bytes) != CUDA_SUCCESS ? CUDA_ERROR_OUT_OF_MEMORY : r_call(call);
+    /* the most the reserve can grow by: the footprint, in whole pool chunks */
+    uint64_t provisional = (vgpu_alloc_footprint(bytes) + VGPU_LARGE_PAGE - 1) & ~(VGPU_LARGE_PAGE - 1);
+    CUresult r = admit(dev, provisional);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    struct pool *p = pool_record(pool, dev);
+    if (p) {
+        p->charged += provisional;
+        p->pending += provisional;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    if (!p) {
+        ERR("pool table full: %llu bytes stay charged", (unsigned long long)provisional);
+        return r_call(call);
+    }
+    r = r_call(call);
+    pthread_mutex_lock(&vmm_lock);
+    if ((p = pool_record(pool, dev))) {
+        p->pending -= provisional;
+        pool_settle_locked(p, 0);
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+struct async_call { CUresult (*real)(CUdeviceptr *, size_t, CUstream); CUdeviceptr *dptr; size_t bytes; CUstream s; };
+static CUresult call_async(void *c)
+{
+    struct async_call *a = c;
+    return a->real(a->dptr, a->bytes, a->s);
+}
+
+/* Stream-ordered allocations come from the current pool of the stream's device. */
+static CUresult alloc_async(CUresult (*real)(CUdeviceptr *, size_t, CUstream), CUdeviceptr *dptr,
+                            size_t bytesize, CUstream hStream)
+{
+    int dev = dptr && bytesize ? stream_device(hStream) : -1;
+    if (dev < 0)
+        return real(dptr, bytesize, hStream);
+    struct async_call c = {real, dptr, bytesize, hStream};
+    return pool_alloc(dev, current_pool(dev), bytesize, call_async, &c);
+}
+
+SHIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ENTER(cuMemAllocAsync, dptr, bytesize, hStream);
+    return alloc_async(real_cuMemAllocAsync, dptr, bytesize, hStream);
+}
+
+SHIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ENTER(cuMemAllocAsync_ptsz, dptr, bytesize, hStream);
+    return alloc_async(real_cuMemAllocAsync_ptsz, dptr, bytesize, hStream);
+}
+
+/* A pool's memory lives on the pool's device (known when the program got the pool
+ * through a hooked call), else on the stream's; -2: a host-memory pool. */
+static int pool_device(CUmemoryPool pool, CUstream stream)
+{
+    int dev = -1;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < npools; i++)
+        if (pools[i].pool == pool)
+            dev = pools[i].dev < 0 ? -2 : pools[i].dev;
+    pthread_mutex_unlock(&vmm_lock);
+    return dev != -1 ? dev : stream_device(stream);
+}
+
+struct pool_call {
+    CUresult (*real)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+    CUdeviceptr *dptr; size_t bytes; CUmemoryPool pool; CUstream s;
+};
+static CUresult call_pool(void *c)
+{
+    struct pool_call *a = c;
+    return a->real(a->dptr, a->bytes, a->pool, a->s);
+}
+
+static CUresult alloc_from_pool(CUresult (*real)(CUdeviceptr *, size_t, CUmemoryPool, CUstream),
+                                CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    int dev = dptr && bytesize ? pool_device(pool, hStream) : -1;
+    if (dev < 0)
+        return real(dptr, bytesize, pool, hStream);
+    struct pool_call c = {real, dptr, bytesize, pool, hStream};
+    return pool_alloc(dev, pool, bytesize, call_pool, &c);
+}
+
+SHIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                             CUstream hStream)
+{
+    ENTER(cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream);
+    return alloc_from_pool(real_cuMemAllocFromPoolAsync, dptr, bytesize, pool, hStream);
+}
+
+SHIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                  CUstream hStream)
+{
+    ENTER(cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
+    return alloc_from_pool(real_cuMemAllocFromPoolAsync_ptsz, dptr, bytesize, pool, hStream);
+}
+
+/* After a call that may let the driver release pool reserve (a free into a pool,
+ * a trim, a threshold, a synchronisation): the charge follows the reserve. */
+static CUresult after_release(CUresult r)
+{
+    pools_settle(0);
+    return r;
+}
+
+/* A stream-ordered free may also free a plain allocation (refunded as cuMemFree does). */
+static CUresult free_stream_ordered(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr dptr, CUstream hStream)
+{
+    int dev;
+    uint64_t bytes;
+    int known = forget(KEY_PTR | dptr, &dev, &bytes) == 0;
+    CUresult r = real(dptr, hStream);
+    if (known && r == CUDA_SUCCESS)
+        refund(dev, bytes);
+    else if (known)
+        remember(KEY_PTR | dptr, dev, bytes);
+    return after_release(r);
+}
+
+SHIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    ENTER(cuMemFreeAsync, dptr, hStream);
+    return free_stream_ordered(real_cuMemFreeAsync, dptr, hStream);
+}
+
+SHIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    ENTER(cuMemFreeAsync_ptsz, dptr, hStream);
+    return free_stream_ordered(real_cuMemFreeAsync_ptsz, dptr, hStream);
+}
+
+SHIM_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    ENTER(cuMemPoolTrimTo, pool, minBytesToKeep);
+    return after_release(real_cuMemPoolTrimTo(pool, minBytesToKeep));
+}
+
+SHIM_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    ENTER(cuMemPoolSetAttribute, pool, attr, value);
+    return after_release(real_cuMemPoolSetAttribute(pool, attr, value));
+}
+
+SHIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+    ENTER(cuStreamSynchronize, hStream);
+    return after_release(real_cuStreamSynchronize(hStream));
+}
+
+SHIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    ENTER(cuStreamSynchronize_ptsz, hStream);
+    return after_release(real_cuStreamSynchronize_ptsz(hStream));
+}
+
+SHIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+{
+    ENTER(cuEventSynchronize, hEvent);
+    return after_release(real_cuEventSynchronize(hEvent));
+}
+
+SHIM_EXPORT CUresult cuCtxSynchronize(void)
+{
+    ENTER(cuCtxSynchronize);
+    return after_release(real_cuCtxSynchronize());
+}
+
+SHIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    ENTER(cuMemPoolDestroy, pool);
+    CUresult r = real_cuMemPoolDestroy(pool);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < npools; i++)
+        if (pools[i].pool == pool) {
+            if (pools[i].dev >= 0)
+                refund(pools[i].dev, pools[i].charged);
+            pools[i] = pools[--npools];
+            break;
+        }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* VMM: a handle's memory stays on the device while it is mapped, even after release,
+ * so the budget comes back when it is both released and unmapped (as the driver frees). */
+SHIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                 unsigned long long flags)
+{
+    ENTER(cuMemCreate, handle, size, prop, flags);
+    int dev = prop ? location_device(&prop->location) : LOCATION_PASS;
+    if (dev == LOCATION_REFUSED)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (dev < 0 || !handle || !size)
+        return real_cuMemCreate(handle, size, prop, flags);
+    CUresult r = admit(dev, size);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = real_cuMemCreate(handle, size, prop, flags);
+    if (r != CUDA_SUCCESS) {
+        refund(dev, size);
+        return r;
+    }
+    pthread_mutex_lock(&vmm_lock);
+    if (nvmm == vmm_cap) {
+        struct vmm *n = realloc(vmms, (vmm_cap ? 2 * vmm_cap : 16) * sizeof *n);
+        if (n) {
+            vmms = n;
+            vmm_cap = vmm_cap ? 2 * vmm_cap : 16;
+        }
+    }
+    if (nvmm < vmm_cap)
+        vmms[nvmm++] = (struct vmm){*handle, size, dev, 0, 0};
+    else
+        ERR("VMM table full: %zu bytes stay charged", size);
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* Called with vmm_lock held: give the budget back once released and unmapped. */
+static void vmm_settle(size_t i)
+{
+    if (!vmms[i].released || vmms[i].mappings > 0)
+        return;
+    refund(vmms[i].dev, vmms[i].bytes);
+    vmms[i] = vmms[--nvmm];
+}
+
+static struct vmm *vmm_find(uint64_t handle, size_t *index)
+{
+    for (size_t i = 0; i < nvmm; i++)
+        if (vmms[i].handle == handle) {
+            *index = i;
+            return &vmms[i];
+        }
+    return NULL;
+}
+
+SHIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                              unsigned long long flags)
+{
+    ENTER(cuMemMap, ptr, size, offset, handle, flags);
+    CUresult r = real_cuMemMap(ptr, size, offset, handle, flags);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(handle, &i);
+    if (v && nmappings == mappings_cap) {
+        struct mapping *n = realloc(mappings, (mappings_cap ? 2 * mappings_cap : 16) * sizeof *n);
+        if (n) {
+            mappings = n;
+            mappings_cap = mappings_cap ? 2 * mappings_cap : 16;
+        }
+    }
+    if (v && nmappings < mappings_cap) {
+        mappings[nmappings++] = (struct mapping){ptr, size, handle};
+        v->mappings++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    ENTER(cuMemUnmap, ptr, size);
+    CUresult r = real_cuMemUnmap(ptr, size);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t m = 0; m < nmappings;) {
+        if (mappings[m].ptr < ptr || mappings[m].ptr >= ptr + size) {
+            m++;
+            continue;
+        }
+        size_t i;
+        struct vmm *v = vmm_find(mappings[m].handle, &i);
+        mappings[m] = mappings[--nmappings];
+        if (v) {
+            v->mappings--;
+            vmm_settle(i);
+        }
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
+{
+    ENTER(cuMemPoolCreate, pool, poolProps);
+    int dev = poolProps ? location_device(&poolProps->location) : LOCATION_PASS;
+    if (dev == LOCATION_REFUSED)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult r = real_cuMemPoolCreate(pool, poolProps);
+    if (r == CUDA_SUCCESS && pool && dev != LOCATION_PASS)
+        note_pool(*pool, dev);   /* (-1: host memory, never charged) */
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
+{
+    ENTER(cuDeviceGetDefaultMemPool, pool_out, dev);
+    CUresult r = real_cuDeviceGetDefaultMemPool(pool_out, dev);
+    if (r == CUDA_SUCCESS && pool_out)
+        note_pool(*pool_out, dev);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    ENTER(cuDeviceGetMemPool, pool, dev);
+    CUresult r = real_cuDeviceGetMemPool(pool, dev);
+    if (r == CUDA_SUCCESS && pool)
+        note_pool(*pool, dev);
+    return r;
+}
+
+/* Bytes an array takes; formats of unknown element size are charged as 4 x 32-bit. */
+static uint64_t array_charge(CUDA_ARRAY3D_DESCRIPTOR d, unsigned levels)
+{
+    uint64_t b = vgpu_array_bytes(&d, levels);
+    if (!b) {
+        d.Format = 0x20;
+        d.NumChannels = 4;
+        b = vgpu_array_bytes(&d, levels);
+    }
+    return b;
+}
+
+SHIM_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
+{
+    ENTER(cuArrayCreate_v2, pHandle, pAllocateArray);
+    int dev = current_device();
+    if (dev < 0 || !pHandle || !pAllocateArray)
+        return real_cuArrayCreate_v2(pHandle, pAllocateArray);
+    const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
+    uint64_t bytes = array_charge((CUDA_ARRAY3D_DESCRIPTOR){a->Width, a->Height, 0, a->Format, a->NumChannels, 0}, 1);
+    CHARGED(dev, bytes, real_cuArrayCreate_v2(pHandle, pAllocateArray), KEY_ARRAY | (uint64_t)(uintptr_t)*pHandle);
+}
+
+SHIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
+{
+    ENTER(cuArray3DCreate_v2, pHandle, pAllocateArray);
+    int dev = current_device();
+    if (dev < 0 || !pHandle || !pAllocateArray)
+        return real_cuArray3DCreate_v2(pHandle, pAllocateArray);
+    uint64_t bytes = array_charge(*pAllocateArray, 1);
+    CHARGED(dev, bytes, real_cuArray3DCreate_v2(pHandle, pAllocateArray), KEY_ARRAY | (uint64_t)(uintptr_t)*pHandle);
+}
+
+SHIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
+                                            unsigned int numMipmapLevels)
+{
+    ENTER(cuMipmappedArrayCreate, pHandle, pMipmappedArrayDesc, numMipmapLevels);
+    int dev = current_device();
+    if (dev < 0 || !pHandle || !pMipmappedArrayDesc || !numMipmapLevels)
+        return real_cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels);
+    uint64_t bytes = array_charge(*pMipmappedArrayDesc, numMipmapLevels);
+    CHARGED(dev, bytes, real_cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels),
+            KEY_ARRAY | (uint64_t)(uintptr_t)*pHandle);
+}
+
+/* === free: always the real free, even for what the shim does not know === */
+
+SHIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    ENTER(cuMemFree_v2, dptr);
+    int dev;
+    uint64_t bytes;
+    if (forget(KEY_PTR | dptr, &dev, &bytes)) {   /* not ours: maybe a pool's (settled) */
+        CUresult r = real_cuMemFree_v2(dptr);
+        return LOAD(&npools) ? after_release(r) : r;
+    }
+    CUresult r = real_cuMemFree_v2(dptr);
+    if (r == CUDA_SUCCESS)
+        refund(dev, bytes);
+    else
+        remember(KEY_PTR | dptr, dev, bytes);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    ENTER(cuMemRelease, handle);
+    CUresult r = real_cuMemRelease(handle);
+    if (r != CUDA_SUCCESS)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(handle, &i);
+    if (v) {
+        v->released = 1;
+        vmm_settle(i);
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuArrayDestroy(CUarray hArray)
+{
+    ENTER(cuArrayDestroy, hArray);
+    RELEASED(real_cuArrayDestroy(hArray), KEY_ARRAY | (uint64_t)(uintptr_t)hArray);
+}
+
+SHIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    ENTER(cuMipmappedArrayDestroy, hMipmappedArray);
+    RELEASED(real_cuMipmappedArrayDestroy(hMipmappedArray), KEY_ARRAY | (uint64_t)(uintptr_t)hMipmappedArray);
+}
+
+/* === view: the container's slice, never negative, never above the device === */
+
+/* total = min(cap, device); used = the container's; free = min(total - used, device free) */
+static int slice(int dev, uint64_t dev_total, uint64_t dev_free, uint64_t *total, uint64_t *free, uint64_t *used)
+{
+    uint64_t cap = memory_cap(dev);
+    if (S.mode == MODE_ENFORCE && cap == VGPU_UNLIMITED)
+        return 0;   /* unlimited: the device as it is */
+    if (S.mode == MODE_ENFORCE) {
+        maybe_reap();
+        pools_settle(0);
+    }
+    uint64_t u = S.mode == MODE_ENFORCE ? memory_used(dev) : 0;
+    *total = cap < dev_total ? cap : dev_total;
+    *used = u < *total ? u : *total;
+    *free = *total - *used < dev_free ? *total - *used : dev_free;
+    return 1;
+}
+
+SHIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
+{
+    ENTER(cuMemGetInfo_v2, free, total);
+    CUresult r = real_cuMemGetInfo_v2(free, total);
+    int dev = current_device();
+    uint64_t t, f, u;
+    if (r == CUDA_SUCCESS && dev >= 0 && slice(dev, *total, *free, &t, &f, &u)) {
+        *total = t;
+        *free = f;
+    }
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    ENTER(cuDeviceTotalMem_v2, bytes, dev);
+    CUresult r = real_cuDeviceTotalMem_v2(bytes, dev);
+    uint64_t t, f, u;
+    if (r == CUDA_SUCCESS && dev >= 0 && dev < VGPU_MAX_DEVICES && slice(dev, *bytes, *bytes, &t, &f, &u))
+        *bytes = t;
+    return r;
+}
+
+
+/* === NVML view === */
+
+int nvml_index(nvmlDevice_t device)
+{
+    unsigned int i;
+    if (!real_nvmlDeviceGetIndex || real_nvmlDeviceGetIndex(device, &i) != NVML_SUCCESS || i >= VGPU_MAX_DEVICES)
+        return -1;
+    return (int)i;
+}
+
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    NVML_ENTER(nvmlDeviceGetMemoryInfo, device, memory);
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo(device, memory);
+    int dev = nvml_index(device);
+    uint64_t t, f, u;
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->used = u;
+        memory->free = f;
+    }
+    return r;
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    NVML_ENTER(nvmlDeviceGetMemoryInfo_v2, device, memory);
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
+    int dev = nvml_index(device);
+    uint64_t t, f, u;
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->reserved = 0;
+        memory->used = u;
+        memory->free = f;
+    }
+    return r;
+}
+
+/* The container's own processes on the device, from the usage file: pids as the
+ * container sees them, whatever pid namespace the driver reports in. */
+enum proc_abi { PROC_V1, PROC_V2 };
+
+static nvmlReturn_t own_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum proc_abi abi)
+{
+    int dev = nvml_index(device);
+    if (!infoCount || dev < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (S.mode == MODE_ENFORCE)
+        maybe_reap();
+    unsigned int count = 0;
+    nvmlProcessInfo_v2_t found[VGPU_MAX_PROCS];
+    /* the figures never add up past the total shown (after a resize below use, they
+     * would): the shown total is the cap */
+    uint64_t left = memory_cap(dev);
+    for (int i = 0; S.mode == MODE_ENFORCE && i < VGPU_MAX_PROCS; i++) {
+        int32_t pid = LOAD(&S.usage->procs[i].pid);
+        uint64_t mem = LOAD(&S.usage->charge[dev][i]);
+        mem = mem < left ? mem : left;
+        left -= mem;
+        if (pid > 0 && mem)
+            found[count++] = (nvmlProcessInfo_v2_t){.pid = (unsigned int)pid, .usedGpuMemory = mem,
+                                                    .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
+                                                    .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};
+    }
+    return vgpu_nvml_put_processes(found, count, infoCount, infos, abi == PROC_V1);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_v1_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses, device, infoCount, infos);
+    return own_processes(device, infoCount, infos, PROC_V1);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_v2_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v2, device, infoCount, infos);
+    return own_processes(device, infoCount, infos, PROC_V2);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v3, device, infoCount, infos);
+    return own_processes(device, infoCount, infos, PROC_V2);
+}
+
