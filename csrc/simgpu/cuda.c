@@ -7,6 +7,13 @@
  * blocks as the device has SMs; other names take SIMGPU_DEFAULT_KERNEL_US.  Launches
  * return at once; synchronisation sleeps until the timeline says the work is done.
  *
+ * What the device holds follows the driver as its API documentation describes it, so the
+ * shim's accounting is tested against the driver's behaviour, not against requested bytes:
+ * allocation footprints (footprint.h), pools that keep freed memory per release threshold,
+ * graph memory reserves, context teardown freeing the context's allocations, an optional
+ * per-process context overhead (SIMGPU_CONTEXT_OVERHEAD), location types of cuMemCreate
+ * and pools.  Each section says what is documented and what is only a model.
+ *
  * Entry points follow the public ABI: exported names with their _v2/_ptds/_ptsz suffixes,
  * and cuGetProcAddress(_v2) resolving (name, cudaVersion, flags) over the full list of
  * known ABIs (cuda_entry_points.h).  Known entry points that simgpu does not implement
