@@ -199,6 +199,21 @@ def test_every_host_path_the_plugin_needs_is_mounted_at_the_same_path():
         assert v["hostPath"].get("type") in ("Directory", "DirectoryOrCreate"), v["name"]
 
 
+def test_the_plugins_cdi_specs_are_accepted_by_every_runtime_with_its_defaults(tmp_path):
+    from k8s_cdi import RUNTIMES, Registry
+    from vgpu import slices
+    from vgpu.k8s import cdi
+    _, p = parse(container("plugin"))
+    assert p["cdi_version"] == cdi.AUTO              # the lowest the content needs, not the newest
+    names = ["train-share-0", "0b7e2c1a-95f4-4d1e-8a3b-5c6d7e8f9a0b"]   # a share ID may start with a digit
+    for name in names:
+        spec = cdi.spec(p["driver_name"], name, slices.paths(p["directory"], name), p["shim_dir"] + "/libvgpu.so",
+                        version=p["cdi_version"])
+        cdi.write(str(tmp_path / f"{name}.json"), spec)
+    for runtime in RUNTIMES:   # containerd 1.7 and 2.x, CRI-O 1.30 on: see tests/k8s_cdi.py
+        Registry([tmp_path], runtime).inject([cdi.device_id(p["driver_name"], n) for n in names])
+
+
 def test_plugin_sockets_are_where_the_kubelet_looks():
     _, p = parse(container("plugin"))
     assert plugin_dir(p) == "/var/lib/kubelet/plugins/vgpu.dev"     # dra.sock, checkpoint

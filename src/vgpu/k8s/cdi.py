@@ -10,11 +10,16 @@ import os
 
 from .. import install, runtime
 
-CDI_VERSION = "1.1.0"
-# what the spec's content needs: bind mounts with a type (0.4.0), device names that may
-# start with a digit, as share IDs do (0.5.0); a runtime whose CDI library predates 1.1.0
-# refuses a 1.1.0 spec, so older versions can be asked for
-CDI_VERSIONS = ("0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+# A runtime's CDI library refuses a spec whose cdiVersion it does not know ("invalid
+# version") and one whose content needs a later version than it names.  containerd
+# 2.0.0-2.0.4 vendor a library that knows up to 0.8.0; containerd 2.0.5-2.2.0 and CRI-O
+# 1.33-1.34 one that knows up to 1.0.0.  So by default ("auto") a spec names the lowest
+# version its content needs -- what the library's own minimum-required-version check
+# computes (min_version): 0.4.0, or 0.5.0 for a share ID starting with a digit -- which
+# every library since 0.5 (containerd 1.7.0) accepts.
+AUTO = "auto"
+CDI_VERSION = AUTO
+CDI_VERSIONS = (AUTO, "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")   # what --cdi-version may name
 CLASS = "slice"
 
 
@@ -31,14 +36,53 @@ def spec_path(cdi_dir: str, driver: str, claim_uid: str) -> str:
     return os.path.join(cdi_dir, f"{driver}-{claim_uid}.json")
 
 
+def _key(version: str):
+    return tuple(int(p) for p in version.lstrip("v").split("."))
+
+
+def min_version(spec: dict) -> str:
+    """The lowest CDI version whose fields `spec` uses, by the rules of the CDI library's
+    minimum-required-version check (newest rule first; 0.3.0 when none applies)."""
+    devices = spec.get("devices") or []
+    edits = [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in devices]
+    rdt = [e["intelRdt"] for e in edits if e.get("intelRdt") is not None]
+    if any(e.get("netDevices") for e in edits) or \
+            any(r.get("schemata") is not None or r.get("enableMonitoring") for r in rdt):
+        return "1.1.0"
+    if rdt or any(e.get("additionalGids") for e in edits):
+        return "0.7.0"
+    vendor_class = spec.get("kind", "").split("/", 1)
+    if spec.get("annotations") or any(d.get("annotations") for d in devices) or \
+            (len(vendor_class) == 2 and "." in vendor_class[1]):
+        return "0.6.0"
+    if any(d.get("name", "")[:1].isdigit() for d in devices) or \
+            any(n.get("hostPath") for e in edits for n in e.get("deviceNodes") or []):
+        return "0.5.0"
+    if any(m.get("type") for e in edits for m in e.get("mounts") or []):
+        return "0.4.0"
+    return "0.3.0"
+
+
+class VersionTooLow(ValueError):
+    pass
+
+
 def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, version=CDI_VERSION) -> dict:
-    """A CDI spec with one device, `name`, giving a container slice `name`."""
+    """A CDI spec with one device, `name`, giving a container slice `name`.  version: AUTO
+    for the lowest the content needs, else that version (VersionTooLow if the content needs
+    a later one: the runtime would refuse the spec)."""
     mounts = [{"hostPath": host, "containerPath": inside, "type": "bind",
                "options": ["bind", "ro" if read_only else "rw", "nosuid", "nodev"]}
               for host, inside, read_only in runtime.mounts(name, paths, shim, preload_file)]
     env = [f"{k}={v}" for k, v in runtime.container_variables(name, preload_file).items()]
-    return {"cdiVersion": version, "kind": kind(driver),
-            "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}]}
+    out = {"cdiVersion": None, "kind": kind(driver),
+           "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}]}
+    needed = min_version(out)
+    if version != AUTO and _key(version) < _key(needed):
+        raise VersionTooLow(f"CDI spec for {name} needs cdiVersion {needed} or later, not {version} "
+                            "(--cdi-version)")
+    out["cdiVersion"] = needed if version == AUTO else version
+    return out
 
 
 def write(path: str, content: dict):
