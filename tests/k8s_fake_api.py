@@ -5,8 +5,9 @@ serves just what the agent uses:
 
     GET    /api/v1/nodes/{name}
     GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}
-    GET    /apis/resource.k8s.io/v1/resourceslices          (fieldSelector, labelSelector)
+    GET    /apis/resource.k8s.io/v1/resourceslices          (fieldSelector, labelSelector; watch)
     POST   /apis/resource.k8s.io/v1/resourceslices
+    DELETE /apis/resource.k8s.io/v1/resourceslices          (DeleteCollection, as the kubelet wipes)
     GET    /apis/resource.k8s.io/v1/resourceslices/{name}
     PUT    /apis/resource.k8s.io/v1/resourceslices/{name}
     DELETE /apis/resource.k8s.io/v1/resourceslices/{name}
@@ -17,7 +18,13 @@ objects, as a real API server sends them, so the client raises ApiException with
 Stricter than a real server on purpose: every POSTed/PUT body must survive
 `k8s_models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
 real server, by default, drops an unknown field with only a warning header.  Not served:
-watch, PATCH, pagination (`limit` is ignored and everything comes back in one list).
+PATCH, pagination (`limit` is ignored and everything comes back in one list).
+
+Watches (`?watch=true`) stream ADDED/MODIFIED/DELETED events of ResourceSlices as chunked
+JSON lines, from `resourceVersion` on (none or "0": the current objects as ADDED first),
+until `timeoutSeconds`; a resourceVersion older than `compact()` left gets the ERROR
+event with a 410 Status a real server sends.  `black_hole()` makes the port accept
+connections and never answer (an API server behind a dead network path).
 
     with FakeApiServer() as api:
         api.write_kubeconfig(tmp_path / "kubeconfig")
@@ -34,7 +41,9 @@ import random
 import re
 import secrets
 import socket
+import sys
 import threading
+import time
 import uuid
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -192,6 +201,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             code, body = e.code, status_object(e.code, e.message, e.reason, e.details)
         except Exception as e:   # a bug in the fake: say so rather than hang the client
             code, body = 500, status_object(500, f"fake API server error: {e!r}")
+        if not isinstance(body, dict):    # a watch: one JSON line per event, chunked
+            self._stream(code, body)
+            return
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -199,7 +211,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _stream(self, code, events):
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for event in events:
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:          # the client went away, or stop() cut the connection
+            self.close_connection = True
+
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _serve
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):   # stop() cut it
+            super().handle_error(request, client_address)
 
 
 class FakeApiServer:
@@ -222,15 +254,20 @@ class FakeApiServer:
         self._claims = {}           # (namespace, name) -> ResourceClaim
         self._slices = {}           # name -> ResourceSlice
         self._failures = []         # [method, path prefix, code, times left]
+        self._events = []           # (resourceVersion, type, ResourceSlice) for watches
+        self._compacted = 0         # watches from at or below this resourceVersion get 410
+        self._changed = threading.Condition(self._lock)
         self._conns = set()
         self._httpd = None
         self._thread = None
+        self._hole = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self):
         if self._httpd is not None:
             return self
-        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self._port), _Handler)
+        self._close_hole()
+        httpd = _Server(("127.0.0.1", self._port), _Handler)
         httpd.daemon_threads = True
         httpd.fake = self
         self._port = httpd.server_address[1]
@@ -241,6 +278,7 @@ class FakeApiServer:
         return self
 
     def stop(self):
+        self._close_hole()
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return
@@ -249,11 +287,27 @@ class FakeApiServer:
         self._thread.join(timeout=5)
         with self._lock:
             conns = list(self._conns)
+            self._changed.notify_all()       # open watches look at the server and end
         for conn in conns:   # keep-alive connections would otherwise still be served
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def black_hole(self):
+        """Stop serving, but keep the port listening without ever accepting: a client's
+        connection and request go through and no answer ever comes (start() undoes it)."""
+        self.stop()
+        hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hole.bind(("127.0.0.1", self._port))
+        hole.listen(64)
+        self._hole = hole
+
+    def _close_hole(self):
+        hole, self._hole = self._hole, None
+        if hole is not None:
+            hole.close()
 
     def __enter__(self):
         return self.start()
@@ -319,6 +373,17 @@ class FakeApiServer:
         with self._lock:
             return [copy.deepcopy(self._slices[n]) for n in sorted(self._slices)]
 
+    def delete_slice(self, name):
+        """Delete a ResourceSlice as another client would (watches see it)."""
+        self._delete_slice(name, None, {})
+
+    def compact(self):
+        """Forget the watch history so far, as etcd compaction does: a watch from an older
+        resourceVersion gets 410 Gone."""
+        with self._lock:
+            self._compacted = self._rv
+            self._events = [e for e in self._events if e[0] > self._compacted]
+
     def fail_next(self, method, path_prefix, code, times=1, message=None):
         """The next `times` requests with this method (or "*") whose path starts with
         `path_prefix` get an error `code` (a Status body) instead of being served."""
@@ -335,7 +400,7 @@ class FakeApiServer:
                         if r.get("kind") == "Node"]
                 if refs and all(self._nodes.get(r.get("name"), {}).get("metadata", {}).get("uid")
                                 != r.get("uid") for r in refs):
-                    del self._slices[name]
+                    self._record("DELETED", self._slices.pop(name), deleted=True)
                     gone.append(name)
             return gone
 
@@ -347,6 +412,14 @@ class FakeApiServer:
     def _next_rv(self) -> str:
         self._rv += 1
         return str(self._rv)
+
+    def _record(self, kind, obj, deleted=False):
+        """A watch event (the caller holds the lock); a deletion gets a resourceVersion of its own."""
+        obj = copy.deepcopy(obj)
+        if deleted:
+            obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._events.append((int(obj["metadata"]["resourceVersion"]), kind, obj))
+        self._changed.notify_all()
 
     def _stamp(self, obj):
         meta = obj.setdefault("metadata", {})
@@ -376,9 +449,13 @@ class FakeApiServer:
             return 200, self._get(self._claims, (m.group(1), m.group(2)),
                                   "resourceclaims.resource.k8s.io", m.group(2))
         if path.rstrip("/") == _SLICES:
-            self._only(method, "GET", "POST")
+            self._only(method, "GET", "POST", "DELETE")
+            if method == "GET" and query.get("watch") not in (None, "", "0", "false"):
+                return 200, self._watch_slices(query)
             if method == "GET":
                 return 200, self._list_slices(query)
+            if method == "DELETE":
+                return 200, self._delete_slices(query)
             return 201, self._create_slice(self._body(raw), query)
         if m := _SLICE_RE.match(path):
             name = m.group(1)
@@ -413,20 +490,77 @@ class FakeApiServer:
                                details={"name": name, "kind": resource.split(".")[0]})
             return copy.deepcopy(store[key])
 
-    def _list_slices(self, query):
-        if query.get("watch") not in (None, "", "0", "false"):
-            raise ApiError(400, "watch is not served by the fake API server")
+    @staticmethod
+    def _slice_filter(query):
+        """A predicate for the query's field and label selectors (400 for what is not served)."""
         fields = _parse_selector(query.get("fieldSelector"), "field selector")
         for key, _, _ in fields:
             if key not in _SLICE_FIELDS:
                 raise ApiError(400, f'field label not supported: {key}')
         labels = _parse_selector(query.get("labelSelector"), "label selector")
+        return lambda obj: (_matches(fields, lambda k: _SLICE_FIELDS[k](obj)) and
+                            _matches(labels, lambda k: (obj["metadata"].get("labels") or {}).get(k)))
+
+    def _watch_slices(self, query):
+        """The events a watch sends, as a generator the handler streams (see the docstring)."""
+        wanted = self._slice_filter(query)
+        try:
+            seconds = float(query.get("timeoutSeconds") or 1800)
+            start = int(query.get("resourceVersion") or 0)
+        except ValueError:
+            raise ApiError(400, "timeoutSeconds and resourceVersion must be numbers")
+        with self._lock:
+            if start and start < self._compacted:
+                gone = status_object(410, f"too old resource version: {start} ({self._compacted})", "Expired")
+                return iter([{"type": "ERROR", "object": gone}])
+            if not start:     # the current state first, then what changes
+                initial = [{"type": "ADDED", "object": copy.deepcopy(o)} for _, o in sorted(self._slices.items())
+                           if wanted(o)]
+                start = self._rv
+            else:
+                initial = []
+
+        def events():
+            yield from initial
+            seen, deadline = start, time.monotonic() + seconds
+            while True:
+                with self._lock:
+                    fresh = [(rv, k, o) for rv, k, o in self._events if rv > seen]
+                    if not fresh:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self._httpd is None:
+                            return
+                        self._changed.wait(min(left, 0.5))
+                        continue
+                for rv, kind, obj in fresh:
+                    seen = rv
+                    if wanted(obj):
+                        yield {"type": kind, "object": copy.deepcopy(obj)}
+        return events()
+
+    def _delete_slices(self, query):
+        """DeleteCollection: every slice the selectors match; the list of what went."""
+        wanted = self._slice_filter(query)
+        with self._lock:
+            gone = [self._slices[n] for n in sorted(self._slices) if wanted(self._slices[n])]
+            items = []
+            for obj in gone:
+                del self._slices[obj["metadata"]["name"]]
+                self._record("DELETED", obj, deleted=True)
+                item = copy.deepcopy(obj)
+                item.pop("apiVersion", None)
+                item.pop("kind", None)
+                items.append(item)
+            return {"apiVersion": RESOURCE_API, "kind": "ResourceSliceList",
+                    "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    def _list_slices(self, query):
+        wanted = self._slice_filter(query)
         with self._lock:
             items = []
             for name in sorted(self._slices):
                 obj = self._slices[name]
-                if (_matches(fields, lambda k: _SLICE_FIELDS[k](obj)) and
-                        _matches(labels, lambda k: (obj["metadata"].get("labels") or {}).get(k))):
+                if wanted(obj):
                     item = copy.deepcopy(obj)
                     # a real server's JSON list items carry no apiVersion/kind
                     item.pop("apiVersion", None)
@@ -493,6 +627,7 @@ class FakeApiServer:
             meta["generation"] = 1
             if query.get("dryRun") != "All":
                 self._slices[name] = body
+                self._record("ADDED", body)
             return copy.deepcopy(body)
 
     def _replace_slice(self, name, body, query):
@@ -522,6 +657,7 @@ class FakeApiServer:
             meta["resourceVersion"] = self._next_rv()
             if query.get("dryRun") != "All":
                 self._slices[name] = body
+                self._record("MODIFIED", body)
             return copy.deepcopy(body)
 
     def _delete_slice(self, name, options, query):
@@ -537,6 +673,7 @@ class FakeApiServer:
                                         f"{key} in object meta: {stored['metadata'][key]}")
             if query.get("dryRun") != "All":
                 del self._slices[name]
+                self._record("DELETED", stored, deleted=True)
             return copy.deepcopy(stored)
 
 
@@ -545,24 +682,30 @@ def allocated_claim(namespace, name, driver, pool, results, node=None) -> dict:
 
     `results`: [{request, device, share_id, memory: "4Gi", sm: "50"}, ...]; None (or a
     missing key) leaves that field out.  One spec request per distinct request name, for
-    the driver's device class (`deviceClassName` = driver) with the capacity asked for;
+    the driver's device class (`deviceClassName` = driver) with the capacity asked for; a
+    request "main/sub" is a firstAvailable request `main` whose subrequest `sub` was
+    allocated, after the subrequests named in the result's "tried" (not allocated).
     `status.allocation` holds a result per entry and a nodeSelector for `node` (the pool's
     name unless given).
     """
     requests, order = {}, []
     for r in results:
-        req = r["request"]
+        req, _, sub = r["request"].partition("/")
         caps = {k: r[k] for k in ("memory", "sm") if r.get(k) is not None}
+        exactly = {"deviceClassName": driver}
+        if caps:
+            exactly["capacity"] = {"requests": caps}
         if req not in requests:
             order.append(req)
-            exactly = {"deviceClassName": driver}
-            if caps:
-                exactly["capacity"] = {"requests": caps}
-            requests[req] = {"name": req, "exactly": exactly}
+            if sub:
+                tried = [{"name": t, "deviceClassName": driver} for t in r.get("tried") or []]
+                requests[req] = {"name": req, "firstAvailable": tried + [{"name": sub, **exactly}]}
+            else:
+                requests[req] = {"name": req, "exactly": exactly}
         else:
-            exactly = requests[req]["exactly"]
-            exactly["allocationMode"] = "ExactCount"
-            exactly["count"] = exactly.get("count", 1) + 1
+            held = requests[req]["firstAvailable"][-1] if sub else requests[req]["exactly"]
+            held["allocationMode"] = "ExactCount"
+            held["count"] = held.get("count", 1) + 1
     out_results = []
     for r in results:
         res = {"request": r["request"], "driver": driver, "pool": pool, "device": r["device"]}

@@ -3,6 +3,7 @@ shim installed, the kubelet stand-in, claims in the fake API server.  Shared by
 tests/test_k8s_plugin.py and bench/test_k8s_plugin_bench.py.
 """
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,11 +20,11 @@ DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
 class Agent:
     """One `vgpu-ctl k8s-plugin` process; its log lines are JSON."""
 
-    def __init__(self, node, *extra):
+    def __init__(self, node, *extra, env=None):
         self.node = node
         self.log_path = node.tmp / f"agent-{time.monotonic_ns()}.log"
         self.log_file = open(self.log_path, "w")
-        self.proc = subprocess.Popen([CTL, "k8s-plugin", *node.args, *extra], env=node.env,
+        self.proc = subprocess.Popen([CTL, "k8s-plugin", *node.args, *extra], env={**node.env, **(env or {})},
                                      stdout=self.log_file, stderr=subprocess.STDOUT, text=True)
 
     def events(self):
@@ -39,7 +40,7 @@ class Agent:
                 raise AssertionError(f"agent exited {self.proc.returncode} waiting for {what}:\n"
                                      f"{self.log_path.read_text()}")
             time.sleep(0.05)
-        raise AssertionError(f"no {what} in 30 s:\n{self.log_path.read_text()}")
+        raise AssertionError(f"no {what} in {timeout} s:\n{self.log_path.read_text()}")
 
     def stop(self, sig=signal.SIGTERM):
         if self.proc.poll() is None:
@@ -72,17 +73,36 @@ class Node:
                      str(tmp / "kubeconfig"), "--rescan", "300ms"]
         self.agents, self.kubelets = [], []
 
-    def start(self, *extra):
-        agent = Agent(self, *extra)
+    def start(self, *extra, env=None):
+        agent = Agent(self, *extra, env=env)
         self.agents.append(agent)
         agent.wait_for(lambda e: e["event"] == "serving", "serving line")
         return agent
 
-    def kubelet(self, **kw):
-        k = Kubelet(str(self.registration_socket), **kw)
-        k.register()
+    def kubelet(self, wipe=True, **kw):
+        """A kubelet stand-in on this node, started (wipe: deleting the node's slices first,
+        as a starting kubelet does) and with the plugin registered."""
+        from kubernetes import client, config
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=str(self.tmp / "kubeconfig"), client_configuration=configuration)
+        k = Kubelet(str(self.registration_socket), api=client.ApiClient(configuration), node=NODE,
+                    cdi_dirs=[str(self.cdi_dir)], **kw)
         self.kubelets.append(k)
+        if wipe:
+            k.start()
+        else:
+            k.register()
         return k
+
+    def published(self, timeout=10):
+        """This node's ResourceSlices of the driver, once there are some (AssertionError if not in time)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in self.api.slices() if s["spec"].get("nodeName") == NODE]
+            if found:
+                return found
+            time.sleep(0.02)
+        raise AssertionError(f"no ResourceSlice for {NODE} in {timeout} s")
 
     def claim(self, name, uid=None, results=({"device": "gpu-0", "memory": "4Gi", "sm": "50"},), pool=NODE):
         """An allocated claim in the API server; returns (namespace, uid, name) as the kubelet sends it."""
@@ -100,4 +120,6 @@ class Node:
         return out.stdout
 
     def status(self):
+        if not os.path.isdir(self.slice_dir):     # no slice was ever made here
+            return {}
         return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["containers"]}

@@ -351,3 +351,63 @@ def test_stop_and_restart_keep_the_store(api, kube):
     api.start()
     assert api.url == url
     assert len(res.list_resource_slice(_request_timeout=5).items) == 1
+
+
+def test_watch_streams_each_change_from_a_resource_version(api, kube):
+    from kubernetes import watch
+    res = client.ResourceV1Api(kube)
+    uid = api.add_node("node-a")
+    res.create_resource_slice(slice_model("node-a", uid))
+    listed = res.list_resource_slice(field_selector="spec.nodeName=node-a")
+    res.create_resource_slice(slice_model("node-b", api.add_node("node-b")))     # not selected
+    current = res.read_resource_slice(f"node-a-{DRIVER}")
+    current.spec.pool.generation = 2
+    res.replace_resource_slice(current.metadata.name, current)
+    api.delete_slice(current.metadata.name)
+    events = [(e["type"], e["raw_object"]["metadata"]["name"], e["raw_object"]["metadata"]["resourceVersion"])
+              for e in watch.Watch().stream(res.list_resource_slice, field_selector="spec.nodeName=node-a",
+                                            resource_version=listed.metadata.resource_version, timeout_seconds=1)]
+    assert [(t, n) for t, n, _ in events] == [("MODIFIED", f"node-a-{DRIVER}"), ("DELETED", f"node-a-{DRIVER}")]
+    assert int(events[1][2]) > int(events[0][2]) > int(listed.metadata.resource_version)
+    # from no version: what is there now comes as ADDED
+    now = [(e["type"], e["raw_object"]["metadata"]["name"])
+           for e in watch.Watch().stream(res.list_resource_slice, timeout_seconds=1)]
+    assert now == [("ADDED", f"node-b-{DRIVER}")]
+
+
+def test_a_watch_sees_a_change_made_while_it_waits_and_old_versions_are_gone(api, kube):
+    import threading
+
+    from kubernetes import watch
+    res = client.ResourceV1Api(kube)
+    uid = api.add_node("node-a")
+    version = res.list_resource_slice().metadata.resource_version
+    threading.Timer(0.3, lambda: res.create_resource_slice(slice_model("node-a", uid))).start()
+    w = watch.Watch()
+    for event in w.stream(res.list_resource_slice, resource_version=version, timeout_seconds=10):
+        assert (event["type"], event["object"].metadata.name) == ("ADDED", f"node-a-{DRIVER}")
+        w.stop()
+    api.add_node("node-b")                 # the store's version moves on
+    api.compact()
+    with pytest.raises(ApiException) as e:
+        list(watch.Watch().stream(res.list_resource_slice, resource_version=version, timeout_seconds=1))
+    assert e.value.status == 410
+
+
+def test_delete_collection_deletes_what_the_selector_matches(api, kube):
+    res = client.ResourceV1Api(kube)
+    res.create_resource_slice(slice_model("node-a", api.add_node("node-a")))
+    res.create_resource_slice(slice_model("node-a", "x", name="other"))
+    res.create_resource_slice(slice_model("node-b", api.add_node("node-b")))
+    res.delete_collection_resource_slice(field_selector="spec.nodeName=node-a")   # as a starting kubelet does
+    assert [s["metadata"]["name"] for s in api.slices()] == [f"node-b-{DRIVER}"]
+    assert api.requests[-1] == ("DELETE", SLICES, {"fieldSelector": "spec.nodeName=node-a"})
+
+
+def test_black_hole_answers_nothing_until_started_again(api, kube):
+    res = client.ResourceV1Api(kube)
+    api.black_hole()
+    with pytest.raises(urllib3.exceptions.MaxRetryError, match="timed out"):
+        res.list_resource_slice(_request_timeout=0.5)
+    api.start()
+    assert res.list_resource_slice(_request_timeout=5).items == []
