@@ -8,15 +8,20 @@ Judged from outside: what the stand-in gets back, the quota and CDI files on dis
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
+from google.protobuf import unknown_fields
 
 from conftest import make_sim_env
 from containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
+from k8s_cdi import CONTAINERD_2_0, RUNTIMES, Registry, UnresolvableDevices
 from k8s_fake_api import FakeApiServer
 from k8s_models import roundtrip
 from k8s_node import DRIVER, NODE, NS, Agent, Node
+from kubelet_standin import CALL_TIMEOUT
+from vgpu.k8s import driver as dra_driver
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -93,7 +98,7 @@ def test_prepare_makes_the_slice_and_cdi_spec_unprepare_removes_both(node):
     assert (q["memory_request"], q["memory_limit"], q["sm_request"], q["sm_limit"]) == (4 * GiB, 4 * GiB, 5000, 10000)
 
     spec = cdi_spec(node, uid)
-    assert (spec["cdiVersion"], spec["kind"]) == ("1.1.0", f"{DRIVER}/slice")
+    assert (spec["cdiVersion"], spec["kind"]) == ("0.4.0", f"{DRIVER}/slice")   # what a typed mount needs
     [cdev] = spec["devices"]
     assert cdev["name"] == "train-share-0"
     env = dict(e.split("=", 1) for e in cdev["containerEdits"]["env"])
@@ -290,12 +295,16 @@ def test_a_workload_started_with_the_cdi_edits_is_held_to_its_claim(node, tmp_pa
     node.start()
     kubelet = node.kubelet()
     claim = node.claim("pod-a", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "50"}])
-    [device] = kubelet.prepare(claim)[claim[1]].devices
-    [cdi_id] = device.cdi_device_ids
+    assert kubelet.prepare(claim)[claim[1]].error == ""
+    # the IDs the kubelet gives a container naming the claim's request, resolved by the
+    # runtime's CDI library; the same edits as the spec's one device
+    [cdi_id], edits = kubelet.container((claim[1], "gpu"))
     kind, name = cdi_id.split("=")
     spec = cdi_spec(node, claim[1])
     assert spec["kind"] == kind
-    container = Container(*cdi_edits(spec, name), node.env, tmp_path / "scratch")
+    mounts, env = cdi_edits(spec, name)
+    assert (edits["env"], len(edits["mounts"])) == ([f"{k}={v}" for k, v in env.items()], len(mounts))
+    container = Container(mounts, env, node.env, tmp_path / "scratch")
     try:
         assert container.hello["total"] == GiB                       # cuMemGetInfo shows the claim
         assert container.hello["shim"] == ["/usr/local/lib/vgpu/libvgpu.so"]
@@ -377,3 +386,146 @@ def test_an_unreachable_api_server_is_a_claim_error_and_sigterm_leaves_cleanly(n
     assert agent.events()[-1]["event"] == "stopped"
     assert not node.registration_socket.exists() and not (node.plugin_dir / "dra.sock").exists()
     assert not node.checkpoint.exists()                       # nothing was ever prepared
+
+
+# === the kubelet's rules: request names, CDI versions, share IDs ===
+
+def test_a_first_available_claim_gives_its_devices_to_the_container_naming_the_main_request(node):
+    node.start()
+    kubelet = node.kubelet()
+    # firstAvailable: "whole" was tried first, "half" got allocated: results say "gpu/half"
+    claim = node.claim("prio", results=[{"request": "gpu/half", "tried": ["whole"], "device": "gpu-0",
+                                         "memory": "4Gi", "sm": "50"},
+                                        {"request": "gpu/half", "device": "gpu-1", "memory": "4Gi", "sm": "50"}])
+    devices = kubelet.prepare(claim)[claim[1]].devices
+    assert [list(d.request_names) for d in devices] == [["gpu"], ["gpu"]]
+    # a container's resources.claims[].request names the main request, matched exactly
+    ids, edits = kubelet.container((claim[1], "gpu"))
+    assert ids == [f"{DRIVER}/slice=prio-share-0"]             # once, though two devices serve "gpu"
+    assert dict(e.split("=", 1) for e in edits["env"])["VGPU_CONTAINER"] == "prio-share-0"
+    assert kubelet.cdi_devices(claim[1]) == ids                # naming only the claim: the same
+    assert kubelet.cdi_devices(claim[1], "other") == []
+    seen = node.status()["prio-share-0"]["devices"]
+    assert [(d["index"], d["memory_max"]) for d in seen] == [(0, 4 * GiB), (1, 4 * GiB)]
+
+
+def test_the_default_cdi_spec_is_accepted_by_containerd_2_0s_cdi_library(node):
+    node.start()                                               # no --cdi-version, as deploy/dra runs it
+    kubelet = node.kubelet(runtime=CONTAINERD_2_0)
+    uuid_share = "0b7e2c1a-95f4-4d1e-8a3b-5c6d7e8f9a0b"      # the scheduler's share IDs are UUIDs
+    named = node.claim("named", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10"}])
+    numbered = node.claim("numbered", results=[{"device": "gpu-1", "memory": "1Gi", "sm": "10",
+                                                "share_id": uuid_share}])
+    answers = kubelet.prepare(named, numbered)
+    assert [answers[c[1]].error for c in (named, numbered)] == ["", ""]
+    # the lowest version the content needs: typed mounts (0.4.0); a name starting with a digit (0.5.0)
+    assert [cdi_spec(node, c[1])["cdiVersion"] for c in (named, numbered)] == ["0.4.0", "0.5.0"]
+    ids, edits = kubelet.container((named[1], "gpu"), (numbered[1], "gpu"))
+    assert ids == [f"{DRIVER}/slice=named-share-0", f"{DRIVER}/slice={uuid_share}"]
+    assert {dict(e.split("=", 1) for e in edits["env"][i * 4:i * 4 + 4]).get("VGPU_CONTAINER")
+            for i in range(2)} >= {"named-share-0"}
+    for runtime in RUNTIMES:                                  # and by every runtime in the table
+        assert Registry([node.cdi_dir], runtime).inject(ids), runtime
+
+
+def test_a_1_1_0_spec_is_refused_by_containerd_2_0_as_its_library_would(node):
+    node.start("--cdi-version", "1.1.0")
+    claim = node.claim("new", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10"}])
+    old_runtime = node.kubelet(runtime=CONTAINERD_2_0)
+    assert old_runtime.prepare(claim)[claim[1]].error == ""
+    with pytest.raises(UnresolvableDevices, match=r"unresolvable CDI devices vgpu.dev/slice=new-share-0.*"
+                                                  r"invalid version \"1.1.0\""):
+        old_runtime.container((claim[1], "gpu"))
+    assert Registry([node.cdi_dir], "containerd 2.2.1+").inject([f"{DRIVER}/slice=new-share-0"])
+
+
+def test_each_device_carries_its_share_id_and_older_kubelets_read_the_rest(node):
+    node.start()
+    claim = node.claim("shared", results=[{"device": "gpu-0", "memory": "1Gi", "sm": "10", "share_id": "s-0"},
+                                          {"device": "gpu-1", "memory": "1Gi", "sm": "10", "share_id": "s-1"}])
+    unshared = node.claim("unshared", results=[{"device": "gpu-1", "memory": "1Gi", "sm": "10", "share_id": None}])
+    current = node.kubelet()                                  # 1.35+: records share_id
+    answers = current.prepare(claim, unshared)
+    assert [answers[c[1]].error for c in (claim, unshared)] == ["", ""]
+    assert [d["share_id"] for d in current.prepared[claim[1]]] == ["s-0", "s-1"]
+    assert [d["share_id"] for d in current.prepared[unshared[1]]] == [None]   # none sent, not ""
+    assert not answers[unshared[1]].devices[0].HasField("share_id")
+    for old in (node.kubelet(api_level="1.34", wipe=False), node.kubelet(prefer=("v1beta1.DRAPlugin",), wipe=False)):
+        [again] = old.prepare(claim).values()                 # field 5 is unknown there: skipped
+        assert [(d.pool_name, d.device_name, list(d.request_names), list(d.cdi_device_ids)) for d in again.devices] \
+            == [(NODE, "gpu-0", ["gpu"], [f"{DRIVER}/slice=s-0"]), (NODE, "gpu-1", ["gpu"], [])]
+        assert "share_id" not in again.devices[0].DESCRIPTOR.fields_by_name
+        assert [(f.field_number, f.data) for f in unknown_fields.UnknownFieldSet(again.devices[0])] == [(5, b"s-0")]
+        assert [d["share_id"] for d in old.prepared[claim[1]]] == [None, None]
+
+
+# === keeping the ResourceSlice published ===
+
+def test_a_starting_kubelet_deletes_the_slice_and_it_is_back_within_seconds(node):
+    node.start("--rescan", "60s")                             # the rescan is not what brings it back
+    [before] = node.published()
+    node.kubelet()                                            # deletes the node's slices, then registers
+    assert ("DELETE", "/apis/resource.k8s.io/v1/resourceslices", {"fieldSelector": f"spec.nodeName={NODE}"}) \
+        in node.api.requests
+    [after] = node.published(timeout=5)
+    assert after["metadata"]["uid"] != before["metadata"]["uid"]       # a new one, not the old one kept
+    assert after["spec"]["devices"] == before["spec"]["devices"]
+
+
+def test_a_slice_deleted_by_anyone_is_republished_by_the_watch_even_after_api_restarts(node):
+    agent = node.start("--rescan", "60s")
+    [before] = node.published()
+    name = before["metadata"]["name"]
+    node.api.delete_slice(name)                               # no kubelet registration involved
+    [again] = node.published(timeout=5)
+    assert again["metadata"]["uid"] != before["metadata"]["uid"]
+    # the API server restarts and forgets the watch history: the agent's watch from its old
+    # resourceVersion gets 410 Gone, and it lists and watches afresh
+    node.claim("moves-the-resource-version-on")
+    node.api.compact()
+    seen = len(node.api.requests)
+    node.api.stop()
+    node.api.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        since = [r for r in node.api.requests[seen:] if r[1] == "/apis/resource.k8s.io/v1/resourceslices"]
+        relisted = [i for i, r in enumerate(since) if r[0] == "GET" and "watch" not in r[2]]
+        if relisted and any(r[2].get("watch") for r in since[relisted[0]:]):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"no new list and watch after the restart: {node.api.requests[seen:]}")
+    node.api.delete_slice(name)
+    [third] = node.published(timeout=5)
+    assert third["metadata"]["uid"] != again["metadata"]["uid"]
+    assert len([e for e in agent.events() if e["event"] == "resourceslice_created"]) == 3
+
+
+# === bounded calls ===
+
+def test_a_prepare_batch_answers_within_the_kubelets_deadline_while_the_api_server_hangs(node):
+    assert dra_driver.CALL_BUDGET + 1 < CALL_TIMEOUT         # the default call fits the kubelet's 45 s
+    node.start()
+    kubelet = node.kubelet()
+    claims = [node.claim(f"slow-{i}") for i in range(3)]
+    late = node.claim("late")
+    node.api.black_hole()                                     # connections go through, answers never come
+    answers, took = {}, {}
+
+    def call(key, *batch, timeout):
+        start = time.monotonic()
+        answers[key] = kubelet.prepare(*batch, timeout=timeout)
+        took[key] = time.monotonic() - start
+
+    batch = threading.Thread(target=call, args=("batch", *claims), kwargs={"timeout": 8})
+    batch.start()
+    time.sleep(0.5)
+    call("late", late, timeout=4)                             # waits for the lock behind the batch
+    batch.join()
+    assert took["batch"] < 8 and took["late"] < 4, took      # answered, not timed out
+    first, *rest = (answers["batch"][c[1]].error for c in claims)
+    assert "reading ResourceClaim team-a/slow-0" in first
+    assert rest and all("not read: the call's time went to the claims before it" in e for e in rest), rest
+    assert "driver was busy" in answers["late"][late[1]].error
+    assert node.status() == {} and not json.loads(node.checkpoint.read_text() if node.checkpoint.exists()
+                                                   else '{"claims": {}}')["claims"]

@@ -42,7 +42,10 @@ def test_dra_field_numbers_match_the_published_api():
     S, MSG = F.TYPE_STRING, F.TYPE_MESSAGE
     assert _fields(m["Claim"]) == {"namespace": (1, S, False), "uid": (2, S, False), "name": (3, S, False)}
     assert _fields(m["Device"]) == {"request_names": (1, S, True), "pool_name": (2, S, False),
-                                    "device_name": (3, S, False), "cdi_device_ids": (4, S, True)}
+                                    "device_name": (3, S, False), "cdi_device_ids": (4, S, True),
+                                    "share_id": (5, S, False)}
+    # `optional string share_id = 5` (Kubernetes 1.35): presence is sent, unset is not ""
+    assert m["Device"].fields_by_name["share_id"].has_presence
     assert _fields(m["NodePrepareResourceResponse"]) == {"devices": (1, MSG, True), "error": (2, S, False)}
     assert _fields(m["NodeUnprepareResourceResponse"]) == {"error": (1, S, False)}
     for request in ("NodePrepareResourcesRequest", "NodeUnprepareResourcesRequest"):

@@ -4,10 +4,16 @@ Fail closed where a mistake would break isolation or lose claims (a checkpoint t
 cannot be read, a socket another agent holds, no GPUs to publish: refuse to start);
 carry on where the next round repairs it (the API server unreachable: logged and
 retried every --rescan, the kubelet's calls keep working).
+
+The slice is published at start, on every --rescan (GPUs that appeared or vanished), and
+at once when the watch on it (resourceslice.Publisher.watch) sees it deleted or changed
+by someone else, or when the kubelet registers the plugin (a kubelet that restarted has
+deleted the node's slices).
 """
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +21,8 @@ from .. import install, slices
 from . import cdi, checkpoint, resourceslice
 
 
-API_TIMEOUT = 10     # seconds per API call: a black-holed API server must not hold the driver's lock
+API_TIMEOUT = 10     # seconds per API request: a black-holed API server must not hold the driver's lock
+API_RETRIES = 1      # urllib3 retries a failed connection once (a kept-alive one the server closed)
 
 
 class AgentError(slices.VgpuError):
@@ -64,6 +71,7 @@ def api_client(kubeconfig=None):
     except (config.ConfigException, OSError) as e:
         raise AgentError(f"cannot configure the Kubernetes client: {e}",
                          "run it in a pod with a service account, or pass --kubeconfig") from None
+    configuration.retries = API_RETRIES
     return client.ApiClient(configuration)
 
 
@@ -72,10 +80,12 @@ def claim_reader(api):
     from kubernetes.client.exceptions import ApiException
     resource = client.ResourceV1Api(api)
 
-    def read(namespace, name):
+    def read(namespace, name, timeout=API_TIMEOUT):
+        # every attempt (the first and each retry) may take the whole timeout of one request
+        each = max(0.1, min(API_TIMEOUT, timeout) / (API_RETRIES + 1))
         try:
             return api.sanitize_for_serialization(
-                resource.read_namespaced_resource_claim(name, namespace, _request_timeout=API_TIMEOUT))
+                resource.read_namespaced_resource_claim(name, namespace, _request_timeout=each))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -143,25 +153,36 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     except checkpoint.CheckpointError as e:
         raise AgentError(str(e), e.hint) from None
     publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT)
+    kick = threading.Event()     # publish now: set by the watch, a registration, or stop
+    threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
     try:
-        servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit)
+        servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit,
+                                 on_registered=kick.set)
     except plugin.SocketBusy as e:
         raise AgentError(str(e), "stop the other agent first") from None
     emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
           "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,
           "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims)})
+    watcher, rescanned = None, time.monotonic()
     try:
-        while True:
+        while not stop.is_set():
+            kick.clear()
             try:
                 publisher.sync(gpus)
             except Exception as e:   # the API server is down or refused: the next round retries
                 emit({"event": "publish_failed", "error": f"{type(e).__name__}: {e}"[:500]})
-            if stop.wait(config.rescan):
+            if watcher is None:      # after the first round, so that round sees the API server first
+                watcher = threading.Thread(target=publisher.watch, args=(stop, kick.set), name="watch", daemon=True)
+                watcher.start()
+            kick.wait(max(0.0, rescanned + config.rescan - time.monotonic()))
+            if stop.is_set():
                 break
-            try:
-                gpus[:] = _gpus()    # GPUs that appeared or vanished (the driver reads the same list)
-            except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
-                emit({"event": "rescan_failed", "error": str(e)})
+            if time.monotonic() - rescanned >= config.rescan:
+                rescanned = time.monotonic()
+                try:
+                    gpus[:] = _gpus()    # GPUs that appeared or vanished (the driver reads the same list)
+                except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
+                    emit({"event": "rescan_failed", "error": str(e)})
     finally:
         servers.stop()
         emit({"event": "stopped"})

@@ -18,9 +18,19 @@ Everything is serialised by one lock and recorded in the checkpoint before it ex
 disk, so a restarted agent unprepares what it prepared; a claim found half-prepared, or
 prepared but with its files gone (a reboot empties /run), is prepared afresh. Errors for
 one claim are that claim's error string (the kubelet retries); the others proceed.
+
+One kubelet call has a deadline for all its claims, the wait for the lock included:
+CALL_BUDGET, or less when the caller's own deadline is nearer (the kubelet gives up on a
+call after 45 s).  A claim the time does not reach is answered with an error, so the
+kubelet gets an answer it can act on instead of a timed-out call.
+
+What the kubelet is told per device: request_names without the "/<subrequest>" of a
+firstAvailable claim's result (it matches them against a container's
+`resources.claims[].request`, which names the main request), and the result's shareID.
 """
 import os
 import threading
+import time
 
 from .. import slices
 from ..quantities import SHARE_FULL, format_memory
@@ -41,6 +51,14 @@ def _quantity(value, what, claim):
 
 _EXPECTED = (ClaimError, slices.VgpuError, OSError)
 
+CALL_BUDGET = 40.0   # seconds for one prepare/unprepare call: under the kubelet's 45 s call timeout
+MIN_CLAIM_TIME = 1.0  # a claim is not begun with less than this left (it could not read its claim)
+
+
+def base_request(request: str) -> str:
+    """The main request of an allocation result's `request` ("gpu" of "gpu/large")."""
+    return request.split("/", 1)[0]
+
 
 def _describe(e) -> str:
     if not isinstance(e, _EXPECTED):
@@ -59,8 +77,9 @@ def _trace(e) -> dict:
 class Driver:
     def __init__(self, driver_name, node_name, plugin_dir, cdi_dir, slice_dir, shim, preload_file, read_claim,
                  gpus, gpu_cdi_devices=(), lend_memory=False, cdi_version=cdi.CDI_VERSION, log=lambda event: None):
-        """read_claim(namespace, name) -> the ResourceClaim as an API dict, or None when it
-        does not exist; gpus() -> this node's Gpu list (vgpu.k8s.resourceslice)."""
+        """read_claim(namespace, name, timeout) -> the ResourceClaim as an API dict, or None
+        when it does not exist, within `timeout` seconds; gpus() -> this node's Gpu list
+        (vgpu.k8s.resourceslice)."""
         self.driver, self.node = driver_name, node_name
         self.checkpoint_path = os.path.join(plugin_dir, "checkpoint.json")
         self.cdi_dir, self.slice_dir, self.shim, self.preload_file = cdi_dir, slice_dir, shim, preload_file
@@ -71,24 +90,48 @@ class Driver:
 
     # === the kubelet's two calls ===
 
-    def prepare(self, claims) -> dict:
-        """claims: [(namespace, uid, name)] -> {uid: {"devices": [...]} or {"error": text}}."""
+    @staticmethod
+    def _deadline(time_left):
+        """The monotonic time by which a call must be answered: CALL_BUDGET from now, or
+        sooner when the caller leaves less (time_left: seconds, None for no deadline)."""
+        budget = CALL_BUDGET if time_left is None else min(CALL_BUDGET, time_left - max(1.0, 0.1 * time_left))
+        return time.monotonic() + budget
+
+    def _locked(self, claims, deadline, what):
+        """Take the lock before the deadline, or None with each claim's error."""
+        if self.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return None
+        text = f"not {what}: the driver was busy with another call for all of this call's time; the kubelet retries"
+        return {uid: text for _, uid, _ in claims}
+
+    def prepare(self, claims, time_left=None) -> dict:
+        """claims: [(namespace, uid, name)] -> {uid: {"devices": [...]} or {"error": text}},
+        within time_left seconds (the caller's deadline) and never more than CALL_BUDGET."""
+        deadline = self._deadline(time_left)
+        busy = self._locked(claims, deadline, "prepared")
+        if busy:
+            return {uid: {"error": text} for uid, text in busy.items()}
         out = {}
-        with self.lock:
+        try:
             for namespace, uid, name in claims:
                 try:
-                    out[uid] = {"devices": self._prepare(namespace, uid, name)}
+                    out[uid] = {"devices": self._prepare(namespace, uid, name, deadline)}
                 except Exception as e:   # one claim's failure is its own; the others go on
                     text = _describe(e)
                     self.log({"event": "prepare_failed", "claim": f"{namespace}/{name}", "uid": uid, "error": text,
                               **_trace(e)})
                     out[uid] = {"error": text}
+        finally:
+            self.lock.release()
         return out
 
-    def unprepare(self, claims) -> dict:
+    def unprepare(self, claims, time_left=None) -> dict:
         """claims: [(namespace, uid, name)] -> {uid: error text, "" when done}."""
+        busy = self._locked(claims, self._deadline(time_left), "unprepared")
+        if busy:
+            return busy
         out = {}
-        with self.lock:
+        try:
             for namespace, uid, name in claims:
                 try:
                     self._unprepare(uid)
@@ -97,20 +140,28 @@ class Driver:
                     out[uid] = _describe(e)
                     self.log({"event": "unprepare_failed", "claim": f"{namespace}/{name}", "uid": uid,
                               "error": out[uid], **_trace(e)})
+        finally:
+            self.lock.release()
         return out
 
     # === prepare ===
 
-    def _prepare(self, namespace, uid, name):
+    def _prepare(self, namespace, uid, name, deadline):
         shown = f"{namespace}/{name}"
         entry = self.claims.get(uid)
         if entry and entry["state"] == "prepared" and self._files_present(entry):
-            return entry["devices"]         # the kubelet retries; the answer does not change
+            # the kubelet retries; the answer does not change (but the main request only,
+            # also for a claim an agent before that fix recorded with the subrequest's)
+            return [{**d, "request_names": [base_request(n) for n in d["request_names"]]} for d in entry["devices"]]
         if entry:   # an agent died half-way, or the files are gone (a reboot empties /run): start over
             self._remove_files(entry)
             del self.claims[uid]
             checkpoint.save(self.checkpoint_path, self.claims)
-        obj = self.read_claim(namespace, name)
+        left = deadline - time.monotonic()
+        if left < MIN_CLAIM_TIME:
+            raise ClaimError(f"ResourceClaim {shown} not read: the call's time went to the claims before it "
+                             "(the API server is slow or unreachable); the kubelet retries")
+        obj = self.read_claim(namespace, name, left)
         if obj is None:
             raise ClaimError(f"ResourceClaim {shown} not found")
         have_uid = obj.get("metadata", {}).get("uid")
@@ -140,9 +191,12 @@ class Driver:
         ids = [cdi.device_id(self.driver, slice_name)] + self.gpu_cdi_devices
         answer, seen_requests = [], set()
         for r in results:   # the IDs once per request: the runtime gets each device once
-            request = r.get("request", "")
-            answer.append({"request_names": [request] if request else [], "pool_name": r["pool"],
-                           "device_name": r["device"], "cdi_device_ids": [] if request in seen_requests else ids})
+            request = base_request(r.get("request", ""))
+            device = {"request_names": [request] if request else [], "pool_name": r["pool"],
+                      "device_name": r["device"], "cdi_device_ids": [] if request in seen_requests else ids}
+            if r.get("shareID"):
+                device["share_id"] = r["shareID"]
+            answer.append(device)
             seen_requests.add(request)
         entry = {"namespace": namespace, "name": name, "state": "preparing", "slice": slice_name,
                  "cdi_spec": spec_path, "devices": answer}
@@ -167,6 +221,8 @@ class Driver:
                                  "(made by hand?)") from None
             if isinstance(e, slices.Overcommitted):
                 raise ClaimError(f"claim {shown} does not fit: {e}") from None
+            if isinstance(e, cdi.VersionTooLow):
+                raise ClaimError(f"claim {shown}: {e}") from None
             raise
         entry["state"] = "prepared"
         checkpoint.save(self.checkpoint_path, self.claims)

@@ -7,7 +7,11 @@
 - <driver>-reg.sock in the kubelet's plugins_registry: pluginregistration.Registration.
   The kubelet notices the socket, asks GetInfo, dials the endpoint it names and reports
   back with NotifyRegistrationStatus.  dra.sock is up before the registration socket
-  appears, so the kubelet never dials an endpoint that is not there yet.
+  appears, so the kubelet never dials an endpoint that is not there yet.  A successful
+  registration calls on_registered: a kubelet that (re)started has deleted the node's
+  ResourceSlices, so the agent publishes again.
+
+Each call's deadline (the kubelet's 45 s) is handed to the driver, which answers within it.
 """
 import os
 import socket
@@ -42,7 +46,7 @@ class DraService(dra_grpc.DRAPluginServicer):
 
     def NodePrepareResources(self, request, context):
         response = dra.NodePrepareResourcesResponse()
-        for uid, result in self.driver.prepare(_claims(request)).items():
+        for uid, result in self.driver.prepare(_claims(request), context.time_remaining()).items():
             one = response.claims[uid]
             if "error" in result:
                 one.error = result["error"]
@@ -52,7 +56,7 @@ class DraService(dra_grpc.DRAPluginServicer):
 
     def NodeUnprepareResources(self, request, context):
         response = dra.NodeUnprepareResourcesResponse()
-        for uid, error in self.driver.unprepare(_claims(request)).items():
+        for uid, error in self.driver.unprepare(_claims(request), context.time_remaining()).items():
             response.claims[uid].error = error
         return response
 
@@ -69,8 +73,8 @@ def _v1beta1_handler(service):
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
-    def __init__(self, driver_name, endpoint, log):
-        self.driver_name, self.endpoint, self.log = driver_name, endpoint, log
+    def __init__(self, driver_name, endpoint, log, on_registered=lambda: None):
+        self.driver_name, self.endpoint, self.log, self.on_registered = driver_name, endpoint, log, on_registered
 
     def GetInfo(self, request, context):
         return reg.PluginInfo(type=PLUGIN_TYPE, name=self.driver_name, endpoint=self.endpoint,
@@ -78,6 +82,8 @@ class RegistrationService(reg_grpc.RegistrationServicer):
 
     def NotifyRegistrationStatus(self, request, context):
         self.log({"event": "registration", "registered": request.plugin_registered, "error": request.error})
+        if request.plugin_registered:
+            self.on_registered()
         return reg.RegistrationStatusResponse()
 
 
@@ -110,12 +116,12 @@ def _serve(path, add):
 class Servers:
     """Both services, started in the right order; stop() removes the sockets."""
 
-    def __init__(self, driver, driver_name, dra_socket, registration_socket, log):
+    def __init__(self, driver, driver_name, dra_socket, registration_socket, log, on_registered=lambda: None):
         self.paths = (registration_socket, dra_socket)
         service = DraService(driver)
         self.dra = _serve(dra_socket, lambda s: (dra_grpc.add_DRAPluginServicer_to_server(service, s),
                                                  s.add_generic_rpc_handlers((_v1beta1_handler(service),))))
-        registration = RegistrationService(driver_name, dra_socket, log)
+        registration = RegistrationService(driver_name, dra_socket, log, on_registered)
         try:
             self.reg = _serve(registration_socket,
                               lambda s: reg_grpc.add_RegistrationServicer_to_server(registration, s))

@@ -5,7 +5,16 @@ the scheduler hands out parts of it: `memory` in bytes and `sm` in percent of SM
 A claim that names no amount gets the requestPolicy default; amounts are rounded up to
 the step.  The pool is the node's name, one slice per pool; its generation goes up each
 time the devices change, as the API asks.
+
+Bodies go to the client as plain dicts, not model objects: every `kubernetes` release
+the package allows takes them (34-36 have no `from_dict`; 37 validates the dict into its
+model).  Answers are read through attributes both kinds of model have.
+
+The kubelet deletes the node's slices when it starts and 30 s after losing the plugin;
+Publisher.watch sees that (a watch on this node's slices of this driver) and wakes the
+agent, which publishes again at once instead of on its next rescan.
 """
+import random
 from dataclasses import dataclass
 
 MEMORY_STEP = 256 << 20         # 256Mi
@@ -79,6 +88,9 @@ def _comparable(devices: list):
     return walk(devices, False)
 
 
+WATCH_SECONDS = 290   # one watch request's length (the server ends it; the next one resumes)
+
+
 class Publisher:
     """Keeps exactly one ResourceSlice for (node, driver) equal to the GPUs it is given."""
 
@@ -93,6 +105,11 @@ class Publisher:
         # (the GPUs we last wrote, the devices as the server stored them): a server that
         # keeps less than we sent (consumable capacity switched off) is not rewritten forever
         self.written = None
+        self.written_version = None   # resourceVersion of our last write: its watch event is no news
+
+    @property
+    def selector(self) -> str:
+        return f"spec.nodeName={self.node},spec.driver={self.driver}"
 
     def _owner(self):
         if self.node_uid is None:
@@ -108,9 +125,8 @@ class Publisher:
     def sync(self, gpus: list) -> str:
         """Publish `gpus`; returns "created", "updated" or "unchanged".  API errors propagate
         (the caller retries on its next round)."""
-        from kubernetes import client
-        existing = self.resource.list_resource_slice(
-            field_selector=f"spec.nodeName={self.node},spec.driver={self.driver}", _request_timeout=self.timeout).items
+        existing = self.resource.list_resource_slice(field_selector=self.selector,
+                                                     _request_timeout=self.timeout).items
         mine = slice_name(self.node, self.driver)
         for other in existing:
             if other.metadata.name != mine:    # e.g. left by an older agent under another name
@@ -118,8 +134,7 @@ class Publisher:
         current = next((s for s in existing if s.metadata.name == mine), None)
         if current is None:
             body = resource_slice(self.node, self.driver, gpus, 1, self._owner())
-            stored = self.resource.create_resource_slice(client.V1ResourceSlice.from_dict(body),
-                                                         _request_timeout=self.timeout)
+            stored = self.resource.create_resource_slice(body, _request_timeout=self.timeout)
             self._written(gpus, body, stored)
             self.log({"event": "resourceslice_created", "name": mine, "devices": [g.name for g in gpus]})
             return "created"
@@ -129,8 +144,7 @@ class Publisher:
             return "unchanged"
         body = resource_slice(self.node, self.driver, gpus, current.spec.pool.generation + 1, self._owner())
         body["metadata"]["resourceVersion"] = current.metadata.resource_version
-        stored = self.resource.replace_resource_slice(mine, client.V1ResourceSlice.from_dict(body),
-                                                      _request_timeout=self.timeout)
+        stored = self.resource.replace_resource_slice(mine, body, _request_timeout=self.timeout)
         self._written(gpus, body, stored)
         self.log({"event": "resourceslice_updated", "name": mine, "generation": body["spec"]["pool"]["generation"],
                   "devices": [g.name for g in gpus]})
@@ -142,8 +156,51 @@ class Publisher:
     def _written(self, gpus, body, stored):
         kept = self._devices(stored)
         self.written = (tuple(gpus), _comparable(kept))
+        self.written_version = stored.metadata.resource_version
         if _comparable(kept) != _comparable(body["spec"]["devices"]):
             self.log({"event": "resourceslice_fields_dropped",
                       "error": "the API server did not keep allowMultipleAllocations or the capacity request "
                                "policies: enable the DRAConsumableCapacity feature gate (API server, scheduler, "
                                "kubelet), or every claim gets a whole GPU"})
+
+    def _news(self, kind, obj) -> bool:
+        """Whether a watch event may need a sync: any deletion, any slice but our last write."""
+        meta = (obj or {}).get("metadata") or {}
+        return kind == "DELETED" or meta.get("name") != slice_name(self.node, self.driver) or \
+            meta.get("resourceVersion") != self.written_version
+
+    def watch(self, stop, kick, seconds=WATCH_SECONDS):
+        """Until `stop` (a threading.Event) is set, call kick() whenever this node's slices
+        of this driver change other than by our own writes -- above all when the kubelet
+        deletes them.  Lists, then watches from the list's resourceVersion; after an error
+        (the API server down, 410 Gone) it waits a little, lists again and carries on."""
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+        version, failures = None, 0
+        while not stop.is_set():
+            try:
+                if version is None:
+                    listed = self.resource.list_resource_slice(field_selector=self.selector,
+                                                               _request_timeout=self.timeout)
+                    version = listed.metadata.resource_version
+                    mine = slice_name(self.node, self.driver)
+                    if [s.metadata.name for s in listed.items] != [mine]:   # gone while we were not watching
+                        kick()
+                w = watch.Watch()
+                for event in w.stream(self.resource.list_resource_slice, field_selector=self.selector,
+                                      resource_version=version, allow_watch_bookmarks=True, timeout_seconds=seconds,
+                                      _request_timeout=(self.timeout, seconds + self.timeout)):
+                    failures = 0
+                    raw = event.get("raw_object") or {}
+                    version = (raw.get("metadata") or {}).get("resourceVersion") or version
+                    if event["type"] != "BOOKMARK" and self._news(event["type"], raw):
+                        kick()
+                    if stop.is_set():
+                        w.stop()
+                        break
+            except Exception as e:   # ApiException (410: too old; 5xx), or the connection dropped
+                version, failures = None, failures + 1
+                gone = isinstance(e, ApiException) and e.status == 410
+                if not gone:
+                    self.log({"event": "resourceslice_watch_failed", "error": f"{type(e).__name__}: {e}"[:300]})
+                stop.wait(0 if gone and failures == 1 else min(30.0, 0.5 * 2 ** failures) * random.uniform(0.8, 1.2))
