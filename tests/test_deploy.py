@@ -1,5 +1,5 @@
 """Kubernetes and docker artefacts: deploy/daemonset.yaml, `env --format k8s|docker` with
-an installed shim, and the runbook's examples in the README, checked against each other
+an installed shim, and the runbook's examples (docs/containers.md), checked against each other
 and against the fields and types the API server accepts (tests/k8s_schema.py).
 """
 import json
@@ -144,9 +144,10 @@ def test_env_takes_the_shim_dir_from_the_environment(node, monkeypatch):
 # === the runbook's examples ===
 
 def runbook():
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "containers.md").read_text()
     start = text.index("## Running in containers: the runbook")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def test_runbook_pod_is_valid_and_is_what_env_prints(node):
