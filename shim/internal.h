@@ -111,6 +111,7 @@ void nvml_resolve(void);
 uint64_t now_ns(void);
 int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
 void reap_dead(void);
+void reap_dead_locked(void);  /* with S.lock held */
 void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
 
 /* Start of every CUDA hook: init, a missing driver symbol is an error, unmanaged

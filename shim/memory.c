@@ -55,7 +55,7 @@ static int have_slot(void)
         return 0;
     pthread_mutex_lock(&S.lock);
     if (S.slot < 0 && claim_slot() < 0) {
-        reap_dead();
+        reap_dead_locked();
         if (claim_slot() < 0)
             STORE(&S.next_claim_ns, now_ns() + CLAIM_RETRY_NS);
     }

@@ -387,17 +387,19 @@ int claim_slot(void)
         S.slot = i;
         return 0;
     }
-    ERR("all %d process slots of %s are taken; refusing GPU memory allocations until one frees", VGPU_MAX_PROCS,
-        S.usage_path);
+    static int said;
+    if (!said++)
+        ERR("all %d process slots of %s are taken; refusing GPU memory allocations until one frees",
+            VGPU_MAX_PROCS, S.usage_path);
     return -1;
 }
 
-/* Return the slots of dead processes (their lock is free) to the container. */
-void reap_dead(void)
+/* Return the slots of dead processes (their lock is free) to the container.  With
+ * S.lock held: our own OFD would re-grant a lock we already hold. */
+void reap_dead_locked(void)
 {
     if (S.usage_fd < 0)
         return;
-    pthread_mutex_lock(&S.lock);   /* our own OFD would re-grant a lock we already hold */
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
         if (i == S.slot || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
@@ -405,6 +407,12 @@ void reap_dead(void)
         drain_slot(i);
         slot_lock(S.usage_fd, i, F_UNLCK);
     }
+}
+
+void reap_dead(void)
+{
+    pthread_mutex_lock(&S.lock);
+    reap_dead_locked();
     pthread_mutex_unlock(&S.lock);
 }
 
