@@ -53,7 +53,9 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuEventQuery, CUresult, (CUevent))                                                       \
     X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                               \
     X(cuEventDestroy_v2, CUresult, (CUevent))                                                  \
-    X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))
+    X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))            \
+    X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
+    X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))
 #define VGPU_NVML_CALLED(X)                                                                    \
     X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
     X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
@@ -70,7 +72,7 @@ VGPU_NVML_CALLED(DECLARE_CALLED)
 enum mode { MODE_PASS, MODE_ENFORCE, MODE_DENY };
 #define LOCK_BASE (1ll << 40)   /* usage slot i is owned by an OFD lock on this byte + i */
 
-struct entry { uint64_t key, value; };   /* allocation table; value: bytes << 4 | device */
+struct entry { uint64_t key, value; };   /* allocation table; value: bytes << 8 | context id << 4 | device */
 
 struct shim_state {
     int ready;                  /* atomic: init done */

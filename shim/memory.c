@@ -146,6 +146,9 @@ static size_t nvmm, vmm_cap, nmappings, mappings_cap;
 struct pool { CUmemoryPool pool; int dev; uint64_t charged, pending; };   /* dev -1: host memory */
 static struct pool *pools;
 static size_t npools, pools_cap;
+#define MAX_CONTEXTS 16
+static CUcontext contexts[MAX_CONTEXTS];   /* contexts allocations were made in (ids); [0] unused */
+static int ncontexts = 1;
 
 /* Where memory of a location lives: a device index (charged there), LOCATION_PASS (not
  * device memory, or invalid: the driver answers), LOCATION_REFUSED (a location type
@@ -175,6 +178,114 @@ void memory_atfork_child(void)
     if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
         S.table = map_table();
     nvmm = nmappings = npools = 0;
+    ncontexts = 1;   /* a child has no context of its parent's */
+}
+
+/* === contexts: tearing one down frees what was allocated in it ===
+ * Each table entry carries the context current at allocation (as a small id: 1..15,
+ * 0 = not known), so cuCtxDestroy and a primary context's reset refund exactly what the
+ * driver freed.  Pool reserves and VMM handles outlive the context, as in the driver.
+ * A process with more than 15 contexts has the rest counted until it exits (safe side). */
+
+
+static int context_id(void)
+{
+    static TLS CUcontext last;
+    static TLS int last_id;
+    CUcontext c = NULL;
+    if (!real_cuCtxGetCurrent || real_cuCtxGetCurrent(&c) != CUDA_SUCCESS || !c)
+        return 0;
+    if (LIKELY(c == last && last_id))
+        return last_id;
+    int id = 0;
+    pthread_mutex_lock(&vmm_lock);
+    for (int i = 1; i < ncontexts && !id; i++)
+        if (contexts[i] == c)
+            id = i;
+    if (!id && ncontexts < MAX_CONTEXTS) {
+        contexts[ncontexts] = c;
+        id = ncontexts++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    last = c;
+    last_id = id;
+    return id;
+}
+
+static int known_context(CUcontext c)
+{
+    int id = 0;
+    pthread_mutex_lock(&vmm_lock);
+    for (int i = 1; i < ncontexts && !id; i++)
+        if (contexts[i] == c)
+            id = i;
+    pthread_mutex_unlock(&vmm_lock);
+    return id;
+}
+
+static void refund_context(int id)
+{
+    if (!id || !S.table)
+        return;
+    uint64_t n = 0, bytes = 0;
+    for (uint32_t i = 0; i < TABLE_SIZE; i++) {
+        uint64_t k = LOAD(&S.table[i].key), v = LOAD(&S.table[i].value);
+        if (k > TOMBSTONE && (int)(v >> 4 & 15) == id &&
+            __atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            refund((int)(v & 15), v >> 8);
+            n++;
+            bytes += v >> 8;
+        }
+    }
+    if (n)
+        INFO("context torn down: %llu allocations, %llu bytes given back", (unsigned long long)n,
+             (unsigned long long)bytes);
+}
+
+/* The primary context's handle, without changing its reference count. */
+static CUcontext primary_context(CUdevice dev)
+{
+    unsigned flags;
+    int active = 0;
+    CUcontext c = NULL;
+    if (!real_cuDevicePrimaryCtxGetState || real_cuDevicePrimaryCtxGetState(dev, &flags, &active) || !active ||
+        !real_cuDevicePrimaryCtxRetain || real_cuDevicePrimaryCtxRetain(&c, dev))
+        return NULL;
+    real_cuDevicePrimaryCtxRelease_v2(dev);
+    return c;
+}
+
+SHIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    ENTER(cuCtxDestroy_v2, ctx);
+    CUresult r = real_cuCtxDestroy_v2(ctx);
+    if (r == CUDA_SUCCESS)
+        refund_context(known_context(ctx));
+    return r;
+}
+
+SHIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxReset_v2, dev);
+    CUcontext c = primary_context(dev);
+    CUresult r = real_cuDevicePrimaryCtxReset_v2(dev);
+    if (r == CUDA_SUCCESS && c)
+        refund_context(known_context(c));
+    return r;
+}
+
+/* Releasing the last reference resets the primary context. */
+SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxRelease_v2, dev);
+    CUcontext c = primary_context(dev);
+    CUresult r = real_cuDevicePrimaryCtxRelease_v2(dev);
+    unsigned flags;
+    int active = 1;
+    if (r == CUDA_SUCCESS && c && real_cuDevicePrimaryCtxGetState &&
+        real_cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
+        refund_context(known_context(c));
+    return r;
 }
 
 /* Lock-free open-addressing table: what each live allocation was charged, and where. */
@@ -188,7 +299,7 @@ static int remember(uint64_t key, int dev, uint64_t bytes)
         uint64_t k = LOAD(&S.table[i].key);
         if ((k == 0 || k == TOMBSTONE) &&
             __atomic_compare_exchange_n(&S.table[i].key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            STORE(&S.table[i].value, bytes << 4 | (uint64_t)dev);
+            STORE(&S.table[i].value, bytes << 8 | (uint64_t)context_id() << 4 | (uint64_t)dev);
             return 0;
         }
     }
@@ -208,7 +319,7 @@ static int forget(uint64_t key, int *dev, uint64_t *bytes)
             if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE)) {
                 *dev = (int)(v & 15);
-                *bytes = v >> 4;
+                *bytes = v >> 8;
                 return 0;
             }
         }

@@ -21,6 +21,9 @@ CUDA_INCLUDE = Path("/usr/local/cuda/include")
 # for each (name, cudaVersion, flags) the shim hooks.  Everything else must be the driver's.
 HOOKED = {
     ("cuInit", 2000, 0): "cuInit",
+    ("cuCtxDestroy", 4000, 0): "cuCtxDestroy_v2",
+    ("cuDevicePrimaryCtxReset", 11000, 0): "cuDevicePrimaryCtxReset_v2",
+    ("cuDevicePrimaryCtxRelease", 11000, 0): "cuDevicePrimaryCtxRelease_v2",
     ("cuGetProcAddress", 11030, 0): "cuGetProcAddress",
     ("cuGetProcAddress", 12000, 0): "cuGetProcAddress_v2",
     ("cuDeviceTotalMem", 3020, 0): "cuDeviceTotalMem_v2",

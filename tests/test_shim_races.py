@@ -215,6 +215,45 @@ def test_a_pool_s_reserve_is_charged_until_the_driver_gives_it_back(node, spawn)
     assert settled(node) == node.referee().used == 0
 
 
+# === what the driver holds: contexts ===
+
+CONTEXT_CHILD = PRELUDE + """
+how = sys.argv[1]
+ok(cu.cuInit(0))
+dev = ok(cu.cuDeviceGet(0))
+if how == "destroy":
+    try:
+        ctx = ok(cu.cuCtxCreate(None, 0, dev))       # cuda-bindings 13: (params, flags, dev)
+    except TypeError:
+        ctx = ok(cu.cuCtxCreate(0, dev))
+else:
+    ok(cu.cuCtxSetCurrent(ok(cu.cuDevicePrimaryCtxRetain(dev))))
+ok(cu.cuMemAlloc(300 * MiB))
+ok(cu.cuMemAlloc(100 * MiB))
+step({"held": True})
+if how == "destroy":
+    ok(cu.cuCtxDestroy(ctx))
+elif how == "reset":
+    ok(cu.cuDevicePrimaryCtxReset(dev))
+else:
+    ok(cu.cuDevicePrimaryCtxRelease(dev))        # the last reference: the context is reset
+step({"torn_down": True})
+"""
+
+
+@pytest.mark.parametrize("how", ["destroy", "reset", "release"])
+def test_tearing_a_context_down_gives_its_memory_back(node, spawn, how):
+    """cuCtxDestroy, cuDevicePrimaryCtxReset and the last cuDevicePrimaryCtxRelease free
+    every allocation of the context (the driver API documentation): so does the charge."""
+    child = spawn(node.env(limit="1Gi"), CONTEXT_CHILD, (how,))
+    assert child.read() == {"held": True}
+    assert settled(node) == node.referee().used == 400 * MiB
+    child.send()
+    assert child.read() == {"torn_down": True}
+    assert node.referee().used == 0
+    assert settled(node) == 0
+
+
 # === location types ===
 
 @pytest.mark.parametrize("loc,charged,result", [(1, True, 0), (2, False, 0), (7, False, 801)],
