@@ -90,7 +90,7 @@ def test_the_lowest_tested_client_is_the_floor_of_pyproject():
 
 def test_the_agent_publishes_prepares_and_republishes_with_the_lowest_allowed_client(tmp_path):
     view = overlay(lowest_client(), tmp_path / "kubernetes-client")
-    env = {"PYTHONPATH": str(view)}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(view), os.environ.get("PYTHONPATH")]))}
     probe = subprocess.run([sys.executable, "-c", "import cffi, kubernetes, urllib3; from kubernetes import client; "
                             "print(kubernetes.__version__, urllib3.__version__, "
                             "hasattr(client.V1ResourceSlice, 'from_dict'), cffi.__file__)"],
@@ -110,6 +110,9 @@ def test_the_agent_publishes_prepares_and_republishes_with_the_lowest_allowed_cl
             claim = node.claim("old-client")
             answer = kubelet.prepare(claim)[claim[1]]  # the claim is read with the old client
             assert answer.error == "" and kubelet.cdi_devices(claim[1], "gpu") == ["vgpu.dev/slice=old-client-share-0"]
+            # consumedCapacity survived the old client's model: the slice holds the claim, not the GPU
+            [seen] = node.status()["old-client-share-0"]["devices"]
+            assert (seen["memory_max"], seen["sm_max"]) == (4 << 30, 5000)
             assert kubelet.unprepare(claim)[claim[1]].error == ""
             kubelet.close()
         finally:
