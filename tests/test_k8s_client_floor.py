@@ -43,8 +43,9 @@ def lowest_client() -> Path:
         return CACHE
     partial = CACHE.with_name(CACHE.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
-                          "--retries", "1", "--timeout", "30", "--target", str(partial), f"kubernetes=={LOWEST}"],
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input",
+                          "--disable-pip-version-check", "--retries", "1", "--timeout", "30",
+                          "--target", str(partial), f"kubernetes=={LOWEST}"],
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
