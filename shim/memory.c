@@ -149,6 +149,7 @@ static size_t npools, pools_cap;
 #define MAX_CONTEXTS 16
 static CUcontext contexts[MAX_CONTEXTS];   /* contexts allocations were made in (ids); [0] unused */
 static int ncontexts = 1;
+static uint32_t contexts_gen;   /* bumped by every teardown (and fork): caches look again */
 
 /* Where memory of a location lives: a device index (charged there), LOCATION_PASS (not
  * device memory, or invalid: the driver answers), LOCATION_REFUSED (a location type
@@ -179,6 +180,7 @@ void memory_atfork_child(void)
         S.table = map_table();
     nvmm = nmappings = npools = 0;
     ncontexts = 1;   /* a child has no context of its parent's */
+    __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
 }
 
 /* === contexts: tearing one down frees what was allocated in it ===
@@ -188,28 +190,46 @@ void memory_atfork_child(void)
  * A process with more than 15 contexts has the rest counted until it exits (safe side). */
 
 
-static int context_id(void)
+/* The calling thread's current context, its device and id, cached: one driver call
+ * (cuCtxGetCurrent) per allocation while the context stays the same.  A teardown bumps
+ * contexts_gen, so a handle the driver hands out again is looked up afresh. */
+static TLS struct { CUcontext ctx; int dev, id; uint32_t gen; } cur = {.dev = -1};
+
+static int context_lookup(CUcontext c)   /* with vmm_lock held */
 {
-    static TLS CUcontext last;
-    static TLS int last_id;
+    for (int i = 1; i < ncontexts; i++)
+        if (contexts[i] == c)
+            return i;
+    if (ncontexts == MAX_CONTEXTS)
+        return 0;
+    contexts[ncontexts] = c;
+    return ncontexts++;
+}
+
+int current_device(void)
+{
     CUcontext c = NULL;
     if (!real_cuCtxGetCurrent || real_cuCtxGetCurrent(&c) != CUDA_SUCCESS || !c)
-        return 0;
-    if (LIKELY(c == last && last_id))
-        return last_id;
-    int id = 0;
+        return -1;
+    if (LIKELY(c == cur.ctx && cur.gen == LOAD(&contexts_gen)))
+        return cur.dev;
+    CUdevice d;
+    if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
+        return -1;
     pthread_mutex_lock(&vmm_lock);
-    for (int i = 1; i < ncontexts && !id; i++)
-        if (contexts[i] == c)
-            id = i;
-    if (!id && ncontexts < MAX_CONTEXTS) {
-        contexts[ncontexts] = c;
-        id = ncontexts++;
-    }
+    cur.id = context_lookup(c);
     pthread_mutex_unlock(&vmm_lock);
-    last = c;
-    last_id = id;
-    return id;
+    cur.ctx = c;
+    cur.dev = d;
+    cur.gen = LOAD(&contexts_gen);
+    return d;
+}
+
+/* The context of the allocation the calling thread is making (current_device() came
+ * first in the same hook); 0 when not known. */
+static inline int context_id(void)
+{
+    return cur.dev >= 0 ? cur.id : 0;
 }
 
 static int known_context(CUcontext c)
@@ -225,6 +245,7 @@ static int known_context(CUcontext c)
 
 static void refund_context(int id)
 {
+    __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
     if (!id || !S.table)
         return;
     uint64_t n = 0, bytes = 0;
@@ -327,13 +348,6 @@ static int forget(uint64_t key, int *dev, uint64_t *bytes)
     return -1;
 }
 
-int current_device(void)
-{
-    CUdevice d;
-    if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
-        return -1;
-    return d;
-}
 
 /* The device a stream's work (and its stream-ordered allocations) lands on. */
 int stream_device(CUstream stream)
