@@ -244,6 +244,8 @@ static inline uint64_t vgpu_array_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsign
     elem *= d->NumChannels;
     uint64_t total = 0, w = d->Width, h = d->Height ? d->Height : 1, z = d->Depth ? d->Depth : 1;
     for (unsigned l = 0; l < levels; l++) {
+        if (w == 1 && h == 1 && z == 1)
+            return total + (uint64_t)(levels - l) * elem;   /* the rest are 1x1x1: no 2^32 loop */
         total += w * h * z * elem;
         w = w > 1 ? w / 2 : 1;
         h = h > 1 ? h / 2 : 1;

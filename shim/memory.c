@@ -839,8 +839,8 @@ SHIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *p
     if (dev == LOCATION_REFUSED)
         return CUDA_ERROR_NOT_SUPPORTED;
     CUresult r = real_cuMemPoolCreate(pool, poolProps);
-    if (r == CUDA_SUCCESS && pool && dev != LOCATION_PASS)
-        note_pool(*pool, dev);   /* (-1: host memory, never charged) */
+    if (r == CUDA_SUCCESS && pool)
+        note_pool(*pool, dev);   /* LOCATION_PASS (-1): host memory, never charged */
     return r;
 }
 

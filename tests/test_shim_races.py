@@ -332,3 +332,21 @@ def test_host_tools_survive_a_container_rewriting_its_usage_file(node, lifecycle
     out = subprocess.run([str(Path(sys.executable).parent / "vgpu-ctl"), "list", "--dir", str(node.dir)],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "Traceback" not in out.stderr
+
+
+MIPMAP_CHILD = PRELUDE + """
+dev = context()
+d = cu.CUDA_ARRAY3D_DESCRIPTOR()
+d.Width, d.Height, d.Depth, d.NumChannels, d.Flags = 64, 64, 0, 4, 0
+d.Format = cu.CUarray_format.CU_AD_FORMAT_FLOAT
+print(json.dumps({"create": rc(cu.cuMipmappedArrayCreate(d, 0xFFFFFFFF))}), flush=True)
+"""
+
+
+def test_a_mipmapped_array_with_2_to_the_32_levels_does_not_stall_the_caller(node):
+    """Sizing 2^32 - 1 levels used to loop over every one of them inside the shim (7 s);
+    past the 1x1 level the rest are counted at once.  (A hang bound, not a timing.)"""
+    out = subprocess.run([sys.executable, "-c", MIPMAP_CHILD], env=node.env(limit="1Gi"), capture_output=True,
+                         text=True, timeout=5)
+    assert out.returncode == 0, out.stderr
+    assert "create" in json.loads(out.stdout)
