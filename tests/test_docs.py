@@ -4,12 +4,13 @@ on simgpu is run, command by command, and its output compared with what the page
 A page's blocks run in order in one bash session (so variables, background jobs and
 slices carry from one block to the next), started in the repository root with nothing of
 vgpu or simgpu in its environment, in a fresh temporary directory that stands in for the
-paths the pages use (/tmp/vgpu, /tmp/simgpu-node).  A block that cannot run here (Docker,
+paths the pages use (/tmp/vgpu, /tmp/simgpu-node, /tmp/slices.yaml).  A block that cannot run here (Docker,
 a GPU, a cluster, or a command that runs until stopped) carries the marker
 `<!-- doctest: skip (why) -->` on the line before it; the number of such blocks per page
 is pinned below, so skipping one more is a decision, not an accident.
 
-Outputs are compared on their stable parts: whitespace runs count as one space; what is
+Outputs are compared on their stable parts: whitespace runs count as one space (but for a
+line's indentation); what is
 measured or allotted by the machine is masked on both sides — durations, clock times,
 numbers of three or more digits (pids, byte counts), measured shares in status tables
 (the `9%` of `9%/20%`, the lone percentages of the process and device rows), and the path
@@ -37,7 +38,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # blocks that cannot run here, per page (see the module docstring)
 SKIPPED = {"README.md": 1, "docs/autoscale.md": 1, "docs/containers.md": 4}
 # the paths the pages use, played by a temporary directory
-STAND_INS = ("/tmp/vgpu", "/tmp/simgpu-node")
+STAND_INS = ("/tmp/vgpu", "/tmp/simgpu-node", "/tmp/slices.yaml")
 RETRIED = re.compile(r"vgpu-ctl (status|list|reap)\b")
 SKIP_MARK = re.compile(r"<!-- doctest: skip \((.+)\) -->")
 # pages another change adds: links to them are checked once they exist
@@ -100,7 +101,7 @@ def normalize(lines):
         elif in_status:
             line = _LONE_PERCENT.sub("<%>", _MEASURED.sub("<%>", line))
         line = _BIG.sub("<n>", _CLOCK.sub("<clock>", _DURATION.sub("<t>", _LIB.sub("<lib>/", line))))
-        out.append(" ".join(line.split()))
+        out.append(line[:len(line) - len(line.lstrip())] + " ".join(line.split()))   # indentation counts
     while out and not out[-1]:
         out.pop()
     return out
