@@ -399,7 +399,7 @@ def test_run_in_a_named_slice_keeps_it(ctl):
 def test_help_works_without_nvml_being_loaded():
     code = ("import sys\nfrom vgpu.cli import main\n"
             "for cmd in ([], ['create'], ['delete'], ['list'], ['resize'], ['status'], ['reap'], ['env'],\n"
-            "            ['run'], ['shim-path'], ['sim', 'env']):\n"
+            "            ['run'], ['shim-path'], ['sim', 'env'], ['sim'], ['apply'], ['export']):\n"
             "    try:\n        main(cmd + ['--help'])\n"
             "    except SystemExit as e:\n        assert e.code == 0, cmd\n"
             "assert 'pynvml' not in sys.modules\nprint('ok')")

@@ -298,6 +298,12 @@ def test_env_json_is_format_json_and_a_contradiction_is_a_usage_error(node):
     one_line(ctl("env", "c1", "--json", "--format", "docker", "--dir", node), 2, "--json is --format json")
 
 
+def test_env_k8s_says_the_pod_still_needs_the_gpu(node):
+    ctl("create", "c1", "--memory", "1Gi", "--dir", node)
+    first = ctl("env", "c1", "--format", "k8s", "--dir", node).stdout.splitlines()[0]
+    assert first.startswith("# vgpu slice c1: ") and "runtimeClassName: nvidia and NVIDIA_VISIBLE_DEVICES=all" in first
+
+
 # === serve and autoscale ===
 
 def test_serve_on_a_bad_address_or_a_busy_port_names_the_flag_to_change(node):

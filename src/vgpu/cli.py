@@ -696,7 +696,9 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
     elif fmt == "k8s":
         click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload),
                                    comment=f"vgpu slice {name}: env and volumeMounts go in the container, "
-                                           "volumes in the pod spec"), nl=False)
+                                           "volumes in the pod spec; the GPU itself is not here: give the pod "
+                                           "runtimeClassName: nvidia and NVIDIA_VISIBLE_DEVICES=all (or use the "
+                                           "DRA driver)"), nl=False)
     else:
         _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim),
                     "docker": runtime.docker(name, files, shim, preload),
