@@ -213,6 +213,22 @@ def test_status_reaps_what_it_reads(node, agents):
     assert node.ctl("reap").stdout.strip() == "nothing to reap"
 
 
+def test_resize_below_what_only_a_dead_process_held_does_not_warn(node, agents):
+    """The shrink warning is about live processes: a killed holder's slot is reaped
+    first, so a resize after a crash is not told its slice is over the new cap."""
+    node.ctl("create", "c1", "--memory", "4Gi")
+    a = agents(node.workload_env("c1"))
+    assert a.call("alloc", 3 * GiB) == SUCCESS
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    out = node.ctl("resize", "c1", "--memory", "2Gi")
+    assert "holds" not in out.stderr, out.stderr
+    b = agents(node.workload_env("c1"))
+    assert b.call("alloc", 3 * GiB) != SUCCESS and b.call("alloc", 2 * GiB) == SUCCESS
+    out = node.ctl("resize", "c1", "--memory", "1Gi")
+    assert "c1 device 0 holds 2Gi, above the new memory.max 1Gi" in out.stderr
+
+
 def test_delete_is_refused_while_processes_run(node, agents):
     node.ctl("create", "c1", "--memory", "1Gi")
     a = agents(node.workload_env("c1"))

@@ -698,6 +698,7 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
             generation = current.generation
             if any(new[d] != old[d] for d in targets):
                 generation = _write_devices(fd, new)
+            reap_quietly(directory, name)   # the warning is about what live processes hold
             usage = _read_slice_usage(cfd, directory, name)
     warnings = []
     for d in targets:
