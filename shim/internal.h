@@ -89,6 +89,8 @@ struct shim_state {
     uint64_t next_claim_ns;     /* no slot: when to try again */
     void *cuda, *nvml;
     int nvml_ready;
+    uint64_t context_overhead;  /* VGPU_CONTEXT_OVERHEAD, when set: no measuring */
+    int context_overhead_set;
 };
 extern struct shim_state S;
 extern TLS int in_init;   /* recursion guard: hooks called during init pass through */

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 /* === memory accounting === */
 
@@ -71,6 +72,71 @@ static void note_peak(struct vgpu_usage_device *u, uint64_t now)
         ;
 }
 
+/* === context overhead ===
+ * A context costs device memory of its own (hundreds of MiB per process on a real
+ * card), which no allocation call shows.  On its first allocation on a device a process
+ * is charged that overhead: VGPU_CONTEXT_OVERHEAD when set, else what NVML says the
+ * process holds there beyond its charge (the driver's own figure; found by pid, so only
+ * where NVML's pids are the process's own), else nothing.  It is already spent, so it is
+ * charged without a cap check; it comes back with the process's last context there. */
+
+static pthread_mutex_t overhead_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint32_t overhead_devices;            /* bit d: charged on device d (overhead_lock) */
+static uint64_t overhead_bytes[VGPU_MAX_DEVICES];
+
+static uint64_t measure_overhead(int dev)
+{
+    if (S.context_overhead_set)
+        return S.context_overhead;
+    nvml_resolve();
+    nvmlDevice_t h;
+    unsigned int n = VGPU_MAX_PROCS * 4;
+    nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];
+    if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS || !real_nvmlDeviceGetHandleByIndex_v2 ||
+        real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS ||
+        !real_nvmlDeviceGetComputeRunningProcesses_v3 ||
+        real_nvmlDeviceGetComputeRunningProcesses_v3(h, &n, infos) != NVML_SUCCESS)
+        return 0;
+    uint64_t mine = S.slot >= 0 ? LOAD(&S.usage->charge[dev][S.slot]) : 0;
+    for (unsigned int i = 0; i < n; i++)
+        if (infos[i].pid == (unsigned int)getpid() && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE_ULL)
+            return infos[i].usedGpuMemory > mine ? infos[i].usedGpuMemory - mine : 0;
+    return 0;
+}
+
+static void note_peak(struct vgpu_usage_device *u, uint64_t now);
+
+static void charge_overhead(int dev)
+{
+    pthread_mutex_lock(&overhead_lock);
+    if (!(overhead_devices & 1u << dev) && S.slot >= 0) {
+        uint64_t bytes = measure_overhead(dev);
+        overhead_bytes[dev] = bytes;
+        if (bytes) {
+            __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+            note_peak(&S.usage->devices[dev], memory_used(dev));
+            INFO("device %d: a context's overhead, %llu bytes, charged", dev, (unsigned long long)bytes);
+        }
+        __atomic_or_fetch(&overhead_devices, 1u << dev, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&overhead_lock);
+}
+
+static void refund(int dev, uint64_t bytes);
+
+static void overhead_refund(int dev)
+{
+    pthread_mutex_lock(&overhead_lock);
+    uint64_t bytes = 0;
+    if (overhead_devices & 1u << dev) {
+        bytes = overhead_bytes[dev];
+        overhead_bytes[dev] = 0;
+        __atomic_and_fetch(&overhead_devices, ~(1u << dev), __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&overhead_lock);
+    refund(dev, bytes);
+}
+
 /* Reserve before allocating.  Publish, then check: add the bytes to this process's own
  * charge, then sum every slot's charge on the device; over the cap -> take them back
  * (a racing reader may see that transient: counters can pass the cap for an instant by
@@ -84,6 +150,8 @@ static CUresult admit(int dev, uint64_t bytes)
 {
     if (UNLIKELY(!have_slot()))
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if (UNLIKELY(!(LOAD(&overhead_devices) & 1u << dev)))
+        charge_overhead(dev);
     struct vgpu_usage_device *u = &S.usage->devices[dev];
     uint64_t *mine = &S.usage->charge[dev][S.slot];
     uint64_t cap = memory_cap(dev), used = 0;
@@ -147,7 +215,7 @@ struct pool { CUmemoryPool pool; int dev; uint64_t charged, pending; };   /* dev
 static struct pool *pools;
 static size_t npools, pools_cap;
 #define MAX_CONTEXTS 16
-static CUcontext contexts[MAX_CONTEXTS];   /* contexts allocations were made in (ids); [0] unused */
+static struct { CUcontext ctx; int dev, live; } contexts[MAX_CONTEXTS];   /* ids; [0] unused */
 static int ncontexts = 1;
 static uint32_t contexts_gen;   /* bumped by every teardown (and fork): caches look again */
 
@@ -179,7 +247,9 @@ void memory_atfork_child(void)
     if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
         S.table = map_table();
     nvmm = nmappings = npools = 0;
-    ncontexts = 1;   /* a child has no context of its parent's */
+    ncontexts = 1;   /* a child has no context of its parent's, nor its overhead */
+    overhead_devices = 0;
+    pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
 }
 
@@ -195,15 +265,19 @@ void memory_atfork_child(void)
  * contexts_gen, so a handle the driver hands out again is looked up afresh. */
 static TLS struct { CUcontext ctx; int dev, id; uint32_t gen; } cur = {.dev = -1};
 
-static int context_lookup(CUcontext c)   /* with vmm_lock held */
+static int context_lookup(CUcontext c, int dev)   /* with vmm_lock held */
 {
-    for (int i = 1; i < ncontexts; i++)
-        if (contexts[i] == c)
-            return i;
-    if (ncontexts == MAX_CONTEXTS)
-        return 0;
-    contexts[ncontexts] = c;
-    return ncontexts++;
+    int id = 0;
+    for (int i = 1; i < ncontexts && !id; i++)
+        if (contexts[i].ctx == c)
+            id = i;
+    if (!id && ncontexts < MAX_CONTEXTS)
+        contexts[id = ncontexts++].ctx = c;
+    if (id) {
+        contexts[id].dev = dev;
+        contexts[id].live = 1;
+    }
+    return id;
 }
 
 int current_device(void)
@@ -217,7 +291,7 @@ int current_device(void)
     if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
         return -1;
     pthread_mutex_lock(&vmm_lock);
-    cur.id = context_lookup(c);
+    cur.id = context_lookup(c, d);
     pthread_mutex_unlock(&vmm_lock);
     cur.ctx = c;
     cur.dev = d;
@@ -237,11 +311,13 @@ static int known_context(CUcontext c)
     int id = 0;
     pthread_mutex_lock(&vmm_lock);
     for (int i = 1; i < ncontexts && !id; i++)
-        if (contexts[i] == c)
+        if (contexts[i].ctx == c)
             id = i;
     pthread_mutex_unlock(&vmm_lock);
     return id;
 }
+
+static void overhead_refund(int dev);
 
 static void refund_context(int id)
 {
@@ -261,6 +337,15 @@ static void refund_context(int id)
     if (n)
         INFO("context torn down: %llu allocations, %llu bytes given back", (unsigned long long)n,
              (unsigned long long)bytes);
+    /* the process's last context on the device: its overhead goes too */
+    pthread_mutex_lock(&vmm_lock);
+    int dev = contexts[id].dev, others = 0;
+    contexts[id].live = 0;
+    for (int i = 1; i < ncontexts; i++)
+        others += contexts[i].live && contexts[i].dev == dev;
+    pthread_mutex_unlock(&vmm_lock);
+    if (!others)
+        overhead_refund(dev);
 }
 
 /* The primary context's handle, without changing its reference count. */

@@ -485,6 +485,14 @@ static void configure(void)
     const char *lvl = getenv("VGPU_LOG");
     S.log_level = !lvl ? 0 : !strcmp(lvl, "debug") ? 2 : !strcmp(lvl, "info") ? 1 : 0;
 
+    const char *overhead = getenv("VGPU_CONTEXT_OVERHEAD");
+    if (overhead && *overhead) {
+        if (parse_size(overhead, 0, &S.context_overhead))
+            return deny("VGPU_CONTEXT_OVERHEAD=%s is not a memory size (use bytes or Ki/Mi/Gi/Ti, e.g. 500Mi)",
+                        overhead);
+        S.context_overhead_set = 1;
+    }
+
     const char *name = getenv("VGPU_CONTAINER");
     struct vgpu_quota env_quota;
     int from_env = quota_from_env(&env_quota, name && *name ? name : "default");

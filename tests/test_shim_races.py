@@ -254,6 +254,43 @@ def test_tearing_a_context_down_gives_its_memory_back(node, spawn, how):
     assert settled(node) == 0
 
 
+# === what the driver holds: a context's own memory ===
+
+OVERHEAD_CHILD = PRELUDE + """
+ok(cu.cuInit(0))
+dev = ok(cu.cuDeviceGet(0))
+try:
+    ctx = ok(cu.cuCtxCreate(None, 0, dev))
+except TypeError:
+    ctx = ok(cu.cuCtxCreate(0, dev))
+ok(cu.cuMemAlloc(100 * MiB))
+held = 0
+while rc(cu.cuMemAlloc(64 * MiB)) == 0:
+    held += 64 * MiB
+step({"free": int(ok(cu.cuMemGetInfo())[0]), "filled": held})
+ok(cu.cuCtxDestroy(ctx))
+step({"destroyed": True})
+"""
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["measured", "VGPU_CONTEXT_OVERHEAD"])
+def test_a_context_s_own_memory_is_charged_and_the_cap_still_holds(node, spawn, told):
+    """simgpu gives each process's first context on a device 256 MiB of its own (as a real
+    card does, more or less).  The shim charges it on the first allocation (measured from
+    NVML's per-process figure, or as configured), so the cap holds for what the device
+    really holds, the view agrees, and the last context's teardown gives it back."""
+    overhead, cap = 256 * MiB, GiB
+    extra = {"VGPU_CONTEXT_OVERHEAD": "256Mi"} if told else {}
+    child = spawn(node.env(limit=str(cap), SIMGPU_CONTEXT_OVERHEAD="256Mi", **extra), OVERHEAD_CHILD)
+    r = child.read()
+    held = overhead + 100 * MiB + r["filled"]
+    assert cap - 64 * MiB < held <= cap and r["free"] == cap - held
+    assert settled(node) == node.referee().used == held
+    child.send()
+    assert child.read() == {"destroyed": True}
+    assert settled(node) == node.referee().used == 0
+
+
 # === location types ===
 
 @pytest.mark.parametrize("loc,charged,result", [(1, True, 0), (2, False, 0), (7, False, 801)],
