@@ -387,3 +387,9 @@ def test_a_mipmapped_array_with_2_to_the_32_levels_does_not_stall_the_caller(nod
                          text=True, timeout=5)
     assert out.returncode == 0, out.stderr
     assert "create" in json.loads(out.stdout)
+
+
+def test_a_malformed_context_overhead_fails_closed_naming_the_variable(node, spawn, tmp_path):
+    a = spawn(node.env(limit="1Gi", VGPU_CONTEXT_OVERHEAD="lots"), stderr_path=tmp_path / "err")
+    assert a.call("alloc", MiB) == [2, None]      # CUDA_ERROR_OUT_OF_MEMORY: never a silent no-cap
+    assert "VGPU_CONTEXT_OVERHEAD=lots is not a memory size" in (tmp_path / "err").read_text()
