@@ -2,6 +2,7 @@
 #include "internal.h"
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -81,17 +82,110 @@ static inline int launch_device(void)
 }
 
 /* Counters are added to the usage file in batches: one shared atomic per launch would
- * cost more than the pacing itself. */
-static TLS struct { uint64_t launches, gpu_time_ns; int dev; } pending;
+ * cost more than the pacing itself.  Each thread batches in a block of its own, and every
+ * block is on one list, so that what is still batched is flushed at exit (a destructor),
+ * before fork (a prepare handler: the child starts with nothing batched) and when a thread
+ * ends (a key destructor; its block is then reused by a later thread).  The owner adds with
+ * relaxed atomics to its own cache line, a flusher takes with atomic exchanges: a launch is
+ * counted once, whichever thread flushes it. */
+#define BATCH 64
+struct pending {
+    uint64_t launches[VGPU_MAX_DEVICES], gpu_time_ns[VGPU_MAX_DEVICES];
+    uint32_t batched;             /* launches since the owner last flushed */
+    int in_use;                   /* owned by a live thread */
+    struct pending *next;         /* never unlinked: blocks are reused, not freed */
+} __attribute__((aligned(64)));
+static struct pending *pending_list;
+static TLS struct pending *my_pending;
+static pthread_key_t pending_key;
+static pthread_once_t pending_once = PTHREAD_ONCE_INIT;
 
-static void flush_counters(void)
+static void flush_block(struct pending *p)
 {
-    if (!pending.launches)
+    if (!S.usage)
         return;
-    struct vgpu_usage_device *u = &S.usage->devices[pending.dev];
-    __atomic_add_fetch(&u->launches, pending.launches, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&u->gpu_time_ns, pending.gpu_time_ns, __ATOMIC_RELAXED);
-    pending.launches = pending.gpu_time_ns = 0;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        if (!LOAD(&p->launches[d]) && !LOAD(&p->gpu_time_ns[d]))
+            continue;
+        uint64_t n = __atomic_exchange_n(&p->launches[d], 0, __ATOMIC_ACQ_REL);
+        uint64_t ns = __atomic_exchange_n(&p->gpu_time_ns[d], 0, __ATOMIC_ACQ_REL);
+        __atomic_add_fetch(&S.usage->devices[d].launches, n, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&S.usage->devices[d].gpu_time_ns, ns, __ATOMIC_RELAXED);
+    }
+}
+
+static void flush_all(void)
+{
+    for (struct pending *p = LOAD(&pending_list); p; p = p->next)
+        flush_block(p);
+}
+
+static void thread_ends(void *block)
+{
+    struct pending *p = block;
+    flush_block(p);
+    STORE(&p->batched, 0);
+    STORE(&p->in_use, 0);
+}
+
+/* In the child only the forking thread lives on: every other block is free again, and
+ * whatever reached them after the prepare handler's flush is the parent's to count. */
+static void pending_atfork_child(void)
+{
+    for (struct pending *p = LOAD(&pending_list); p; p = p->next) {
+        memset(p->launches, 0, sizeof p->launches);
+        memset(p->gpu_time_ns, 0, sizeof p->gpu_time_ns);
+        p->batched = 0;
+        p->in_use = p == my_pending;
+    }
+}
+
+static void pending_setup(void)
+{
+    pthread_key_create(&pending_key, thread_ends);
+    pthread_atfork(flush_all, NULL, pending_atfork_child);
+}
+
+__attribute__((destructor)) static void flush_at_exit(void) { flush_all(); }
+
+static struct pending *pending_block(void)
+{
+    struct pending *p = my_pending;
+    if (LIKELY(p != NULL))
+        return p;
+    pthread_once(&pending_once, pending_setup);
+    for (p = LOAD(&pending_list); p; p = p->next) {
+        int idle = 0;
+        if (__atomic_compare_exchange_n(&p->in_use, &idle, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            break;
+    }
+    if (!p) {
+        void *m = NULL;
+        if (posix_memalign(&m, 64, sizeof *p))
+            return NULL;   /* not counted rather than a crash */
+        p = memset(m, 0, sizeof *p);
+        p->in_use = 1;
+        p->next = LOAD(&pending_list);
+        while (!__atomic_compare_exchange_n(&pending_list, &p->next, p, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            ;
+    }
+    pthread_setspecific(pending_key, p);
+    return my_pending = p;
+}
+
+/* Count one launch on `dev`; flush the batch when it is full or the caller is about to
+ * sleep anyway. */
+static void count_launch(int dev, uint64_t cost, int flush_now)
+{
+    struct pending *p = pending_block();
+    if (!p)
+        return;
+    __atomic_add_fetch(&p->launches[dev], 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&p->gpu_time_ns[dev], cost, __ATOMIC_RELAXED);
+    if (flush_now || ++p->batched >= BATCH) {
+        p->batched = 0;
+        flush_block(p);
+    }
 }
 
 static struct estimate *estimate_for(uint64_t key)
@@ -304,21 +398,14 @@ static int pace(int dev, uint64_t key)
     do
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    if (pending.dev != dev)
-        flush_counters();
-    pending.dev = dev;
-    pending.launches++;
-    pending.gpu_time_ns += cost;
+    count_launch(dev, cost, next > now + SM_BURST_NS);
     if (next > now + SM_BURST_NS) {
-        flush_counters();   /* about to sleep anyway */
         struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
                               .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
         __atomic_add_fetch(&u->throttled_ns, next - SM_BURST_NS - now, __ATOMIC_RELAXED);
         now = next - SM_BURST_NS;
-    } else if (pending.launches >= 64) {
-        flush_counters();
     }
     if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))
         maybe_correct(dev, u, (uint32_t)((((uint64_t)SM_FULL << 16) + scale / 2) / scale), now);
