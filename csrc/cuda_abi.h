@@ -179,12 +179,12 @@ typedef enum {
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
     CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
 } CUmemPool_attribute;
-enum {                                          /* CUgraphMem_attribute (cuuint64_t each) */
+typedef enum {                                  /* cuuint64_t each */
     CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
     CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
     CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
     CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
-};
+} CUgraphMem_attribute;
 enum { CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1 };
 
 typedef struct {

@@ -491,15 +491,32 @@ SHIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int g
 }
 
 /* A graph costs its measured duration, learnt per executable graph like a kernel. */
-SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+static CUresult paced_graph_launch(CUgraphExec hGraphExec, CUstream hStream)
 {
     PACED_LAUNCH(cuGraphLaunch, 0, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
                  hStream);
 }
 
-SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+static CUresult paced_graph_launch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     PACED_LAUNCH(cuGraphLaunch_ptsz, 1, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
                  hStream);
+}
+
+/* A graph's memory nodes allocate at launch: the charge follows the graph reserve. */
+SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    CUresult r = paced_graph_launch(hGraphExec, hStream);
+    if (r == CUDA_SUCCESS && S.mode == MODE_ENFORCE && !in_init)
+        graph_memory_settle(stream_device(hStream));
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    CUresult r = paced_graph_launch_ptsz(hGraphExec, hStream);
+    if (r == CUDA_SUCCESS && S.mode == MODE_ENFORCE && !in_init)
+        graph_memory_settle(stream_device(hStream));
+    return r;
 }
 

@@ -73,6 +73,7 @@
     X(cuStreamSynchronize_ptsz, cuStreamSynchronize, 7000, 1, CUresult, (CUstream hStream))        \
     X(cuEventSynchronize, cuEventSynchronize, 2000, 0, CUresult, (CUevent hEvent))                 \
     X(cuCtxSynchronize, cuCtxSynchronize, 2000, 0, CUresult, (void))                               \
+    X(cuDeviceGraphMemTrim, cuDeviceGraphMemTrim, 11040, 0, CUresult, (CUdevice device))           \
     /* === free (always calls the real free) === */                                               \
     X(cuMemFree_v2, cuMemFree, 3020, 0, CUresult, (CUdeviceptr dptr))                              \
     X(cuMemFreeAsync, cuMemFreeAsync, 11020, 0, CUresult, (CUdeviceptr dptr, CUstream hStream))    \

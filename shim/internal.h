@@ -55,7 +55,8 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuEventDestroy_v2, CUresult, (CUevent))                                                  \
     X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))            \
     X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
-    X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))
+    X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))                 \
+    X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))
 #define VGPU_NVML_CALLED(X)                                                                    \
     X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
     X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
@@ -145,6 +146,7 @@ int stream_device(CUstream stream);
 int nvml_index(nvmlDevice_t device);
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
+void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */
 
 /* === compute.c === */
 

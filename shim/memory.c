@@ -123,6 +123,7 @@ static void charge_overhead(int dev)
 }
 
 static void refund(int dev, uint64_t bytes);
+static void graph_memory_trim(void);
 
 static void overhead_refund(int dev)
 {
@@ -159,6 +160,7 @@ static CUresult admit(int dev, uint64_t bytes)
         if (attempt == 1) {
             reap_dead();
             pools_settle(1);   /* reserve kept for reuse is given back first */
+            graph_memory_trim();
         }
         else if (attempt > 1)
             sched_yield();   /* let a racing admission finish or retreat */
@@ -214,6 +216,8 @@ static size_t nvmm, vmm_cap, nmappings, mappings_cap;
 struct pool { CUmemoryPool pool; int dev; uint64_t charged, pending; };   /* dev -1: host memory */
 static struct pool *pools;
 static size_t npools, pools_cap;
+static uint64_t graph_charged[VGPU_MAX_DEVICES];   /* graph memory reserve as charged */
+static uint32_t graph_devices;                     /* bit d: device d's reserve is watched */
 #define MAX_CONTEXTS 16
 static struct { CUcontext ctx; int dev, live; } contexts[MAX_CONTEXTS];   /* ids; [0] unused */
 static int ncontexts = 1;
@@ -248,7 +252,8 @@ void memory_atfork_child(void)
         S.table = map_table();
     nvmm = nmappings = npools = 0;
     ncontexts = 1;   /* a child has no context of its parent's, nor its overhead */
-    overhead_devices = 0;
+    overhead_devices = graph_devices = 0;
+    memset(graph_charged, 0, sizeof graph_charged);
     pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
 }
@@ -731,6 +736,7 @@ SHIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t byte
 static CUresult after_release(CUresult r)
 {
     pools_settle(0);
+    graph_memory_settle(-1);
     return r;
 }
 
@@ -794,6 +800,57 @@ SHIM_EXPORT CUresult cuCtxSynchronize(void)
 {
     ENTER(cuCtxSynchronize);
     return after_release(real_cuCtxSynchronize());
+}
+
+/* === graph memory ===
+ * Memory nodes of graphs allocate at launch from a per-device graph reserve that stays
+ * (even after the graphs are gone) until cuDeviceGraphMemTrim: the process is charged
+ * that reserve (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), read after each graph launch,
+ * trim, synchronisation and memory query; before refusing, the shim trims it (what no
+ * graph uses is a cache).  A launch is not admitted ahead (its need is the driver's to
+ * know): one launch can take the slice past its cap, after which its allocations are
+ * refused until the reserve shrinks. */
+
+void graph_memory_settle(int dev)
+{
+    if (dev >= VGPU_MAX_DEVICES || !real_cuDeviceGetGraphMemAttribute)
+        return;
+    if (dev >= 0)
+        __atomic_or_fetch(&graph_devices, 1u << dev, __ATOMIC_RELAXED);
+    uint32_t devs = dev >= 0 ? 1u << dev : LOAD(&graph_devices);
+    if (!devs)
+        return;
+    pthread_mutex_lock(&vmm_lock);
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        cuuint64_t reserved;
+        if (!(devs & 1u << d) ||
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+            continue;
+        if (reserved > graph_charged[d])
+            charge_held(d, reserved - graph_charged[d]);
+        else
+            refund(d, graph_charged[d] - reserved);
+        graph_charged[d] = reserved;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+}
+
+/* Under the cap's pressure: the graph reserve nothing uses becomes budget again. */
+static void graph_memory_trim(void)
+{
+    uint32_t devs = LOAD(&graph_devices);
+    for (int d = 0; d < VGPU_MAX_DEVICES && real_cuDeviceGraphMemTrim; d++)
+        if (devs & 1u << d)
+            real_cuDeviceGraphMemTrim(d);
+    graph_memory_settle(-1);
+}
+
+SHIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    ENTER(cuDeviceGraphMemTrim, device);
+    CUresult r = real_cuDeviceGraphMemTrim(device);
+    graph_memory_settle(device);
+    return r;
 }
 
 SHIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
@@ -1051,6 +1108,7 @@ static int slice(int dev, uint64_t dev_total, uint64_t dev_free, uint64_t *total
     if (S.mode == MODE_ENFORCE) {
         maybe_reap();
         pools_settle(0);
+        graph_memory_settle(-1);
     }
     uint64_t u = S.mode == MODE_ENFORCE ? memory_used(dev) : 0;
     *total = cap < dev_total ? cap : dev_total;

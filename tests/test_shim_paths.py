@@ -53,6 +53,7 @@ HOOKED = {
     ("cuStreamSynchronize", 7000, 2): "cuStreamSynchronize_ptsz",
     ("cuEventSynchronize", 2000, 0): "cuEventSynchronize",
     ("cuCtxSynchronize", 2000, 0): "cuCtxSynchronize",
+    ("cuDeviceGraphMemTrim", 11040, 0): "cuDeviceGraphMemTrim",
     ("cuStreamSynchronize", 12000, 2): "cuStreamSynchronize_ptsz",
     ("cuMemCreate", 12000, 0): "cuMemCreate",
     ("cuMemMap", 12000, 0): "cuMemMap",
@@ -184,7 +185,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 38   # every hooked entry point cudart asks for
+    assert hooked_seen == 39   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -224,7 +225,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 38
+    assert len(hooked) == 39
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

@@ -291,6 +291,59 @@ def test_a_context_s_own_memory_is_charged_and_the_cap_still_holds(node, spawn, 
     assert settled(node) == node.referee().used == 0
 
 
+# === what the driver holds: graph memory ===
+
+GRAPH_CHILD = PRELUDE + """
+dev = context()
+s = ok(cu.cuStreamCreate(0))
+params = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+params.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+params.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+params.poolProps.location.id = 0
+params.bytesize = 600 * MiB
+graph = ok(cu.cuGraphCreate(0))
+ok(cu.cuGraphAddMemAllocNode(graph, None, 0, params))
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+ok(cu.cuStreamSynchronize(s))
+step({"free": int(ok(cu.cuMemGetInfo())[0]), "alloc": rc(cu.cuMemAlloc(600 * MiB))})
+ok(cu.cuMemFree(params.dptr))                   # back into the graph reserve: still held
+ok(cu.cuGraphExecDestroy(exe))
+ok(cu.cuGraphDestroy(graph))
+step({"free": int(ok(cu.cuMemGetInfo())[0])})
+big = cu.cuMemAlloc(600 * MiB)                  # fits once the shim trims the unused reserve
+step({"alloc": rc(big), "free": int(ok(cu.cuMemGetInfo())[0])})
+ok(cu.cuMemFree(big[1]))
+params.bytesize = 200 * MiB
+graph = ok(cu.cuGraphCreate(0))
+ok(cu.cuGraphAddMemAllocNode(graph, None, 0, params))
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+ok(cu.cuGraphLaunch(exe, s))
+ok(cu.cuMemFree(params.dptr))
+ok(cu.cuDeviceGraphMemTrim(0))
+step({"free": int(ok(cu.cuMemGetInfo())[0])})
+"""
+
+
+def test_graph_memory_is_charged_from_launch_until_trimmed(node, spawn):
+    """A graph's memory nodes allocate at launch from a per-device reserve that outlives
+    the graph until cuDeviceGraphMemTrim (the driver API's documentation): the slice is
+    charged that reserve; under the cap's pressure the shim trims what no graph uses."""
+    cap = GiB
+    child = spawn(node.env(limit=str(cap)), GRAPH_CHILD)
+    assert child.read() == {"free": cap - 600 * MiB, "alloc": 2}
+    assert settled(node) == node.referee().used == 600 * MiB
+    child.send()
+    assert child.read() == {"free": cap - 600 * MiB}  # freed, but the reserve keeps it
+    assert settled(node) == node.referee().used == 600 * MiB
+    child.send()
+    assert child.read() == {"alloc": 0, "free": cap - 600 * MiB}
+    assert settled(node) == node.referee().used == 600 * MiB   # the plain allocation now
+    child.send()
+    assert child.read() == {"free": cap}             # a trim gives a reserve back
+    assert settled(node) == node.referee().used == 0
+
+
 # === location types ===
 
 @pytest.mark.parametrize("loc,charged,result", [(1, True, 0), (2, False, 0), (7, False, 801)],
