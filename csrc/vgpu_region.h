@@ -30,6 +30,11 @@
 /* memory_max == VGPU_UNLIMITED: no cap on that device */
 #define VGPU_UNLIMITED 0xffffffffffffffff
 
+/* struct vgpu_quota.flags */
+#define VGPU_QUOTA_TEMPORARY 1      /* made by `vgpu-ctl run` for one command: owner_* say whose */
+/* struct vgpu_usage_proc.flags */
+#define VGPU_PROC_FROM_FILE 1       /* its slice came from the slice identity file, not the environment */
+
 struct vgpu_quota_device {
     uint64_t memory_max;        /* bytes the container may hold on the device */
     uint64_t memory_request;    /* guaranteed bytes (autoscale floor) */
@@ -47,10 +52,15 @@ struct vgpu_quota {
     uint32_t size;              /* sizeof(struct vgpu_quota) as written */
     uint64_t generation;        /* bumped after every change: the shim re-reads on change */
     uint32_t device_count;      /* entries of devices[] in use */
-    uint32_t flags;
+    uint32_t flags;             /* VGPU_QUOTA_* */
     char name[VGPU_NAME_MAX];
     struct vgpu_quota_device devices[VGPU_MAX_DEVICES];
-    uint64_t reserved[32];
+    /* TEMPORARY: the process that made the slice and removes it when its command ends;
+     * the node agent removes it once that process and the slice's own are gone */
+    uint64_t owner_pid;         /* as the node's pid namespace owner_pid_ns sees it */
+    uint64_t owner_start;       /* its start time: clock ticks after boot (/proc/<pid>/stat field 22) */
+    uint64_t owner_pid_ns;      /* inode of that pid namespace (/proc/<pid>/ns/pid) */
+    uint64_t reserved[29];
 };
 
 struct vgpu_usage_device {
@@ -69,12 +79,19 @@ struct vgpu_usage_device {
     uint64_t reserved[6];
 };
 
+/* Who a slot's process is, as it said when it claimed the slot.  The node agent uses
+ * these to find the process (pid_ns + pid + start_ticks name one process, whatever pid
+ * namespace the reader is in) and checks them against the kernel before it relies on
+ * them: like everything in the usage file, they are written by the container. */
 struct vgpu_usage_proc {
     int32_t pid;                /* as the process sees itself; 0 = free slot */
     uint32_t state;
     uint64_t started_ns;
     char comm[32];
-    uint64_t reserved[4];
+    uint64_t start_ticks;       /* its start time: clock ticks after boot (/proc/self/stat field 22) */
+    uint64_t pid_ns;            /* inode of its pid namespace (/proc/self/ns/pid); 0 = unknown */
+    uint64_t cgroup_id;         /* its cgroup v2 id (the inode of its cgroup's directory); 0 = unknown */
+    uint64_t flags;             /* VGPU_PROC_* */
 };
 
 /* Memory is counted in one place only: charge[d][p], the bytes the process in slot p

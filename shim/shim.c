@@ -49,6 +49,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -364,6 +365,76 @@ static int slot_in_use(int i)
     return 0;
 }
 
+/* === who this process is, for the node agent (csrc/vgpu_region.h: vgpu_usage_proc) ===
+ * Read from /proc at every claim: a forked child is another process.  0 = unknown; the
+ * agent checks what it uses against the kernel anyway (the file is the container's). */
+
+static ssize_t read_small(const char *path, char *buf, size_t size)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, size - 1);
+    close(fd);
+    if (n < 0)
+        return -1;
+    buf[n] = 0;
+    return n;
+}
+
+/* Field 22 of /proc/self/stat: when the process started, in clock ticks after boot. */
+static uint64_t self_start_ticks(void)
+{
+    char buf[1024];
+    if (read_small("/proc/self/stat", buf, sizeof buf) <= 0)
+        return 0;
+    char *p = strrchr(buf, ')');   /* the name (field 2) may hold spaces and parentheses */
+    if (!p)
+        return 0;
+    for (int field = 2; *p && field < 22; p++)
+        if (*p == ' ')
+            field++;
+    return strtoull(p, NULL, 10);
+}
+
+static uint64_t inode_of(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+#ifndef CGROUP2_SUPER_MAGIC
+#define CGROUP2_SUPER_MAGIC 0x63677270
+#endif
+
+/* The cgroup v2 id: the inode of the process's cgroup directory in the unified
+ * hierarchy (/sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).  Inside a
+ * container with its own cgroup namespace the path is "/" and the mount shows the
+ * container's cgroup, so the id is the same one the host sees. */
+static uint64_t self_cgroup_id(void)
+{
+    char buf[4096];
+    if (read_small("/proc/self/cgroup", buf, sizeof buf) <= 0)
+        return 0;
+    char *line = strncmp(buf, "0::", 3) == 0 ? buf : strstr(buf, "\n0::");
+    if (!line)
+        return 0;
+    line += line == buf ? 3 : 4;
+    line[strcspn(line, "\n")] = 0;
+    static const char *mounts[] = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
+    for (size_t i = 0; i < sizeof mounts / sizeof mounts[0]; i++) {
+        char path[4200];
+        struct statfs fs;
+        if ((size_t)snprintf(path, sizeof path, "%s%s", mounts[i], line) >= sizeof path)
+            return 0;
+        if (statfs(mounts[i], &fs) == 0 && fs.f_type == CGROUP2_SUPER_MAGIC)
+            return inode_of(path);
+    }
+    return 0;
+}
+
+static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
+
 int claim_slot(void)
 {
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
@@ -383,7 +454,11 @@ int claim_slot(void)
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         p->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-        STORE(&p->pid, (int32_t)getpid());
+        p->start_ticks = self_start_ticks();
+        p->pid_ns = inode_of("/proc/self/ns/pid");
+        p->cgroup_id = self_cgroup_id();
+        p->flags = slice_from_file ? VGPU_PROC_FROM_FILE : 0;
+        STORE(&p->pid, (int32_t)getpid());   /* last: a reader that sees the pid sees the rest */
         S.slot = i;
         return 0;
     }
@@ -480,6 +555,45 @@ static void resolve_cuda(void)
     VGPU_CALLED(RESOLVE_CALLED)
 }
 
+/* === configuration: the slice identity file ===
+ * A container given a slice has its name in a file mounted read-only at a fixed path
+ * (vgpu-ctl env --format docker|k8s, the DRA driver's CDI spec).  It wins over the
+ * environment, so a process that clears its environment (env -i, a daemon's sanitised
+ * children) stays in its slice when the shim comes from /etc/ld.so.preload.  The slice's
+ * files are beside it: VGPU_SLICE_FILE's directory is the node directory. */
+#define VGPU_SLICE_FILE "/run/vgpu/.slice"
+#define VGPU_SLICE_DIR "/run/vgpu"
+
+/* 1 with name filled, 0 when there is no file, -1 (denied, with the reason) when the
+ * file is there but unusable: the container was meant to be in a slice. */
+static int slice_file(char name[VGPU_NAME_MAX])
+{
+    char buf[VGPU_NAME_MAX + 2];
+    int fd = open(VGPU_SLICE_FILE, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ENOTDIR)
+            return 0;
+        deny("cannot read the slice identity file %s: %s", VGPU_SLICE_FILE, strerror(errno));
+        return -1;
+    }
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n < 0) {
+        deny("cannot read the slice identity file %s: %s", VGPU_SLICE_FILE, strerror(errno));
+        return -1;
+    }
+    buf[n] = 0;
+    if (n > 0 && buf[n - 1] == '\n')
+        buf[--n] = 0;
+    if (!valid_name(buf)) {
+        deny("the slice identity file %s does not hold a slice name (one line: letters, digits, '-', '_', "
+             "'.')", VGPU_SLICE_FILE);
+        return -1;
+    }
+    memcpy(name, buf, (size_t)n + 1);
+    return 1;
+}
+
 static void configure(void)
 {
     const char *lvl = getenv("VGPU_LOG");
@@ -494,8 +608,17 @@ static void configure(void)
     }
 
     const char *name = getenv("VGPU_CONTAINER");
+    char file_name[VGPU_NAME_MAX];
+    if ((slice_from_file = slice_file(file_name)) < 0)
+        return;   /* denied, with the reason */
+    if (slice_from_file) {
+        if (name && *name && strcmp(name, file_name))
+            INFO("VGPU_CONTAINER=%s ignored: %s names slice %s", name, VGPU_SLICE_FILE, file_name);
+        name = file_name;
+    }
     struct vgpu_quota env_quota;
-    int from_env = quota_from_env(&env_quota, name && *name ? name : "default");
+    /* with the file the slice's quota is mounted beside it: never one made from variables */
+    int from_env = slice_from_file ? 0 : quota_from_env(&env_quota, name && *name ? name : "default");
     if (from_env < 0)
         return;   /* denied, with the reason */
     if (!from_env && !(name && *name)) {
@@ -508,7 +631,7 @@ static void configure(void)
     if (!valid_name(name))
         return deny("VGPU_CONTAINER=%s is not a valid name (letters, digits, '-', '_', '.')", name);
 
-    const char *dir = getenv("VGPU_DIR");
+    const char *dir = slice_from_file ? VGPU_SLICE_DIR : getenv("VGPU_DIR");
     char tmpdir[64], cdir[4096], qpath[4096];
     if (!dir || !*dir) {
         dir = "/run/vgpu";

@@ -32,5 +32,16 @@ def test_files_carry_magic_and_abi_version_constants():
     assert lib.VGPU_ABI_VERSION == 2
     assert lib.VGPU_QUOTA_MAGIC != lib.VGPU_USAGE_MAGIC
     # reserved space at the end lets later versions grow without moving fields
-    assert ffi.offsetof("struct vgpu_quota", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_quota")
+    assert ffi.offsetof("struct vgpu_quota", "reserved") + 29 * 8 == ffi.sizeof("struct vgpu_quota")
     assert ffi.offsetof("struct vgpu_usage", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_usage")
+
+
+def test_the_node_agent_s_fields_took_reserved_space_and_moved_nothing():
+    """The temporary slice's owner (quota) and who a slot's process is (usage) were added
+    within ABI 2: in what was reserved, so every older field stays where it was."""
+    assert ffi.sizeof("struct vgpu_quota") == 1504
+    assert ffi.offsetof("struct vgpu_quota", "owner_pid") == ffi.offsetof("struct vgpu_quota", "devices") + \
+        lib.VGPU_MAX_DEVICES * ffi.sizeof("struct vgpu_quota_device")
+    assert ffi.sizeof("struct vgpu_usage_proc") == 80
+    assert [ffi.offsetof("struct vgpu_usage_proc", f) for f in ("start_ticks", "pid_ns", "cgroup_id", "flags")] == \
+        [48, 56, 64, 72]
