@@ -23,7 +23,6 @@
 #define ADMIT_TRIES 4
 #define CLAIM_RETRY_NS 100000000ull   /* no free slot: try again after this */
 
-
 static inline uint64_t memory_cap(int dev)
 {
     if (S.mode != MODE_ENFORCE || dev < 0 || (uint32_t)dev >= S.quota->device_count)
@@ -104,8 +103,6 @@ static uint64_t measure_overhead(int dev)
     return 0;
 }
 
-static void note_peak(struct vgpu_usage_device *u, uint64_t now);
-
 static void charge_overhead(int dev)
 {
     pthread_mutex_lock(&overhead_lock);
@@ -161,9 +158,9 @@ static CUresult admit(int dev, uint64_t bytes)
             reap_dead();
             pools_settle(1);   /* reserve kept for reuse is given back first */
             graph_memory_trim();
-        }
-        else if (attempt > 1)
+        } else if (attempt > 1) {
             sched_yield();   /* let a racing admission finish or retreat */
+        }
         /* a look first: what plainly does not fit is refused without ever showing in
          * the counters (only a true race leaves a transient that is taken back) */
         if ((used = memory_used(dev)) <= cap - bytes) {
@@ -264,7 +261,6 @@ void memory_atfork_child(void)
  * driver freed.  Pool reserves and VMM handles outlive the context, as in the driver.
  * A process with more than 15 contexts has the rest counted until it exits (safe side). */
 
-
 /* The calling thread's current context, its device and id, cached: one driver call
  * (cuCtxGetCurrent) per allocation while the context stays the same.  A teardown bumps
  * contexts_gen, so a handle the driver hands out again is looked up afresh. */
@@ -321,8 +317,6 @@ static int known_context(CUcontext c)
     pthread_mutex_unlock(&vmm_lock);
     return id;
 }
-
-static void overhead_refund(int dev);
 
 static void refund_context(int id)
 {
