@@ -688,6 +688,13 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
     fmt = "json" if as_json else (fmt or "shell")
     slices.read_quota(directory, name)   # it must exist (and be sound)
     files = slices.paths(directory, name)
+    if fmt != "shell":   # containers mount the identity file: a slice made before it had none gets one
+        try:
+            slices.ensure_identity(directory, name)
+        except (PermissionError, slices.VgpuError):
+            if not os.path.isfile(files["identity"]):
+                raise click.ClickException(f"{files['identity']} is missing and cannot be made here; hint: run "
+                                           f"`vgpu-ctl env {name}` once as root (it makes the file)") from None
     shim, preload = _installed_shim(shim_dir, ld_so_preload, fmt)
     if fmt == "shell":
         click.echo(runtime.shell(name, files, shim), nl=False)
@@ -795,7 +802,8 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
         _node_dir_for_create(directory)
         slices.create(directory, name, _devices_arg(device, memory, sm, None, None, None, None),
                       overcommit=overcommit, capacity=capacity,
-                      count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint)
+                      count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint,
+                      temporary=_run_owner() if temporary else None)
     try:
         env = runtime.child_environment(base, name, slices.node_dir(directory), shim)
         try:
@@ -818,6 +826,13 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
             except slices.VgpuError as e:   # the child's exit status matters more
                 _warn(f"could not delete the temporary slice: {_line(e)}")
     ctx.exit(rc)
+
+
+def _run_owner():
+    """This process, as the owner of a temporary slice: if it dies without deleting it
+    (kill -9), the node agent does once the slice's processes are gone."""
+    from . import procfs
+    return slices.Owner(os.getpid(), procfs.start_ticks(os.getpid()) or 0, procfs.pid_ns() or 0)
 
 
 def _same_quota_or_fail(directory, name, memory, sm, device):

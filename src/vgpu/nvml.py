@@ -123,6 +123,36 @@ def process_utilization(index: int, window_s: float = 1.0) -> dict:
     return {pid: v for pid, (_, v) in util.items()}
 
 
+class DeviceError(Exception):
+    """A device answered a call with an error (str: NVML's reason)."""
+
+
+def running_processes(index: int) -> dict:
+    """{host pid: device memory in bytes, or None where the driver does not say} of every
+    process with a context on the device: compute, graphics and MPS clients together
+    (the driver's own figure, not the shim's).  Raises DeviceError when the device does
+    not answer, NvmlUnavailable without NVML: never an empty answer for a failed call."""
+    n = _nvml()
+    try:
+        h = n.nvmlDeviceGetHandleByIndex(index)
+        procs = list(n.nvmlDeviceGetComputeRunningProcesses(h))
+    except Exception as e:
+        raise DeviceError(f"device {index}: {_describe(e)}") from None
+    for extra in ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+        try:
+            procs += getattr(n, extra)(h)
+        except Exception:   # NOT_SUPPORTED on compute-only boards, absent in old pynvml
+            pass
+    out = {}
+    for p in procs:
+        used = p.usedGpuMemory
+        if p.pid in out:     # listed as compute and graphics: one context, the larger figure
+            seen = out[p.pid]
+            used = seen if used is None else used if seen is None else max(used, seen)
+        out[p.pid] = used
+    return out
+
+
 def driver_version():
     try:
         return _text(_nvml().nvmlSystemGetDriverVersion())

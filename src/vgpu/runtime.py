@@ -22,6 +22,9 @@ CONTAINER_DIR = "/run/vgpu"
 CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
 # the loader reads it in every process, whatever the environment says (install-shim --preload-file)
 CONTAINER_PRELOAD = "/etc/ld.so.preload"
+# the slice's name, read by the shim before VGPU_CONTAINER (so does the node agent, through
+# /proc/<pid>/root, to know which container is whose); beside the slices' files
+CONTAINER_IDENTITY = "/run/vgpu/.slice"
 # limit variables are for the shim's standalone mode; in a slice its quota file rules
 _STANDALONE = re.compile(r"(VGPU_MEMORY_LIMIT|VGPU_SM_LIMIT|CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)(_\d+)?")
 
@@ -57,12 +60,14 @@ def shell(name, paths, shim) -> str:
 
 
 def mounts(name, paths, shim, preload_file=None) -> list:
-    """(host path, container path, read-only) for the shim, quota and usage, and with
+    """(host path, container path, read-only) for the shim, quota and usage, the slice's
+    identity file (its name, which the shim reads before the environment), and with
     preload_file (an ld.so.preload naming CONTAINER_SHIM) that file at /etc/ld.so.preload."""
     inside = f"{CONTAINER_DIR}/{name}"
     return [(str(shim), CONTAINER_SHIM, True),
             (paths["quota"], f"{inside}/quota", True),    # the container must not raise its own cap
-            (paths["usage"], f"{inside}/usage", False)] + \
+            (paths["usage"], f"{inside}/usage", False),
+            (paths["identity"], CONTAINER_IDENTITY, True)] + \
         ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
@@ -100,7 +105,7 @@ def k8s(name, paths, shim, preload_file=None) -> dict:
     volumes are the same for every slice; the quota's and usage's carry the slice's name,
     so containers of one pod in different slices can be merged into one pod spec."""
     tag = volume_tag(name)
-    names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", "vgpu-preload"]
+    names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", f"vgpu-{tag}-slice", "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
         "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file).items()],

@@ -37,6 +37,11 @@ from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
 
 DEFAULT_DIR = "/run/vgpu"
 QUOTA, USAGE = "quota", "usage"
+# The slice's name, mounted read-only into its containers at /run/vgpu/.slice
+# (vgpu.runtime.CONTAINER_IDENTITY): the shim reads it there before the environment (so
+# children that clear theirs stay in the slice), and the node agent attributes any process
+# that has it to the slice.
+IDENTITY = "identity"
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
 USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
@@ -116,7 +121,8 @@ def node_dir(path=None) -> str:
 
 def paths(directory, name) -> dict:
     base = os.path.join(node_dir(directory), check_name(name))
-    return {"dir": base, "quota": os.path.join(base, QUOTA), "usage": os.path.join(base, USAGE)}
+    return {"dir": base, "quota": os.path.join(base, QUOTA), "usage": os.path.join(base, USAGE),
+            "identity": os.path.join(base, IDENTITY)}
 
 
 def auto_name(prefix="run") -> str:
@@ -155,11 +161,21 @@ DENIED = DeviceQuota(0, 0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who made a temporary slice (`vgpu-ctl run`): a pid in pid namespace `pid_ns`, and
+    its start time (clock ticks after boot), so a reused pid is not taken for it."""
+    pid: int
+    start_ticks: int
+    pid_ns: int
+
+
+@dataclass(frozen=True)
 class Quota:
     name: str
     generation: int
     device_count: int
     devices: tuple    # DeviceQuota per index < device_count
+    temporary: Owner = None   # set on a slice `vgpu-ctl run` made for one command
 
     def held(self) -> list:
         return [d for d, q in enumerate(self.devices) if q.held]
@@ -174,7 +190,8 @@ def _quota_from(q) -> Quota:
     devs = tuple(DeviceQuota(q.devices[d].memory_max, q.devices[d].memory_request, q.devices[d].memory_limit,
                              q.devices[d].sm_max, q.devices[d].sm_request, q.devices[d].sm_limit)
                  for d in range(n))
-    return Quota(ffi.string(q.name).decode(errors="replace"), q.generation, q.device_count, devs)
+    owner = Owner(q.owner_pid, q.owner_start, q.owner_pid_ns) if q.flags & lib.VGPU_QUOTA_TEMPORARY else None
+    return Quota(ffi.string(q.name).decode(errors="replace"), q.generation, q.device_count, devs, owner)
 
 
 def _fill_device(qd, dq: DeviceQuota):
@@ -184,12 +201,15 @@ def _fill_device(qd, dq: DeviceQuota):
         lib.vgpu_store_u32(ffi.addressof(qd, field), getattr(dq, field))
 
 
-def quota_bytes(name: str, devices: dict) -> bytes:
+def quota_bytes(name: str, devices: dict, temporary: Owner = None) -> bytes:
     """A new quota file: `devices` maps index -> DeviceQuota; indices below the highest one
     that are not in it are denied, and the shim denies every index >= device_count."""
     q = ffi.new("struct vgpu_quota *")
     q.magic, q.abi_version, q.size = lib.VGPU_QUOTA_MAGIC, lib.VGPU_ABI_VERSION, QUOTA_SIZE
     q.generation = 2
+    if temporary is not None:
+        q.flags |= lib.VGPU_QUOTA_TEMPORARY
+        q.owner_pid, q.owner_start, q.owner_pid_ns = temporary.pid, temporary.start_ticks, temporary.pid_ns
     q.device_count = max(devices) + 1
     q.name = name.encode()
     for d in range(q.device_count):
@@ -370,10 +390,17 @@ class Proc:
     started_ns: int      # CLOCK_REALTIME
     memory: dict         # device -> bytes
     alive: bool
+    # what the process said of itself when it claimed the slot (0: unknown); written by
+    # the container, so a hint for finding it, never proof (vgpu.node checks the kernel)
+    start_ticks: int = 0
+    pid_ns: int = 0
+    cgroup_id: int = 0
+    from_file: bool = False  # its slice came from the identity file, not the environment
 
     def to_json(self):
         return {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
-                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive}
+                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
+                "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
 
 
 _USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
@@ -431,7 +458,8 @@ def _read_usage_fd(fd, shown) -> Usage:
         memory = {d: charges[d * MAX_PROCS + i] for d in range(MAX_DEVICES) if charges[d * MAX_PROCS + i]}
         if p.pid or memory:
             procs.append(Proc(i, p.pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
-                              memory, slot_alive(fd, i)))
+                              memory, slot_alive(fd, i), p.start_ticks, p.pid_ns, p.cgroup_id,
+                              bool(p.flags & lib.VGPU_PROC_FROM_FILE)))
     return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
 
 
@@ -560,12 +588,14 @@ def device_quota(memory=UNLIMITED, sm=SHARE_FULL, request=None, limit=None, sm_r
 # === create / delete ===
 
 def create(directory, name, devices: dict, overcommit=False, capacity=None, owner=None,
-           count_hint=lambda: "") -> Quota:
+           count_hint=lambda: "", temporary: Owner = None) -> Quota:
     """Create slice `name` holding `devices` (index -> DeviceQuota).
 
     Files: <dir>/<name>/ 0755, quota 0644 (only the controller writes it), usage 0666 so
     a container process of any uid can map it read-write -- or, with owner=(uid, gid),
-    0600 owned by that user."""
+    0600 owned by that user; identity 0644 (the name, mounted into containers).
+    temporary: the Owner of a slice made for one command (the node agent removes it once
+    the owner and the slice's processes are gone)."""
     check_name(name)
     if not devices:
         raise InvalidRequest("a container needs at least one device", "pass --device")
@@ -602,12 +632,32 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
                        os.path.join(shown, USAGE), owner)
             except FileExistsError:
                 _read_slice_usage(cfd, directory, name)   # a valid left-over is kept; anything else refused
+            _ensure_identity(cfd, name, os.path.join(shown, IDENTITY))
             try:
-                _place(cfd, QUOTA, quota_bytes(name, devices), 0o644, os.path.join(shown, QUOTA))
+                _place(cfd, QUOTA, quota_bytes(name, devices, temporary), 0o644, os.path.join(shown, QUOTA))
             except FileExistsError:
                 raise Exists(f"container {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
             return _read_slice_quota(cfd, directory, name)
+
+
+def identity_bytes(name) -> bytes:
+    return f"{check_name(name)}\n".encode()
+
+
+def _ensure_identity(cfd, name, shown):
+    try:
+        _place(cfd, IDENTITY, identity_bytes(name), 0o644, shown)
+    except FileExistsError:
+        pass
+
+
+def ensure_identity(directory, name) -> str:
+    """The slice's identity file (made if a slice from before it has none); its path."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        shown = os.path.join(node_dir(directory), name, IDENTITY)
+        _ensure_identity(cfd, name, shown)
+        return shown
 
 
 def _exists(dir_fd, name):
@@ -638,6 +688,8 @@ def delete(directory, name, force=False) -> dict:
             if live and not force:
                 raise Busy(f"container {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
                            "stop them first, or pass --force")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(IDENTITY, dir_fd=cfd)
             for entry in os.scandir(cfd):
                 if entry.name in (QUOTA, USAGE) or (entry.name.startswith(".") and entry.name.endswith(".tmp")):
                     try:

@@ -1,0 +1,126 @@
+"""What the kernel says about a process, from /proc: the facts the node agent trusts.
+
+Everything a container writes (its usage file's slots) is a hint; these are the checks.
+Each function takes a host pid (a pid in this process's pid namespace) and returns None
+when the process is gone or its /proc entry cannot be read (another user's without
+CAP_SYS_PTRACE, or a pid this namespace does not have): the caller treats that as
+"unknown", never as "no".
+"""
+import os
+
+_FIELD_START = 19    # /proc/<pid>/stat: starttime is field 22, the 20th after the ")" of comm
+
+
+def _read(path, size=4096):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def start_ticks(pid):
+    """When the process started, in clock ticks after boot (with the pid, one process)."""
+    data = _read(f"/proc/{pid}/stat", 2048)
+    if not data:
+        return None
+    try:
+        return int(data[data.rindex(b")") + 2:].split()[_FIELD_START])
+    except (ValueError, IndexError):
+        return None
+
+
+def pid_ns(pid="self"):
+    """The inode of the process's pid namespace."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def mnt_ns(pid="self"):
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
+def inner_pid(pid):
+    """The pid the process has in its own (innermost) pid namespace."""
+    data = _read(f"/proc/{pid}/status", 8192)
+    if not data:
+        return None
+    at = data.find(b"\nNSpid:")
+    if at < 0:
+        return None
+    try:
+        return int(data[at + 7:data.index(b"\n", at + 1)].split()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def cgroup(pid):
+    """The process's cgroup v2 path as this process's cgroup namespace shows it (the
+    "0::" line of /proc/<pid>/cgroup), or None on a host without the unified hierarchy."""
+    data = _read(f"/proc/{pid}/cgroup", 8192)
+    if not data:
+        return None
+    for line in data.split(b"\n"):
+        if line.startswith(b"0::"):
+            return line[3:].decode(errors="replace")
+    return None
+
+
+def maps_inodes(pid, wanted: dict) -> set:
+    """Which files of `wanted` ({(st_dev, st_ino): anything}) the process has mapped
+    (/proc/<pid>/maps): a set of their keys, or None when the maps cannot be read."""
+    keys = {(f"{os.major(dev):02x}:{os.minor(dev):02x}".encode(), str(ino).encode()): (dev, ino)
+            for dev, ino in wanted}
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            found = set()
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) >= 5:
+                    key = keys.get((fields[3], fields[4]))
+                    if key is not None:
+                        found.add(key)
+            return found
+    except OSError:
+        return None
+
+
+def file_in_root(pid, path):
+    """(st_dev, st_ino) of `path` as the process sees it (through its root and mount
+    namespace, /proc/<pid>/root), or None when it has no such file."""
+    try:
+        st = os.stat(f"/proc/{pid}/root{path}")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def comm(pid):
+    data = _read(f"/proc/{pid}/comm", 64)
+    return data.decode(errors="replace").strip() if data else None
+
+
+def cmdline(pid):
+    data = _read(f"/proc/{pid}/cmdline", 4096)
+    if not data:
+        return None
+    return " ".join(a.decode(errors="replace") for a in data.rstrip(b"\0").split(b"\0"))
+
+
+def exists(pid) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+def same_process(pid, ticks) -> bool:
+    """Is `pid` still the process that started at `ticks`?"""
+    return ticks is not None and start_ticks(pid) == ticks
