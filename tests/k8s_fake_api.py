@@ -11,6 +11,27 @@ serves just what the agent uses:
     GET    /apis/resource.k8s.io/v1/resourceslices/{name}
     PUT    /apis/resource.k8s.io/v1/resourceslices/{name}
     DELETE /apis/resource.k8s.io/v1/resourceslices/{name}
+    GET    /api/v1/nodes, /api/v1/pods, /api/v1/namespaces/{ns}/pods[/{name}]     (fieldSelector)
+    GET    /apis/resource.k8s.io/v1/resourceclaims, .../namespaces/{ns}/resourceclaims
+    PUT    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status
+    POST   /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates
+    GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/{name}
+
+Identities: the kubeconfig's token is an admin (everything allowed).  `add_user(token,
+username, node=..., rules=[PolicyRule...])` makes another whose every request RBAC checks
+against its rules (apiGroups, resources with "res/subresource", verbs, resourceNames, "*"),
+denied with the API server's 403 message.  A ResourceClaim status update follows the real
+status strategy (pkg/registry/resource/resourceclaim, validation.go and utils.go of
+kubernetes 1.36+): spec and metadata are kept from the stored claim; changing
+status.allocation/reservedFor needs `update` on the synthetic `resourceclaims/binding`,
+changing a driver's status.devices entries needs `associated-node:<verb>` on
+`resourceclaims/driver` named by the driver -- tried only when the caller is a service
+account whose node-name extra is the claim's one allocated node -- or else
+`arbitrary-node:<verb>`; refused as a 422 with a Forbidden field error, as the strategy
+does.  Each devices entry must name an allocated (driver, pool, device, shareID), have at
+most 8 valid conditions and `data` a JSON object of at most 10 Ki (measured on the client's
+own serialisation, json.dumps with default separators, which is what the kubernetes client
+sends).
 
 Anything else answers a 404 (405 for another method on a served path).  Errors are `Status`
 objects, as a real API server sends them, so the client raises ApiException with the code.
@@ -54,6 +75,23 @@ _SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 _NODE_RE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 _CLAIM_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
 _SLICE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/resourceslices/([^/]+)$")
+_CLAIMS_RE = re.compile(r"^/apis/resource\.k8s\.io/v1(?:/namespaces/([^/]+))?/resourceclaims$")
+_CLAIM_STATUS_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)/status$")
+_TEMPLATES_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaimtemplates$")
+_TEMPLATE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaimtemplates/([^/]+)$")
+_PODS_RE = re.compile(r"^/api/v1(?:/namespaces/([^/]+))?/pods$")
+_POD_RE = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
+_NODES = "/api/v1/nodes"
+_POD_FIELDS = {
+    "metadata.name": lambda o: o.get("metadata", {}).get("name"),
+    "metadata.namespace": lambda o: o.get("metadata", {}).get("namespace"),
+    "spec.nodeName": lambda o: o.get("spec", {}).get("nodeName"),
+    "status.phase": lambda o: o.get("status", {}).get("phase"),
+}
+_CONDITION_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+DEVICE_STATUS_DATA_MAX = 10 * 1024           # resource.AllocatedDeviceStatusDataMaxLength
+DEVICE_STATUS_MAX_CONDITIONS = 8             # resource.AllocatedDeviceStatusMaxConditions
 _SLICE_FIELDS = {
     "metadata.name": lambda o: o.get("metadata", {}).get("name"),
     "spec.nodeName": lambda o: o.get("spec", {}).get("nodeName"),
@@ -253,6 +291,9 @@ class FakeApiServer:
         self._nodes = {}            # name -> Node
         self._claims = {}           # (namespace, name) -> ResourceClaim
         self._slices = {}           # name -> ResourceSlice
+        self._pods = {}             # (namespace, name) -> Pod
+        self._templates = {}        # (namespace, name) -> ResourceClaimTemplate
+        self._users = {}            # token -> {"username", "extra", "rules"}
         self._failures = []         # [method, path prefix, code, times left]
         self._events = []           # (resourceVersion, type, ResourceSlice) for watches
         self._compacted = 0         # watches from at or below this resourceVersion get 410
@@ -364,6 +405,54 @@ class FakeApiServer:
             self._claims[(meta.get("namespace", "default"), meta["name"])] = obj
             return copy.deepcopy(obj)
 
+    def claim(self, namespace, name) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._claims.get((namespace, name)))
+
+    def claims(self) -> list:
+        with self._lock:
+            return [copy.deepcopy(self._claims[k]) for k in sorted(self._claims)]
+
+    def put_pod(self, obj) -> dict:
+        """Store (or replace) a Pod as given (checked against the client's model); fills uid,
+        creationTimestamp and resourceVersion.  Returns a copy of what is stored."""
+        obj = copy.deepcopy(obj)
+        obj.setdefault("apiVersion", "v1")
+        obj.setdefault("kind", "Pod")
+        check_model(obj)
+        meta = obj.setdefault("metadata", {})
+        with self._lock:
+            meta.setdefault("namespace", "default")
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", _now())
+            meta["resourceVersion"] = self._next_rv()
+            self._pods[(meta["namespace"], meta["name"])] = obj
+            return copy.deepcopy(obj)
+
+    def pod(self, namespace, name) -> dict:
+        with self._lock:
+            return copy.deepcopy(self._pods.get((namespace, name)))
+
+    def templates(self) -> list:
+        with self._lock:
+            return [copy.deepcopy(self._templates[k]) for k in sorted(self._templates)]
+
+    def add_user(self, token, username, node=None, rules=()):
+        """Another identity: `username` (e.g. system:serviceaccount:NS:NAME), the node bound
+        into its token (the authentication.kubernetes.io/node-name extra) and its RBAC rules
+        (PolicyRule dicts, as a ClusterRole's `rules`)."""
+        extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
+        with self._lock:
+            self._users[token] = {"username": username, "extra": extra, "rules": [dict(r) for r in rules]}
+
+    def write_user_kubeconfig(self, path, token, namespace="default"):
+        self.write_kubeconfig(path, namespace)
+        config = json.loads(open(path).read())
+        config["users"][0]["user"]["token"] = token
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+        return path
+
     def delete_claim(self, namespace, name):
         with self._lock:
             self._claims.pop((namespace, name), None)
@@ -430,8 +519,13 @@ class FakeApiServer:
     def _handle(self, method, path, query, headers, raw):
         with self._lock:
             self.requests.append((method, path, dict(query)))
+        user = None
         if headers.get("Authorization") != f"Bearer {self.token}":
-            raise ApiError(401, "Unauthorized")
+            with self._lock:
+                user = self._users.get((headers.get("Authorization") or "").removeprefix("Bearer "))
+            if user is None:
+                raise ApiError(401, "Unauthorized")
+            self._authorize(user, method, path, query)
         with self._lock:
             for failure in self._failures:
                 fmethod, prefix, code, times, message = failure
@@ -444,6 +538,36 @@ class FakeApiServer:
         if m := _NODE_RE.match(path):
             self._only(method, "GET")
             return 200, self._get(self._nodes, m.group(1), "nodes", m.group(1))
+        if path.rstrip("/") == _NODES:
+            self._only(method, "GET")
+            return 200, self._list("v1", "NodeList", self._nodes.values(), lambda o: True)
+        if m := _PODS_RE.match(path):
+            self._only(method, "GET")
+            return 200, self._list("v1", "PodList", self._pods.values(), self._pod_filter(query, m.group(1)))
+        if m := _POD_RE.match(path):
+            self._only(method, "GET")
+            return 200, self._get(self._pods, (m.group(1), m.group(2)), "pods", m.group(2))
+        if m := _CLAIMS_RE.match(path):
+            self._only(method, "GET")
+            ns = m.group(1)
+            return 200, self._list(RESOURCE_API, "ResourceClaimList", self._claims.values(),
+                                   lambda o: ns is None or o["metadata"].get("namespace") == ns)
+        if m := _CLAIM_STATUS_RE.match(path):
+            self._only(method, "GET", "PUT")
+            key = (m.group(1), m.group(2))
+            if method == "GET":
+                return 200, self._get(self._claims, key, "resourceclaims.resource.k8s.io", key[1])
+            return 200, self._replace_claim_status(key, self._body(raw), user, query)
+        if m := _TEMPLATES_RE.match(path):
+            self._only(method, "GET", "POST")
+            if method == "GET":
+                return 200, self._list(RESOURCE_API, "ResourceClaimTemplateList", self._templates.values(),
+                                       lambda o: o["metadata"].get("namespace") == m.group(1))
+            return 201, self._create_template(m.group(1), self._body(raw), query)
+        if m := _TEMPLATE_RE.match(path):
+            self._only(method, "GET")
+            return 200, self._get(self._templates, (m.group(1), m.group(2)),
+                                  "resourceclaimtemplates.resource.k8s.io", m.group(2))
         if m := _CLAIM_RE.match(path):
             self._only(method, "GET")
             return 200, self._get(self._claims, (m.group(1), m.group(2)),
@@ -466,6 +590,250 @@ class FakeApiServer:
                 return 200, self._replace_slice(name, self._body(raw), query)
             return 200, self._delete_slice(name, self._body(raw) if raw else None, query)
         raise ApiError(404, "the server could not find the requested resource")
+
+    # --- RBAC, as the authorizer sees a request ---------------------------------------------
+    @staticmethod
+    def _attributes(method, path, query):
+        """(verb, apiGroup, resource, subresource, namespace, name) of a resource request."""
+        parts = [p for p in path.split("/") if p]
+        if parts[:1] == ["api"]:
+            group, rest = "", parts[2:]
+        else:
+            group, rest = parts[1], parts[3:]
+        namespace = None
+        if rest[:1] == ["namespaces"] and len(rest) >= 3:
+            namespace, rest = rest[1], rest[2:]
+        resource = rest[0] if rest else ""
+        name = rest[1] if len(rest) > 1 else ""
+        sub = rest[2] if len(rest) > 2 else ""
+        watching = query.get("watch") not in (None, "", "0", "false")
+        verb = {"GET": "watch" if watching else ("get" if name else "list"), "POST": "create", "PUT": "update",
+                "PATCH": "patch", "DELETE": "delete" if name else "deletecollection"}[method]
+        return verb, group, resource, sub, namespace, name
+
+    @staticmethod
+    def _allows(rules, verb, group, resource, name) -> bool:
+        """Whether RBAC PolicyRules grant verb on group/resource(/sub) named name."""
+        def has(values, v):
+            return "*" in values or v in values
+        for r in rules:
+            if has(r.get("verbs") or [], verb) and has(r.get("apiGroups") or [], group) and \
+                    has(r.get("resources") or [], resource) and \
+                    (not r.get("resourceNames") or name in r["resourceNames"]):
+                return True
+        return False
+
+    def _authorize(self, user, method, path, query):
+        verb, group, resource, sub, namespace, name = self._attributes(method, path, query)
+        full = f"{resource}/{sub}" if sub else resource
+        if self._allows(user["rules"], verb, group, full, name):
+            return
+        kind = f"{resource}.{group}" if group else resource
+        what = f'{kind} "{name}"' if name else kind
+        scope = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+        raise ApiError(403, f'{what} is forbidden: User "{user["username"]}" cannot {verb} resource "{full}" '
+                            f'in API group "{group}" {scope}',
+                       details={"name": name, "group": group, "kind": resource})
+
+    def _synthetic(self, user, verb, sub, namespace, name) -> bool:
+        """The status strategy's check of a synthetic subresource (the admin may do anything)."""
+        return user is None or self._allows(user["rules"], verb, "resource.k8s.io", f"resourceclaims/{sub}", name)
+
+    # --- lists, pods, templates, claim status ------------------------------------------------
+    def _list(self, api_version, kind, objects, wanted):
+        with self._lock:
+            items = []
+            for obj in sorted(objects, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])):
+                if wanted(obj):
+                    item = copy.deepcopy(obj)
+                    item.pop("apiVersion", None)
+                    item.pop("kind", None)
+                    items.append(item)
+            return {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": str(self._rv)},
+                    "items": items}
+
+    @staticmethod
+    def _pod_filter(query, namespace):
+        fields = _parse_selector(query.get("fieldSelector"), "field selector")
+        for key, _, _ in fields:
+            if key not in _POD_FIELDS:
+                raise ApiError(400, f'field label not supported: {key}')
+        labels = _parse_selector(query.get("labelSelector"), "label selector")
+        return lambda o: ((namespace is None or o["metadata"].get("namespace") == namespace) and
+                          _matches(fields, lambda k: _POD_FIELDS[k](o)) and
+                          _matches(labels, lambda k: (o["metadata"].get("labels") or {}).get(k)))
+
+    def _create_template(self, namespace, body, query):
+        body.setdefault("apiVersion", RESOURCE_API)
+        body.setdefault("kind", "ResourceClaimTemplate")
+        meta = body.setdefault("metadata", {})
+        name = meta.get("name") or ""
+        invalid = lambda msg: ApiError(   # noqa: E731
+            422, f'ResourceClaimTemplate.resource.k8s.io "{name}" is invalid: {msg}',
+            details={"name": name, "group": "resource.k8s.io", "kind": "ResourceClaimTemplate"})
+        if meta.get("namespace", namespace) != namespace:
+            raise ApiError(400, "the namespace of the provided object does not match the namespace sent on the "
+                                "request")
+        meta["namespace"] = namespace
+        if not _DNS_SUBDOMAIN.match(name):
+            raise invalid(f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist "
+                          "of lower case alphanumeric characters, '-' or '.'")
+        try:
+            check_model(body)
+        except AssertionError as e:
+            raise invalid(str(e))
+        requests = (((body.get("spec") or {}).get("spec") or {}).get("devices") or {}).get("requests") or []
+        for i, r in enumerate(requests):
+            if not _DNS_LABEL.match(r.get("name") or ""):
+                raise invalid(f"spec.spec.devices.requests[{i}].name: Invalid value: {r.get('name')!r}")
+            if bool(r.get("exactly")) == bool(r.get("firstAvailable")):
+                raise invalid(f"spec.spec.devices.requests[{i}]: Required value: exactly one of `exactly` or "
+                              "`firstAvailable` is required")
+        with self._lock:
+            if (namespace, name) in self._templates:
+                raise ApiError(409, f'resourceclaimtemplates.resource.k8s.io "{name}" already exists',
+                               reason="AlreadyExists",
+                               details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaimtemplates"})
+            self._stamp(body)
+            if query.get("dryRun") != "All":
+                self._templates[(namespace, name)] = body
+            return copy.deepcopy(body)
+
+    @staticmethod
+    def _node_of(allocation) -> str:
+        """nodeNameFromAllocation: the one node of a one-term, one-matchFields metadata.name In selector."""
+        terms = ((allocation or {}).get("nodeSelector") or {}).get("nodeSelectorTerms") or []
+        if len(terms) != 1 or terms[0].get("matchExpressions") or len(terms[0].get("matchFields") or []) != 1:
+            return ""
+        f = terms[0]["matchFields"][0]
+        if f.get("key") != "metadata.name" or f.get("operator") != "In" or len(f.get("values") or []) != 1:
+            return ""
+        return f["values"][0]
+
+    @staticmethod
+    def _device_key(d):
+        return (d.get("driver"), d.get("pool"), d.get("device"), d.get("shareID") or "")
+
+    def _modified_drivers(self, new, old) -> set:
+        olds = {self._device_key(d): d for d in old.get("devices") or []}
+        out = set()
+        for d in new.get("devices") or []:
+            before = olds.pop(self._device_key(d), None)
+            if before is None or before != d:
+                out.add(d.get("driver"))
+        return out | {d.get("driver") for d in olds.values()}
+
+    def _validate_device_status(self, status) -> list:
+        allocated = {(r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID") or "")
+                     for r in (((status.get("allocation") or {}).get("devices") or {}).get("results") or [])}
+        out, seen = [], set()
+        for i, d in enumerate(status.get("devices") or []):
+            where = f"status.devices[{i}]"
+            for key in ("driver", "pool", "device"):
+                if not d.get(key):
+                    out.append(f"{where}.{key}: Required value")
+            if d.get("device") and not _DNS_LABEL.match(d["device"]):
+                out.append(f"{where}.device: Invalid value: {d['device']!r}: must be a DNS label")
+            if d.get("shareID") is not None and not _UUID.match(d["shareID"]):
+                out.append(f"{where}.shareID: Invalid value: {d['shareID']!r}: uid must be in RFC 4122 normalized "
+                           "form, `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` with lowercase hexadecimal characters")
+            key = self._device_key(d)
+            if key in seen:
+                out.append(f"{where}: Duplicate value: {key}")
+            seen.add(key)
+            if key not in allocated:
+                out.append(f"{where}: Invalid value: {'/'.join(key).rstrip('/')}: must be an allocated device in "
+                           "the claim")
+            conditions = d.get("conditions") or []
+            if len(conditions) > DEVICE_STATUS_MAX_CONDITIONS:
+                out.append(f"{where}.conditions: Too many: {len(conditions)}: must have at most "
+                           f"{DEVICE_STATUS_MAX_CONDITIONS} items")
+            for j, c in enumerate(conditions):
+                cw = f"{where}.conditions[{j}]"
+                if not c.get("type"):
+                    out.append(f"{cw}.type: Required value")
+                if c.get("status") not in ("True", "False", "Unknown"):
+                    out.append(f"{cw}.status: Unsupported value: {c.get('status')!r}")
+                if not c.get("lastTransitionTime"):
+                    out.append(f"{cw}.lastTransitionTime: Required value: must be set")
+                if not c.get("reason"):
+                    out.append(f"{cw}.reason: Required value")
+                elif not _CONDITION_REASON.match(c["reason"]) or len(c["reason"]) > 1024:
+                    out.append(f"{cw}.reason: Invalid value: {c['reason']!r}")
+                if len(c.get("message") or "") > 32768:
+                    out.append(f"{cw}.message: Too long")
+            if "data" in d and d["data"] is not None:
+                raw = json.dumps(d["data"])
+                if len(raw) > DEVICE_STATUS_DATA_MAX:
+                    out.append(f"{where}.data: Too long: may not be more than {DEVICE_STATUS_DATA_MAX} bytes")
+                elif not isinstance(d["data"], dict):
+                    out.append(f"{where}.data: Invalid value: \"<value omitted>\": must be a valid JSON object")
+        return out
+
+    def _replace_claim_status(self, key, body, user, query):
+        namespace, name = key
+        meta = body.get("metadata") or {}
+        if meta.get("name") != name:
+            raise ApiError(400, f"the name of the object ({meta.get('name')}) does not match the name on the URL "
+                                f"({name})")
+        invalid = lambda msg: ApiError(   # noqa: E731
+            422, f'ResourceClaim.resource.k8s.io "{name}" is invalid: {msg}',
+            details={"name": name, "group": "resource.k8s.io", "kind": "ResourceClaim"})
+        checked = copy.deepcopy(body)
+        checked.setdefault("apiVersion", RESOURCE_API)
+        checked.setdefault("kind", "ResourceClaim")
+        checked["metadata"].pop("creationTimestamp", None)
+        try:
+            check_model(checked)
+        except AssertionError as e:
+            raise invalid(str(e))
+        verb = "update"
+        with self._lock:
+            stored = self._claims.get(key)
+            if stored is None:
+                raise ApiError(404, f'resourceclaims.resource.k8s.io "{name}" not found',
+                               details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
+            old_meta = stored["metadata"]
+            if meta.get("uid") and meta["uid"] != old_meta["uid"]:
+                raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
+                                    f"{old_meta['uid']}")
+            if meta.get("resourceVersion") and meta["resourceVersion"] != old_meta["resourceVersion"]:
+                raise ApiError(409, f'Operation cannot be fulfilled on resourceclaims.resource.k8s.io "{name}": the '
+                                    'object has been modified; please apply your changes to the latest version and '
+                                    'try again', reason="Conflict",
+                               details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
+            new_status = copy.deepcopy(body.get("status") or {})
+            old_status = stored.get("status") or {}
+            problems = []
+            if old_status.get("allocation") and new_status.get("allocation") != old_status["allocation"]:
+                problems.append("status.allocation: Forbidden: field is immutable after it has been set")
+            if (new_status.get("allocation") != old_status.get("allocation") or
+                    new_status.get("reservedFor") != old_status.get("reservedFor")) and \
+                    not self._synthetic(user, verb, "binding", namespace, ""):
+                problems.append('status: Forbidden: changing status.allocation or status.reservedFor requires '
+                                f'resource="resourceclaims/binding", verb="{verb}" permission')
+            drivers = self._modified_drivers(new_status, old_status)
+            if drivers and user is not None:
+                node = self._node_of(new_status.get("allocation"))
+                extra = user["extra"].get("authentication.kubernetes.io/node-name") or []
+                associated = bool(node) and user["username"].startswith("system:serviceaccount:") and \
+                    len(extra) == 1 and extra[0] == node
+                verbs = ([f"associated-node:{verb}"] if associated else []) + [f"arbitrary-node:{verb}"]
+                for driver in sorted(drivers):
+                    if not any(self._allows(user["rules"], v, "resource.k8s.io", "resourceclaims/driver", driver)
+                               for v in verbs):
+                        problems.append(f'status.devices: Forbidden: changing status.devices requires '
+                                        f'resource="resourceclaims/driver", verb="{verbs}" permission: '
+                                        f'driver {driver}')
+            problems += self._validate_device_status(new_status)
+            if problems:
+                raise invalid("; ".join(problems))
+            obj = copy.deepcopy(stored)      # the status strategy: spec and metadata stay as stored
+            obj["status"] = new_status
+            obj["metadata"]["resourceVersion"] = self._next_rv()
+            if query.get("dryRun") != "All":
+                self._claims[key] = obj
+            return copy.deepcopy(obj)
 
     @staticmethod
     def _only(method, *allowed):

@@ -270,19 +270,24 @@ def test_pod_references_the_template_and_its_container_the_claim():
 # === RBAC, admission and privileges ===
 
 def test_rbac_grants_exactly_the_plugins_verbs_and_nothing_else():
-    role = one("ClusterRole")
+    role = one("ClusterRole", "rbac.yaml")
     granted = {}
     for rule in role["rules"]:
-        assert not rule.get("nonResourceURLs") and not rule.get("resourceNames"), rule
+        assert not rule.get("nonResourceURLs"), rule
+        names = tuple(rule.get("resourceNames") or ())
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
+                granted.setdefault((group, resource, names), set()).update(rule["verbs"])
+    driver = option("k8s-plugin", "driver_name").default
     assert granted == {
-        ("resource.k8s.io", "resourceclaims"): {"get"},
-        ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
-        ("", "nodes"): {"get"},
+        ("resource.k8s.io", "resourceclaims", ()): {"get"},
+        ("resource.k8s.io", "resourceclaims/status", ()): {"get", "update", "patch"},
+        # status.devices of this driver only, in claims allocated on the caller's own node (1.36+)
+        ("resource.k8s.io", "resourceclaims/driver", (driver,)): {"associated-node:update", "associated-node:patch"},
+        ("resource.k8s.io", "resourceslices", ()): {"get", "list", "watch", "create", "update", "patch", "delete"},
+        ("", "nodes", ()): {"get"},
     }
-    ds, sa, binding = one("DaemonSet"), one("ServiceAccount"), one("ClusterRoleBinding")
+    ds, sa, binding = one("DaemonSet"), one("ServiceAccount", "rbac.yaml"), one("ClusterRoleBinding", "rbac.yaml")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"] == "vgpu-dra-plugin"
     assert sa["metadata"]["namespace"] == ds["metadata"]["namespace"] == "vgpu-system"
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",

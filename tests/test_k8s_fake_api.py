@@ -233,7 +233,7 @@ def test_unknown_objects_and_paths_404(api, kube):
         client.CoreV1Api(kube).read_node("nope")
     assert e.value.status == 404
     with pytest.raises(ApiException) as e:
-        client.CoreV1Api(kube).list_namespaced_pod("default")
+        client.CoreV1Api(kube).list_namespaced_config_map("default")
     assert e.value.status == 404 and status_of(e.value)["reason"] == "NotFound"
 
 

@@ -1180,9 +1180,13 @@ def serve(port, address, directory):
               help="Kubeconfig to reach the API server [default: the pod's service account].")
 @click.option("--rescan", type=DURATION, default="30s", show_default=True,
               help="How often to look for GPUs that appeared or vanished.")
+@click.option("--claim-status-interval", default="5s", show_default=True,
+              callback=lambda ctx, param, v: 0.0 if str(v).strip() in ("0", "0s") else DURATION.convert(v, param, ctx),
+              help="How often each prepared claim's live figures may be written into its "
+                   "status.devices (only when they changed); 0 for never.")
 @dir_option
 def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_version, shim_dir, ld_so_preload,
-               gpu_cdi_device, lend_memory, kubeconfig, rescan, directory):
+               gpu_cdi_device, lend_memory, kubeconfig, rescan, claim_status_interval, directory):
     """Run the Kubernetes DRA driver for this node (a DaemonSet's container).
 
     Publishes this node's GPUs as one ResourceSlice (resource.k8s.io/v1, consumable
@@ -1205,10 +1209,66 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
                           slice_dir=slices.node_dir(directory),
                           shim_dir=shim_dir, ld_so_preload=ld_so_preload,
                           gpu_cdi_devices=[gpu_cdi_device] if gpu_cdi_device else [],
-                          lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan)
+                          lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan,
+                          claim_status_interval=claim_status_interval)
     try:
         agent.run(config, stop, log=lambda line: click.echo(line, err=True))
     except agent.AgentError as e:
         raise click.ClickException(_line(e)) from None
     except KeyboardInterrupt:
         pass
+
+
+@main.command("k8s-webhook")
+@click.option("--tls-cert-file", type=click.Path(dir_okay=False), required=True,
+              help="The server certificate (PEM, with its chain), e.g. from the webhook's Secret.")
+@click.option("--tls-private-key-file", type=click.Path(dir_okay=False), required=True,
+              help="Its private key (PEM).  Both files are read again when they change.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8443, show_default=True, help="HTTPS port.")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--driver-name", envvar="VGPU_DRIVER_NAME", default="vgpu.dev", show_default=True,
+              help="The DRA driver whose ResourceSlices give the GPUs' sizes [env: VGPU_DRIVER_NAME].")
+@click.option("--device-class", default="vgpu.dev", show_default=True,
+              help="The DeviceClass the claims ask (deploy/dra/deviceclass.yaml).")
+@click.option("--memory-resource", default="vgpu.dev/gpu-memory", show_default=True,
+              help="The extended resource name for GPU memory in bytes (any quantity: 4Gi).")
+@click.option("--utilization-resource", default="vgpu.dev/gpu-utilization", show_default=True,
+              help="The extended resource name for the SM share in percent (1-100).")
+@click.option("--hami/--no-hami", default=True, show_default=True,
+              help="Also map HAMi's nvidia.com/gpumem (MiB), nvidia.com/gpucores (%) and nvidia.com/gpu: 1.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), envvar="KUBECONFIG",
+              help="Kubeconfig to reach the API server [default: the pod's service account].")
+def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name, device_class, memory_resource,
+                utilization_resource, hami, kubeconfig):
+    """Run the mutating admission webhook that turns GPU fractions in resources.limits into DRA claims.
+
+    A container asking `vgpu.dev/gpu-memory: 4Gi` (and `vgpu.dev/gpu-utilization: "50"`)
+    gets a ResourceClaimTemplate of the vgpu class with that capacity, the pod's
+    resourceClaims and the container's resources.claims, and the extended resources
+    removed.  What cannot work is refused with a message (docs/kubernetes.md).
+
+    \b
+    Example (what deploy/dra/webhook.yaml runs):
+      vgpu-ctl k8s-webhook --tls-cert-file /tls/tls.crt --tls-private-key-file /tls/tls.key
+    """
+    import ssl
+    import threading
+    from .k8s import agent, webhook
+    agent._require_extras()
+    config = webhook.Config(driver_name=driver_name, device_class=device_class, memory_resource=memory_resource,
+                            utilization_resource=utilization_resource, hami=hami)
+    try:
+        api = agent.api_client(kubeconfig)
+    except agent.AgentError as e:
+        raise click.ClickException(_line(e)) from None
+
+    def log(event):
+        click.echo(json.dumps({"time": round(time.time(), 3), **event}), err=True)
+    try:
+        httpd = webhook.serve(webhook.Admitter(config, api, log), tls_cert_file, tls_private_key_file, address, port)
+    except (OSError, ssl.SSLError) as e:
+        raise click.ClickException(f"cannot serve HTTPS on {address}:{port} with {tls_cert_file}: {e}; hint: check "
+                                   "the certificate and key files (PEM) and that the port is free") from None
+    log({"event": "serving", "address": address, "port": httpd.server_port, "resources": config.names()})
+    _until_signalled(threading.Event())
+    httpd.shutdown()

@@ -16,6 +16,8 @@ Per container and device (labels container, device):
   vgpu_sm_gpu_time_seconds_total                        GPU time charged to paced launches
   vgpu_sm_throttled_seconds_total                       time launches waited for the share
   vgpu_launches_total                                   paced launches
+Series of a slice the DRA driver made also carry namespace, pod and pod_container (the
+pod's container; `container` is the slice's name).
 Per container: vgpu_resize_events_total (quota writes: from the file's generation, so it
 survives restarts), vgpu_processes (live processes).
 Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_used_bytes,
@@ -33,7 +35,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import nvml, slices
+from . import nvml, podlabels, slices
 from .autoscale import NodeReader
 from .quantities import SHARE_FULL, UNLIMITED
 
@@ -197,7 +199,26 @@ class NodeCollector:
             cpu = GaugeMetricFamily("vgpu_autoscale_tick_cpu_seconds", "CPU time of the last loop iteration.")
             cpu.add_metric([], a.last_tick_s)
             out += [dec, ticks, cpu]
-        return out
+        return _with_pod_labels(out, self.directory, views)
+
+
+POD_LABELS = {"namespace": "namespace", "pod": "pod", "container": "pod_container"}   # podlabels key -> label
+
+
+def _with_pod_labels(families, directory, names):
+    """Every series of a slice the DRA driver made also carries namespace, pod and
+    pod_container (`container` stays the slice's name); a slice made by hand keeps its
+    labels as they were."""
+    extra = {}
+    for name in names:
+        known = podlabels.read(directory, name)
+        if known.get("pod"):
+            extra[name] = {label: known.get(key, "") for key, label in POD_LABELS.items()}
+    if extra:
+        for f in families:
+            f.samples = [s._replace(labels={**s.labels, **extra[s.labels["container"]]})
+                         if s.labels.get("container") in extra else s for s in f.samples]
+    return families
 
 
 def start(directory=None, port=9400, address="0.0.0.0", use_nvml=True, autoscaler=None):

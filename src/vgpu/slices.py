@@ -42,6 +42,7 @@ QUOTA, USAGE = "quota", "usage"
 # children that clear theirs stay in the slice), and the node agent attributes any process
 # that has it to the slice.
 IDENTITY = "identity"
+LABELS = "labels.json"      # who a DRA-made slice serves (vgpu.podlabels)
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
 USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
@@ -691,7 +692,8 @@ def delete(directory, name, force=False) -> dict:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(IDENTITY, dir_fd=cfd)
             for entry in os.scandir(cfd):
-                if entry.name in (QUOTA, USAGE) or (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                if entry.name in (QUOTA, USAGE, LABELS) or \
+                        (entry.name.startswith(".") and entry.name.endswith(".tmp")):
                     try:
                         os.unlink(entry.name, dir_fd=cfd)
                     except PermissionError:

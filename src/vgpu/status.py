@@ -9,7 +9,7 @@ gives the pid inside the container.  No assumption that the two pid spaces agree
 import os
 import time
 
-from . import nvml
+from . import nvml, podlabels
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import MAX_DEVICES, NotFound, VgpuError, list_names, node_dir, read_all, read_quota
 
@@ -115,7 +115,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
     for cname, quota, usage, problem in read_all(directory):
         entry = {"name": cname, "problem": problem, "generation": quota.generation if quota else None,
-                 "devices": [], "processes": []}
+                 "labels": podlabels.read(directory, cname), "devices": [], "processes": []}
         containers.append(entry)
         if quota is None:
             continue
@@ -218,9 +218,12 @@ def _percent(v):
 def render(data: dict, wide=True) -> str:
     out = []
     rows = []
+    # slices the DRA driver made say whose they are: namespace/pod/container
+    pods = any(podlabels.shown(c.get("labels") or {}) for c in data["containers"])
     for c in data["containers"]:
+        pod = [podlabels.shown(c.get("labels") or {}) or "-"] if pods else []
         if c["problem"]:
-            rows.append([c["name"], "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
+            rows.append([c["name"], *pod, "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
             continue
         live = sum(1 for p in c["processes"] if p["alive"])
         dead = len(c["processes"]) - live
@@ -233,11 +236,11 @@ def render(data: dict, wide=True) -> str:
             procs = str(live) + (f" (+{dead} dead)" if dead else "")
             rate = cd.get("throttled_ns_per_s")
             throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
-            rows.append([c["name"], cd["index"], gpu_mem, util, throttled, cd["oom_refusals"], procs,
+            rows.append([c["name"], *pod, cd["index"], gpu_mem, util, throttled, cd["oom_refusals"], procs,
                          c["generation"]])
     if rows:
-        out.append(table(["CONTAINER", "DEVICE", "GPU-MEMORY", "GPU-UTIL", "THROTTLED", "OOM", "PROCESSES",
-                           "GEN"], rows))
+        out.append(table(["CONTAINER", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "GPU-UTIL",
+                          "THROTTLED", "OOM", "PROCESSES", "GEN"], rows))
     else:
         out.append(f"no containers in {data['dir']}")
 

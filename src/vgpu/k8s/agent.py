@@ -49,6 +49,7 @@ class Config:
     lend_memory: bool = False
     kubeconfig: str = None
     rescan: float = 30.0
+    claim_status_interval: float = 5.0   # live figures into ResourceClaim.status.devices (0: off)
 
     @property
     def dra_socket(self):
@@ -160,6 +161,8 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                                  on_registered=kick.set)
     except plugin.SocketBusy as e:
         raise AgentError(str(e), "stop the other agent first") from None
+    from . import claimstatus
+    claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)
     emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
           "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,
           "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims)})

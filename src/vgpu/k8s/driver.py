@@ -32,9 +32,9 @@ import os
 import threading
 import time
 
-from .. import slices
+from .. import podlabels, slices
 from ..quantities import SHARE_FULL, format_memory
-from . import cdi, checkpoint
+from . import CONTAINER_ANNOTATION, cdi, checkpoint
 
 
 class ClaimError(Exception):
@@ -58,6 +58,17 @@ MIN_CLAIM_TIME = 1.0  # a claim is not begun with less than this left (it could 
 def base_request(request: str) -> str:
     """The main request of an allocation result's `request` ("gpu" of "gpu/large")."""
     return request.split("/", 1)[0]
+
+
+def claim_labels(obj) -> dict:
+    """namespace, pod (the pod the claim is reserved for), container (the webhook's
+    annotation) and claim, as far as the ResourceClaim says."""
+    meta = obj.get("metadata") or {}
+    pods = [r.get("name") for r in (obj.get("status") or {}).get("reservedFor") or []
+            if r.get("resource") == "pods" and not r.get("apiGroup")]
+    return podlabels.clean({"namespace": meta.get("namespace"), "claim": meta.get("name"),
+                            "pod": pods[0] if len(pods) == 1 else None,
+                            "container": (meta.get("annotations") or {}).get(CONTAINER_ANNOTATION)})
 
 
 def _describe(e) -> str:
@@ -224,6 +235,11 @@ class Driver:
             if isinstance(e, cdi.VersionTooLow):
                 raise ClaimError(f"claim {shown}: {e}") from None
             raise
+        labels = claim_labels(obj)
+        try:   # for status and metrics only: a failure here is logged, the claim still runs
+            podlabels.write(self.slice_dir, slice_name, labels)
+        except OSError as e:
+            self.log({"event": "labels_not_written", "slice": slice_name, "error": str(e)})
         entry["state"] = "prepared"
         checkpoint.save(self.checkpoint_path, self.claims)
         self.log({"event": "prepared", "claim": shown, "uid": uid, "slice": slice_name,

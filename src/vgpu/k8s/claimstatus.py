@@ -1,0 +1,240 @@
+"""Live figures of each prepared claim, written into `ResourceClaim.status.devices[]`.
+
+For every claim this node's driver prepared, one entry per allocated device (driver, pool,
+device, shareID -- the tuple the API server requires to match status.allocation) with:
+
+    data:  slice, memory.max, memory.current, memory.peak (bytes), sm.max, sm.used (percent
+           of the GPU's SM time, sm.used over the last interval), throttled.seconds (time
+           launches waited for the share, in all), oom.refusals, and processes: [{pid,
+           memory, command}] as the slice's usage file and NVML tell them
+    conditions: Ready (True once the slice serves the claim)
+
+`kubectl vgpu` reads them (and `kubectl describe resourceclaim` prints them).  The writer
+runs in the k8s-plugin process; every --claim-status-interval it reads the node's slices
+once (vgpu.status.collect, the model status and metrics use) and writes a claim only if its
+figures changed since the last write, and at most once per interval.  `data` is kept within
+the API's 10 Ki (processes are left out from the end, `processes.omitted` says how many).
+
+Written with GET then PUT of /status carrying the resourceVersion read, so the status of
+other drivers' devices and the scheduler's allocation and reservedFor go back unchanged
+(changing those would need resourceclaims/binding).  On a 409 the claim is read again once.
+A refusal -- 403 from RBAC without update on resourceclaims/status, 422 from the status
+strategy when the caller lacks `associated-node:update` on resourceclaims/driver (1.36+) --
+is logged once per claim and kind of refusal and retried with a backoff up to 5 minutes; it
+never touches preparing claims.
+"""
+import copy
+import datetime
+import json
+import threading
+import time
+
+from .. import status as status_mod
+
+DATA_MAX = 10 * 1024       # bytes of `data`, as the client serialises it (json.dumps, default separators)
+API_TIMEOUT = 10
+MAX_BACKOFF = 300.0
+COMMAND_MAX = 80
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def device_index(device_name: str):
+    """gpu-3 -> 3 (the driver names its devices after the GPU index)."""
+    head, _, tail = device_name.rpartition("-")
+    return int(tail) if head == "gpu" and tail.isdigit() else None
+
+
+def figures(container: dict, index: int) -> dict:
+    """A slice's live figures on one GPU (a vgpu.status.collect container entry)."""
+    row = next((d for d in container.get("devices") or [] if d["index"] == index), None)
+    data = {"slice": container["name"]}
+    if container.get("problem"):
+        data["problem"] = container["problem"][:500]
+    if row is None:
+        return data
+    data.update({"memory.max": row["memory_max"], "memory.current": row["memory_current"],
+                 "memory.peak": row["memory_peak"], "sm.max": row["sm_max"] / 100,
+                 "throttled.seconds": round(row["throttled_ns"] / 1e9, 3), "oom.refusals": row["oom_refusals"]})
+    if row.get("sm_used") is not None:
+        data["sm.used"] = round(row["sm_used"] / 100, 1)
+    procs = []
+    for p in container.get("processes") or []:
+        if not p.get("alive"):
+            continue
+        memory = (p.get("memory") or {}).get(str(index), (p.get("memory") or {}).get(index, 0))
+        procs.append({"pid": p["pid"], "memory": memory, "command": (p.get("command") or "")[:COMMAND_MAX]})
+    data["processes"] = procs
+    return fit(data)
+
+
+def fit(data: dict, limit=DATA_MAX) -> dict:
+    """`data` within `limit` bytes as the client will send it: processes dropped from the end."""
+    if len(json.dumps(data)) <= limit:
+        return data
+    data = dict(data, processes=list(data.get("processes") or []))
+    total = len(data["processes"])
+    while data["processes"] and len(json.dumps({**data, "processes.omitted": total})) > limit:
+        data["processes"].pop()
+    data["processes.omitted"] = total - len(data["processes"])
+    if len(json.dumps(data)) > limit:    # cannot happen with a 64-character slice name; stay valid anyway
+        data = {"slice": data.get("slice", "")[:64], "problem": "figures too large for status.devices[].data"}
+    return data
+
+
+def ready_condition(ready: bool, previous=None, message="") -> dict:
+    status = "True" if ready else "False"
+    since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
+    return {"type": "Ready", "status": status, "reason": "SlicePrepared" if ready else "SliceMissing",
+            "message": message[:1000], "lastTransitionTime": since or _now()}
+
+
+class Writer:
+    """Writes the figures of driver.claims' prepared claims (see the module docstring)."""
+
+    def __init__(self, api, driver, slice_dir, interval=5.0, log=lambda event: None, use_nvml=True):
+        from kubernetes import client
+        self.resource = client.ResourceV1Api(api)
+        self.api = api
+        self.driver, self.slice_dir, self.interval, self.log = driver, slice_dir, interval, log
+        self.use_nvml = use_nvml
+        self.written = {}      # uid -> the device entries last written (less lastTransitionTime)
+        self.next_at = {}      # uid -> monotonic time before which it is not written again
+        self.backoff = {}      # uid -> seconds
+        self.refused = {}      # uid -> the kind of the last refusal logged
+        self.previous = None   # the last collect(), for SM rates over the interval
+        self.writes = 0
+
+    def _prepared(self) -> dict:
+        if not self.driver.lock.acquire(timeout=1.0):   # a long prepare: figures can wait a round
+            return {}
+        try:
+            return {uid: copy.deepcopy(e) for uid, e in self.driver.claims.items() if e["state"] == "prepared"}
+        finally:
+            self.driver.lock.release()
+
+    def run(self, stop):
+        while not stop.wait(self.interval):
+            try:
+                self.round()
+            except Exception as e:   # never let the figures take the driver down
+                self.log({"event": "claim_status_failed", "error": f"{type(e).__name__}: {e}"[:500]})
+
+    def round(self):
+        claims = self._prepared()
+        for uid in set(self.written) - set(claims):     # unprepared: forget
+            for d in (self.written, self.next_at, self.backoff, self.refused):
+                d.pop(uid, None)
+        if not claims:
+            return
+        data = status_mod.collect(self.slice_dir, previous=self.previous, use_nvml=self.use_nvml)
+        self.previous = data
+        by_slice = {c["name"]: c for c in data["containers"]}
+        now = time.monotonic()
+        for uid, entry in sorted(claims.items()):
+            if now < self.next_at.get(uid, 0):
+                continue
+            container = by_slice.get(entry["slice"])
+            devices = self.entries(entry, container)
+            if self.written.get(uid) == devices:
+                continue
+            self.write(uid, entry, devices, container is not None)
+
+    def entries(self, entry, container) -> list:
+        out = []
+        for d in entry["devices"]:
+            e = {"driver": self.driver.driver, "pool": d["pool_name"], "device": d["device_name"]}
+            if d.get("share_id"):
+                e["shareID"] = d["share_id"]
+            index = device_index(d["device_name"])
+            e["data"] = figures(container, index) if container is not None and index is not None else \
+                {"slice": entry["slice"], "problem": "the slice is gone from this node"}
+            out.append(e)
+        return out
+
+    def write(self, uid, entry, devices, ready):
+        from kubernetes.client.exceptions import ApiException
+        ns, name = entry["namespace"], entry["name"]
+        for attempt in (1, 2):
+            try:
+                claim = self.api.sanitize_for_serialization(
+                    self.resource.read_namespaced_resource_claim(name, ns, _request_timeout=API_TIMEOUT))
+                if (claim.get("metadata") or {}).get("uid") != uid:
+                    return self._forget(uid)       # deleted and made again: not the claim we prepared
+                body = self.body(claim, devices, ready)
+                self.resource.replace_namespaced_resource_claim_status(name, ns, body, _request_timeout=API_TIMEOUT)
+            except ApiException as e:
+                if e.status == 404:
+                    return self._forget(uid)
+                if e.status == 409 and attempt == 1:
+                    continue
+                return self._refused(uid, ns, name, e)
+            except Exception as e:          # unreachable, timed out
+                return self._refused(uid, ns, name, e)
+            self.written[uid] = devices
+            self.writes += 1
+            self.backoff.pop(uid, None)
+            if self.refused.pop(uid, None):
+                self.log({"event": "claim_status_written_again", "claim": f"{ns}/{name}"})
+            self.next_at[uid] = time.monotonic() + self.interval
+            return None
+        return None
+
+    def body(self, claim, devices, ready) -> dict:
+        """The claim with our devices' entries replaced (every other entry kept as it was)."""
+        status = claim.setdefault("status", {})
+        ours = {(d["driver"], d["pool"], d["device"], d.get("shareID")) for d in devices}
+        kept, before = [], {}
+        for d in status.get("devices") or []:
+            key = (d.get("driver"), d.get("pool"), d.get("device"), d.get("shareID"))
+            if key in ours:
+                before[key] = d
+            else:
+                kept.append(d)
+        fresh = []
+        for d in devices:
+            key = (d["driver"], d["pool"], d["device"], d.get("shareID"))
+            old = next((c for c in (before.get(key) or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                       None)
+            message = f"slice {d['data'].get('slice')}" if ready else d["data"].get("problem", "")
+            fresh.append({**d, "conditions": [ready_condition(ready, old, message)]})
+        status["devices"] = kept + fresh
+        return claim
+
+    def _forget(self, uid):
+        self.written.pop(uid, None)
+        self.next_at[uid] = time.monotonic() + MAX_BACKOFF     # the kubelet unprepares it soon
+        return None
+
+    def _refused(self, uid, ns, name, e):
+        from kubernetes.client.exceptions import ApiException
+        if isinstance(e, ApiException):
+            try:
+                message = json.loads(e.body).get("message", "")
+            except (TypeError, ValueError, AttributeError):
+                message = e.reason or ""
+            kind, text = e.status, f"API server said {e.status} {e.reason}: {message}"
+        else:
+            kind, text = type(e).__name__, f"{type(e).__name__}: {e}"
+        hint = ""
+        if kind in (403, 422) and ("forbidden" in text.lower()):
+            hint = ("grant update on resourceclaims/status and associated-node:update on resourceclaims/driver "
+                    f"named {self.driver.driver} (deploy/dra/rbac.yaml)")
+        if self.refused.get(uid) != kind:
+            self.refused[uid] = kind
+            self.log({"event": "claim_status_refused", "claim": f"{ns}/{name}", "error": text[:600],
+                      **({"hint": hint} if hint else {})})
+        self.backoff[uid] = min(MAX_BACKOFF, max(self.interval, 2 * self.backoff.get(uid, self.interval / 2)))
+        self.next_at[uid] = time.monotonic() + self.backoff[uid]
+        return None
+
+
+def start(api, driver, slice_dir, interval, stop, log, use_nvml=True):
+    """The writer in a daemon thread (None when interval is 0: figures off)."""
+    if not interval:
+        return None
+    writer = Writer(api, driver, slice_dir, interval, log, use_nvml)
+    threading.Thread(target=writer.run, args=(stop,), name="claim-status", daemon=True).start()
+    return writer
