@@ -3,8 +3,10 @@
 For every claim this node's driver prepared, one entry per allocated device (driver, pool,
 device, shareID -- the tuple the API server requires to match status.allocation) with:
 
-    data:  slice, memory.max, memory.current, memory.peak (bytes), sm.max, sm.used (percent
-           of the GPU's SM time, sm.used over the last interval), throttled.seconds (time
+    data:  slice, memory.max, memory.current, memory.peak (bytes, the shim's count),
+           memory.driver (bytes the NVIDIA driver holds for the slice's processes, when NVML
+           answers), sm.max, sm.used (percent of the GPU's SM time, sm.used over the last
+           interval), throttled.seconds (time
            launches waited for the share, in all), oom.refusals, and processes: [{pid,
            memory, command}] as the slice's usage file and NVML tell them
     conditions: Ready (True once the slice serves the claim)
@@ -47,8 +49,9 @@ def device_index(device_name: str):
     return int(tail) if head == "gpu" and tail.isdigit() else None
 
 
-def figures(container: dict, index: int) -> dict:
-    """A slice's live figures on one GPU (a vgpu.status.collect container entry)."""
+def figures(container: dict, index: int, driver_memory=None) -> dict:
+    """A slice's live figures on one GPU (a vgpu.status.collect container entry);
+    driver_memory: {host pid: bytes} as NVML lists the GPU's processes, None without NVML."""
     row = next((d for d in container.get("devices") or [] if d["index"] == index), None)
     data = {"slice": container["name"]}
     if container.get("problem"):
@@ -60,6 +63,9 @@ def figures(container: dict, index: int) -> dict:
                  "throttled.seconds": round(row["throttled_ns"] / 1e9, 3), "oom.refusals": row["oom_refusals"]})
     if row.get("sm_used") is not None:
         data["sm.used"] = round(row["sm_used"] / 100, 1)
+    if driver_memory is not None:   # what the driver holds for the slice's processes, not what the shim counts
+        hosts = [p.get("host_pid") for p in container.get("processes") or [] if p.get("alive")]
+        data["memory.driver"] = sum(driver_memory.get(h) or 0 for h in hosts if h is not None)
     procs = []
     for p in container.get("processes") or []:
         if not p.get("alive"):
@@ -132,6 +138,8 @@ class Writer:
         data = status_mod.collect(self.slice_dir, previous=self.previous, use_nvml=self.use_nvml)
         self.previous = data
         by_slice = {c["name"]: c for c in data["containers"]}
+        self._driver_memory = {}
+        self._nvml = data["nvml"]["available"]
         now = time.monotonic()
         for uid, entry in sorted(claims.items()):
             if now < self.next_at.get(uid, 0):
@@ -149,10 +157,23 @@ class Writer:
             if d.get("share_id"):
                 e["shareID"] = d["share_id"]
             index = device_index(d["device_name"])
-            e["data"] = figures(container, index) if container is not None and index is not None else \
+            e["data"] = figures(container, index, self.driver_memory(index)) \
+                if container is not None and index is not None else \
                 {"slice": entry["slice"], "problem": "the slice is gone from this node"}
             out.append(e)
         return out
+
+    def driver_memory(self, index):
+        """{host pid: bytes} of the GPU's processes from NVML, once per round (None without it)."""
+        if not getattr(self, "_nvml", False):
+            return None
+        if index not in self._driver_memory:
+            from .. import nvml
+            try:
+                self._driver_memory[index] = nvml.running_processes(index)
+            except Exception:     # the GPU does not answer: no driver figure this round
+                self._driver_memory[index] = None
+        return self._driver_memory[index]
 
     def write(self, uid, entry, devices, ready):
         from kubernetes.client.exceptions import ApiException

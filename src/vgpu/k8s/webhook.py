@@ -210,8 +210,7 @@ def mutation(pod: dict, config: Config, largest_gpu=None):
         return [], [], []
     warnings = []
     if largest_gpu is None:
-        warnings.append(f"no GPU of driver {config.driver_name} is published yet: the memory asked is not "
-                        "checked against the GPUs' size")
+        warnings.append(f"no {config.driver_name} GPU is published yet: GPU memory not checked against GPU sizes")
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
     existing = {c.get("name") for c in spec.get("resourceClaims") or []}
     ops, templates = [], []
@@ -224,8 +223,8 @@ def mutation(pod: dict, config: Config, largest_gpu=None):
                              f"than the largest GPU here has ({format_memory(largest_gpu)})")
             if ask.memory % MEMORY_STEP:
                 up = -(-ask.memory // MEMORY_STEP) * MEMORY_STEP
-                warnings.append(f"container {ask.container}: {format_memory(ask.memory)} of GPU memory is "
-                                f"rounded up to {format_memory(up)} by the scheduler (steps of 256Mi)")
+                warnings.append(f"{ask.container}: GPU memory {format_memory(ask.memory)} is rounded up to "
+                                f"{format_memory(up)} (steps of 256Mi)")
         name = claim_name(ask.container)
         if name in existing:
             raise Denied(f"container {ask.container}: the pod already has a resourceClaims entry {name!r}; "
