@@ -39,6 +39,7 @@ class FakeNvml:
             {"index": i, "name": "Fake A10", "uuid": f"GPU-{i}", "memory_total": 24 * GiB,
              "memory_used": 3 * GiB, "gpu_util": 40} for i in range(self.count)])[1])
         monkeypatch.setattr(nvml, "process_utilization", lambda d, window_s=1.0: {})
+        monkeypatch.setattr(nvml, "running_processes", lambda d: (self._check(), {})[1])   # nothing on the GPU
         monkeypatch.setattr(nvml, "driver_version", lambda: "fake")
         return self
 
@@ -242,9 +243,9 @@ def test_status_reports_slices_and_devices_as_json(ctl):
 def test_status_table_has_kubectl_style_columns(ctl):
     ctl("create", "c1", "--memory", "4Gi", "--sm", "50%")
     lines = ctl("status").stdout.splitlines()
-    assert lines[0].split() == ["CONTAINER", "DEVICE", "GPU-MEMORY", "GPU-UTIL", "THROTTLED", "OOM", "PROCESSES",
-                                "GEN"]
-    assert lines[1].split() == ["c1", "0", "0/4Gi", "(0%)", "0%/50%", "0s", "0", "0", "2"]
+    assert lines[0].split() == ["CONTAINER", "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL", "THROTTLED", "OOM",
+                                "PROCESSES", "GEN"]
+    assert lines[1].split() == ["c1", "0", "0/4Gi", "(0%)", "0", "0%/50%", "0s", "0", "0", "2"]
     assert lines[3].split()[:3] == ["DEVICE", "NAME", "MEMORY-ALLOCATED"]
     assert lines[4].split() == ["0", "Fake", "A10", "4Gi/24Gi", "4Gi", "3Gi/24Gi", "50%", "40%", "1"]
 
@@ -337,7 +338,7 @@ def test_env_docker_mounts_shim_and_quota_read_only_and_usage_writable(ctl):
     mounts = [args[i + 1] for i, a in enumerate(args) if a == "-v"]
     envs = [args[i + 1] for i, a in enumerate(args) if a == "-e"]
     assert mounts == [f"{SHIM}:/usr/local/lib/vgpu/libvgpu.so:ro", f"{ctl.dir}/c1/quota:/run/vgpu/c1/quota:ro",
-                      f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw"]
+                      f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw", f"{ctl.dir}/c1/identity:/run/vgpu/.slice:ro"]
     assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=c1",
                     "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 
@@ -352,7 +353,8 @@ def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
     assert {v["name"]: v["hostPath"] for v in doc["volumes"]} == {
         "vgpu-shim": {"path": str(SHIM), "type": "File"},
         "vgpu-c1-quota": {"path": f"{ctl.dir}/c1/quota", "type": "File"},
-        "vgpu-c1-usage": {"path": f"{ctl.dir}/c1/usage", "type": "File"}}
+        "vgpu-c1-usage": {"path": f"{ctl.dir}/c1/usage", "type": "File"},
+        "vgpu-c1-slice": {"path": f"{ctl.dir}/c1/identity", "type": "File"}}
     assert {e["name"]: e["value"] for e in doc["env"]} == {
         "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_CONTAINER": "c1",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

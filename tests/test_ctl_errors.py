@@ -253,9 +253,9 @@ def test_watch_frames_show_throttling_as_a_rate_from_the_first_frame(node):
     for frame in frames:
         row = next(line for line in frame.splitlines() if line.startswith("c1"))
         # nothing waited during the interval: 0ms/s (not the 7s since creation); whole percents
-        assert row.split()[4:6] == ["0%/50%", "0ms/s"], row
+        assert row.split()[5:7] == ["0%/50%", "0ms/s"], row
     one = ctl("status", "--dir", node).stdout.splitlines()[1].split()
-    assert one[4:6] == ["0%/50%", "7.0s"]                          # a single status: the total
+    assert one[5:7] == ["0%/50%", "7.0s"]                          # a single status: the total
 
 
 def test_throttled_rate_is_the_wait_per_second_of_the_interval(node):
@@ -269,7 +269,7 @@ def test_throttled_rate_is_the_wait_per_second_of_the_interval(node):
     assert d["throttled_ns_per_s"] == round(10**8 / dt)
     assert d["sm_used"] == round(5 * 10**7 / (dt * 1e9) * 10000)
     row = status_mod.render(second).splitlines()[1].split()
-    assert row[4:6] == [f"{round(d['sm_used'] / 100)}%/50%", f"{10**8 / dt / 1e6:.0f}ms/s"]
+    assert row[5:7] == [f"{round(d['sm_used'] / 100)}%/50%", f"{10**8 / dt / 1e6:.0f}ms/s"]
 
 
 def test_ctrl_c_ends_a_watch_quietly_with_success(tmp_path):

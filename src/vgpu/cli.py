@@ -1031,23 +1031,53 @@ def _until_signalled(stop):
         pass
 
 
+def autoscale_policy_options(f):
+    """The autoscaler's policy options (`autoscale`, and `agent --autoscale`)."""
+    for opt in reversed([
+        click.option("--window", type=DURATION, default="30s", show_default=True,
+                     help="How long use must stay above the high mark (grow) or below the low mark (shrink)."),
+        click.option("--cooldown", type=DURATION,
+                     help="After a change, no further change for this long [default: the window]."),
+        click.option("--high", type=RATIO, default="90%", show_default=True, help="Grow mark: use / quota."),
+        click.option("--low", type=RATIO, default="50%", show_default=True, help="Shrink mark: use / quota."),
+        click.option("--target", type=RATIO, default="70%", show_default=True,
+                     help="Where a change puts use / quota (between the marks: hysteresis)."),
+        click.option("--grow-step", type=RATIO, default="25%", show_default=True,
+                     help="A grow adds at least this share of the quota (memory at least 256Mi, SM 5 points)."),
+        click.option("--shrink-step", type=RATIO, default="25%", show_default=True,
+                     help="A shrink takes at most this share of the quota."),
+        click.option("--device-memory", type=MEMORY,
+                     help="Each device's memory, where NVML cannot say [default: NVML's]; without either, memory "
+                          "only shrinks."),
+        click.option("--dry-run", is_flag=True, help="Log the decisions without applying them."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _autoscale_policy(window, interval, cooldown, high, low, target, grow_step, shrink_step):
+    from .policy import Policy
+    if interval > window:
+        raise UsageFailure(f"--interval {interval:g}s is longer than --window {window:g}s; hint: sample at least "
+                           "once per window")
+    if shrink_step >= 1:
+        raise click.BadParameter(f"{shrink_step * 100:g}% would let one shrink take a whole quota: a shrink takes at "
+                                 "most this share of it, so it must be below 100% (e.g. 25%)",
+                                 param_hint="'--shrink-step'")
+    if not low < target < high:
+        raise click.UsageError(f"--low {low * 100:g}% < --target {target * 100:g}% < --high {high * 100:g}% "
+                               "does not hold: a "
+                               "change lands use at the target, between the marks, so it is not undone at once")
+    try:
+        return Policy(window=window, cooldown=cooldown, high=high, low=low, target=target, grow_step=grow_step,
+                      shrink_step=shrink_step)
+    except ValueError as e:
+        raise UsageFailure(f"{e}; hint: see vgpu-ctl autoscale --help") from None
+
+
 @main.command()
-@click.option("--window", type=DURATION, default="30s", show_default=True,
-              help="How long use must stay above the high mark (grow) or below the low mark (shrink).")
+@autoscale_policy_options
 @click.option("--interval", type=DURATION, default="1s", show_default=True, help="Time between samples.")
-@click.option("--cooldown", type=DURATION, help="After a change, no further change for this long [default: the window].")
-@click.option("--high", type=RATIO, default="90%", show_default=True, help="Grow mark: use / quota.")
-@click.option("--low", type=RATIO, default="50%", show_default=True, help="Shrink mark: use / quota.")
-@click.option("--target", type=RATIO, default="70%", show_default=True,
-              help="Where a change puts use / quota (between the marks: hysteresis).")
-@click.option("--grow-step", type=RATIO, default="25%", show_default=True,
-              help="A grow adds at least this share of the quota (memory at least 256Mi, SM 5 points).")
-@click.option("--shrink-step", type=RATIO, default="25%", show_default=True,
-              help="A shrink takes at most this share of the quota.")
-@click.option("--device-memory", type=MEMORY,
-              help="Each device's memory, where NVML cannot say [default: NVML's]; without either, memory "
-                   "only shrinks.")
-@click.option("--dry-run", is_flag=True, help="Log the decisions without applying them.")
 @click.option("--once", is_flag=True, help="Watch one window, apply what it decides, exit.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Also serve Prometheus metrics on this port.")
 @click.option("--metrics-address", default="0.0.0.0", show_default=True, help="Address for --metrics-port.")
@@ -1072,23 +1102,7 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
       vgpu-ctl autoscale --window 1s --interval 200ms --dry-run --once
     """
     from . import autoscale as autoscale_mod
-    from .policy import Policy
-    if interval > window:
-        raise UsageFailure(f"--interval {interval:g}s is longer than --window {window:g}s; hint: sample at least "
-                           "once per window")
-    if shrink_step >= 1:
-        raise click.BadParameter(f"{shrink_step * 100:g}% would let one shrink take a whole quota: a shrink takes at "
-                                 "most this share of it, so it must be below 100% (e.g. 25%)",
-                                 param_hint="'--shrink-step'")
-    if not low < target < high:
-        raise click.UsageError(f"--low {low * 100:g}% < --target {target * 100:g}% < --high {high * 100:g}% "
-                               "does not hold: a "
-                               "change lands use at the target, between the marks, so it is not undone at once")
-    try:
-        policy = Policy(window=window, cooldown=cooldown, high=high, low=low, target=target, grow_step=grow_step,
-                        shrink_step=shrink_step)
-    except ValueError as e:
-        raise UsageFailure(f"{e}; hint: see vgpu-ctl autoscale --help") from None
+    policy = _autoscale_policy(window, interval, cooldown, high, low, target, grow_step, shrink_step)
     scaler = autoscale_mod.Autoscaler(directory, policy, interval=interval, dry_run=dry_run,
                                       device_memory=device_memory)
     if metrics_port is not None:
@@ -1105,11 +1119,13 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
         pass
 
 
-def _listen(directory, port, address, port_flag, address_flag, autoscaler=None):
+def _listen(directory, port, address, port_flag, address_flag, autoscaler=None, agent=None):
     """The metrics server, or one line saying which flag to change."""
     import socket
     from . import metrics
     try:
+        if agent is not None:
+            return metrics.start(directory, port, address, autoscaler=autoscaler, agent=agent)
         return metrics.start(directory, port, address, autoscaler=autoscaler)
     except socket.gaierror as e:
         raise click.ClickException(f"cannot listen on {address}:{port}: {address!r} is not an address of this host "
@@ -1125,6 +1141,94 @@ def _listen(directory, port, address, port_flag, address_flag, autoscaler=None):
         else:
             hint = f"check {address_flag} and {port_flag}"
         raise click.ClickException(f"cannot listen on {address}:{port}: {e.strerror or e}; hint: {hint}") from None
+
+
+class OnViolation(click.ParamType):
+    """`kill`, `gap=kill`, `compute=stop`: checked against the kinds and their actions."""
+    name = "[KIND=]ACTION"
+
+    def convert(self, value, param, ctx):
+        from . import node
+        try:
+            node.parse_actions([value])
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+@main.command()
+@click.option("--interval", type=DURATION, default="1s", show_default=True,
+              help="Time between looks at the driver and the slices (dead slots are reaped at once when the agent "
+                   "sees their process end, else within this).")
+@click.option("--grace", type=DURATION, default="1s", show_default=True,
+              help="How long a memory or unsliced condition must last to be a violation.")
+@click.option("--compute-window", type=DURATION, default="10s", show_default=True,
+              help="A slice's NVML share must pass its sm.max by 10 points, unpaced, on average over this long.")
+@click.option("--tolerance", type=MEMORY, default="64Mi", show_default=True,
+              help="Memory the driver may hold beyond the shim's figure (and the cap) ...")
+@click.option("--tolerance-ratio", type=RATIO, default="2%", show_default=True,
+              help="... or this share of the cap, whichever is larger.")
+@click.option("--process-overhead", type=MEMORY, default="0", show_default=True,
+              help="Per process, added to the tolerance: device memory a context holds that the shim does not "
+                   "charge (the shim charges it when it can measure it).")
+@click.option("--require-slices", is_flag=True,
+              help="A GPU process in no slice is a violation (node configured to run GPU work in slices only).")
+@click.option("--on-violation", "on_violation", type=OnViolation(), multiple=True,
+              help="What to do: report (default), kill (SIGKILL the offending processes: only those of the "
+                   "slice, or the unsliced one) or stop (compute: hold them to the share with SIGSTOP/SIGCONT); "
+                   "for every kind, or per kind: over-cap=, gap=, unsliced=, compute=.  Repeatable.")
+@click.option("--autoscale", "with_autoscale", is_flag=True,
+              help="Also run the autoscaler (its options below), on the same reading of the slices.")
+@autoscale_policy_options
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Also serve Prometheus metrics on this port.")
+@click.option("--metrics-address", default="0.0.0.0", show_default=True, help="Address for --metrics-port.")
+@click.option("--no-reap", is_flag=True, hidden=True, help="Leave dead slots alone (benchmarks, tests).")
+@dir_option
+def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, require_slices,
+          on_violation, with_autoscale, window, cooldown, high, low, target, grow_step, shrink_step, device_memory,
+          dry_run, metrics_port, metrics_address, no_reap, directory):
+    """The node agent: check every slice against the driver, and see everything on the GPU.
+
+    Every --interval it attributes each process NVML lists on each GPU to a slice (the
+    usage file it maps, the identity file its container was given, its pod, cgroup or
+    pid namespace) or marks it unsliced; compares each slice's driver-measured memory
+    with its memory.current and cap; reaps dead slots; removes the temporary slices of
+    `vgpu-ctl run`s that died; and logs one JSON line per violation: over-cap (the
+    driver says it holds more than its cap), gap (the driver says more than the shim),
+    unsliced (with --require-slices), compute (NVML's share above sm.max by 10 points,
+    unpaced, over --compute-window).  By --on-violation it acts, only on processes it
+    attributed with certainty, and logs every action.  `vgpu-ctl status` shows what it
+    judged.
+
+    \b
+    Example:
+      vgpu-ctl agent --metrics-port 9400
+      vgpu-ctl agent --autoscale --metrics-port 9400 --on-violation gap=kill
+      vgpu-ctl agent --require-slices --on-violation unsliced=kill --on-violation compute=stop
+    """
+    import signal
+    import threading
+    from . import node
+    settings = node.Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
+                             grace=grace, window=compute_window, require_slices=require_slices,
+                             actions=node.parse_actions(on_violation))
+    scaler = None
+    if with_autoscale:
+        from . import autoscale as autoscale_mod
+        policy = _autoscale_policy(window, interval, cooldown, high, low, target, grow_step, shrink_step)
+        scaler = autoscale_mod.Autoscaler(directory, policy, interval=interval, dry_run=dry_run,
+                                          device_memory=device_memory)
+    the_agent = node.Agent(directory, settings, interval=interval, autoscaler=scaler, reap=not no_reap)
+    if metrics_port is not None:
+        httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
+                        autoscaler=scaler, agent=the_agent)
+        click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        the_agent.run(stop=stop)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()

@@ -24,10 +24,19 @@ Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_us
   vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
   vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
   of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_containers.
+The driver's view (vgpu.node: each process NVML lists, attributed to a slice or not):
+  vgpu_memory_driver_bytes{container,device}   what the driver says the slice's processes hold
+  vgpu_unsliced_memory_bytes{device}, vgpu_unsliced_processes{device}   GPU processes in no slice
+  vgpu_unknown_processes{device}               GPU processes this agent cannot see (pid namespace)
+With the node agent (`vgpu-ctl agent`): vgpu_violations_total{container,kind} (container
+"" for an unsliced process), vgpu_violations_active{container,kind},
+vgpu_agent_actions_total{kind,action}, vgpu_agent_reaped_slots_total,
+vgpu_agent_iterations_total, vgpu_agent_iteration_cpu_seconds.
 vgpu_nvml_up: 1 when NVML answered.  With the autoscaler: vgpu_autoscale_decisions_total
 {container,device,resource,action}, vgpu_autoscale_ticks_total,
 vgpu_autoscale_tick_cpu_seconds.
 """
+import collections
 import math
 import threading
 import time
@@ -49,16 +58,78 @@ def _inf(v):
 class NodeCollector:
     """Collects a node directory's metrics on each scrape (thread-safe)."""
 
-    def __init__(self, directory=None, use_nvml=True, autoscaler=None):
+    def __init__(self, directory=None, use_nvml=True, autoscaler=None, agent=None):
         self.directory = slices.node_dir(directory)
         self.use_nvml = use_nvml
         self.autoscaler = autoscaler
+        self.agent = agent
+        self._observer = None    # without an agent: the driver's view is taken on each scrape
         self.reader = NodeReader(self.directory)
         self._prev = {}          # (container, device) -> (monotonic s, gpu_time_ns, sm_max)
         self._lock = threading.Lock()
 
     def describe(self):
         return []                # no collect() at registration
+
+    def _driver_view(self, ok):
+        """The driver's figures (the agent's last snapshot, or one taken now) and the
+        agent's violations and actions."""
+        from . import node
+        snap = None
+        if self.agent is not None:
+            snap = self.agent.latest
+        elif ok:
+            if self._observer is None:
+                self._observer = node.Observer(self.directory, use_nvml=self.use_nvml)
+            try:
+                snap = self._observer.observe()
+            except Exception:   # a slice vanishing mid-look: the next scrape tries again
+                snap = None
+        out = []
+        if snap is not None and snap.nvml_ok:
+            drv = GaugeMetricFamily("vgpu_memory_driver_bytes", "Device memory the slice's processes hold, as the "
+                                    "driver (NVML) says.", labels=_CD)
+            for (name, d), sd in sorted(snap.slices.items()):
+                if sd.driver is not None:
+                    drv.add_metric([name, str(d)], sd.driver)
+            mem = GaugeMetricFamily("vgpu_unsliced_memory_bytes", "Device memory held by processes in no slice "
+                                    "(NVML).", labels=["device"])
+            cnt = GaugeMetricFamily("vgpu_unsliced_processes", "GPU processes in no slice.", labels=["device"])
+            unk = GaugeMetricFamily("vgpu_unknown_processes", "GPU processes NVML lists that this agent cannot "
+                                    "see (another pid namespace): neither attributed nor acted on.",
+                                    labels=["device"])
+            devices = sorted({p.device for p in snap.processes} | {d for _, d in snap.slices})
+            for d in devices:
+                if d in snap.device_errors:
+                    continue
+                un = [p for p in snap.unsliced() if p.device == d]
+                mem.add_metric([str(d)], sum(p.driver or 0 for p in un))
+                cnt.add_metric([str(d)], len(un))
+                unk.add_metric([str(d)], sum(1 for p in snap.unknown() if p.device == d))
+            out += [drv, mem, cnt, unk]
+        a = self.agent
+        if a is not None:
+            total = CounterMetricFamily("vgpu_violations", "Violations the node agent found (one per start), by "
+                                        "slice (\"\" for an unsliced process) and kind.", labels=["container", "kind"])
+            for (name, kind), n in sorted(a.judge.counts.items()):
+                total.add_metric([name or "", kind], n)
+            active = GaugeMetricFamily("vgpu_violations_active", "Violations going on now.",
+                                       labels=["container", "kind"])
+            now = collections.Counter((v.container or "", v.kind) for v in list(a.judge.active.values()))
+            for (name, kind), n in sorted(now.items()):
+                active.add_metric([name, kind], n)
+            acts = CounterMetricFamily("vgpu_agent_actions", "Actions the node agent took on processes.",
+                                       labels=["kind", "action"])
+            for (kind, action), n in sorted(a.actions_total.items()):
+                acts.add_metric([kind, action], n)
+            reaped = CounterMetricFamily("vgpu_agent_reaped_slots", "Dead processes' slots the agent reaped.")
+            reaped.add_metric([], a.reaped_total)
+            its = CounterMetricFamily("vgpu_agent_iterations", "Node agent loop iterations.")
+            its.add_metric([], a.iterations)
+            cpu = GaugeMetricFamily("vgpu_agent_iteration_cpu_seconds", "CPU time of the agent's last iteration.")
+            cpu.add_metric([], a.last_iteration_cpu_s)
+            out += [total, active, acts, reaped, its, cpu]
+        return out
 
     def collect(self):
         with self._lock:
@@ -168,6 +239,7 @@ class NodeCollector:
         up = GaugeMetricFamily("vgpu_nvml_up", "1 when NVML answered this scrape.")
         up.add_metric([], 1 if ok else 0)
         out.append(up)
+        out += self._driver_view(ok)
         if ok and nv_devices:
             total = GaugeMetricFamily("vgpu_device_memory_total_bytes", "Physical memory of the device (NVML).",
                                       labels=["device"])
@@ -221,10 +293,10 @@ def _with_pod_labels(families, directory, names):
     return families
 
 
-def start(directory=None, port=9400, address="0.0.0.0", use_nvml=True, autoscaler=None):
+def start(directory=None, port=9400, address="0.0.0.0", use_nvml=True, autoscaler=None, agent=None):
     """Serve /metrics in a background thread; returns the HTTP server (its
     server_port is the port, also when 0 asked for any free one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NodeCollector(directory, use_nvml=use_nvml, autoscaler=autoscaler))
+    registry.register(NodeCollector(directory, use_nvml=use_nvml, autoscaler=autoscaler, agent=agent))
     httpd, _ = start_http_server(port, address, registry=registry)
     return httpd

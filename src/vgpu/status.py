@@ -168,8 +168,10 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     if name is not None:
         containers = [c for c in containers if c["name"] == name]
     driver = nvml.driver_version() if ok else None
-    return {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
+    data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
+    from . import node   # the driver's view: who holds what, slices or not, and the agent's verdicts
+    return node.annotate(data, use_nvml=ok)
 
 
 def sm_shares(directory) -> dict:
@@ -215,6 +217,11 @@ def _percent(v):
     return "-" if v is None else f"{round(v / 100)}%"
 
 
+def _describe_violation(v):
+    from .node import describe_violation
+    return describe_violation(v)
+
+
 def render(data: dict, wide=True) -> str:
     out = []
     rows = []
@@ -223,7 +230,7 @@ def render(data: dict, wide=True) -> str:
     for c in data["containers"]:
         pod = [podlabels.shown(c.get("labels") or {}) or "-"] if pods else []
         if c["problem"]:
-            rows.append([c["name"], *pod, "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
+            rows.append([c["name"], *pod, "-", "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
             continue
         live = sum(1 for p in c["processes"] if p["alive"])
         dead = len(c["processes"]) - live
@@ -236,10 +243,11 @@ def render(data: dict, wide=True) -> str:
             procs = str(live) + (f" (+{dead} dead)" if dead else "")
             rate = cd.get("throttled_ns_per_s")
             throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
-            rows.append([c["name"], *pod, cd["index"], gpu_mem, util, throttled, cd["oom_refusals"], procs,
+            driver = "-" if cd.get("memory_driver") is None else format_memory(cd["memory_driver"])
+            rows.append([c["name"], *pod, cd["index"], gpu_mem, driver, util, throttled, cd["oom_refusals"], procs,
                          c["generation"]])
     if rows:
-        out.append(table(["CONTAINER", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "GPU-UTIL",
+        out.append(table(["CONTAINER", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL",
                           "THROTTLED", "OOM", "PROCESSES", "GEN"], rows))
     else:
         out.append(f"no containers in {data['dir']}")
@@ -253,6 +261,15 @@ def render(data: dict, wide=True) -> str:
             cmd = p["command"] if p["alive"] else f"{p['command']} (dead: vgpu-ctl reap)"
             prow.append([c["name"], p["pid"], p["host_pid"] if p["host_pid"] is not None else "-", mem, sm,
                          cmd if len(cmd) <= 60 else cmd[:57] + "..."])
+    # GPU processes in no slice (or that this host cannot see): the driver's figures
+    for p in data.get("unsliced", []) + data.get("unknown", []):
+        what = {"unsliced": "(unsliced)", "ambiguous": "(ambiguous)", "unknown": "(unknown)"}[p["state"]]
+        mem = "-" if p["memory_driver"] is None else format_memory(p["memory_driver"])
+        cmd = p.get("command") or p.get("comm") or "?"
+        if p["state"] == "ambiguous":
+            cmd = f"{cmd} (claimed by {', '.join(p.get('candidates', []))})"
+        prow.append([what, "-", p["host_pid"], mem + (f" on {p['device']}" if len(data["devices"]) > 1 else ""),
+                     _percent(p["sm_util"]), cmd if len(cmd) <= 60 else cmd[:57] + "..."])
     if prow and wide:
         out.append("")
         out.append(table(["CONTAINER", "PID", "HOST-PID", "GPU-MEMORY", "GPU-UTIL", "COMMAND"], prow))
@@ -272,6 +289,11 @@ def render(data: dict, wide=True) -> str:
         out.append("")
         out.append(table(["DEVICE", "NAME", "MEMORY-ALLOCATED", "GUARANTEED", "MEMORY-USED", "SM-ALLOCATED",
                            "GPU-UTIL", "CONTAINERS"], drow))
+    vrows = [[v["kind"], v.get("container") or "-", v.get("device", "-"), _describe_violation(v)]
+             for v in data.get("violations") or []]
+    if vrows:
+        out.append("")
+        out.append(table(["VIOLATION", "CONTAINER", "DEVICE", "WHAT"], vrows))
     if not data["nvml"]["available"]:
         out.append("")
         out.append(f"note: NVML unavailable ({data['nvml']['note']}): no device capacity, real usage or "

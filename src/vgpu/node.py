@@ -1,0 +1,1145 @@
+"""Truth on the node: every process on the GPU attributed to a slice, every slice checked
+against the driver.
+
+A slice's usage file is the shim's fast path, written by the container's own processes;
+the driver (NVML) knows which processes hold what.  The Observer turns one look at both
+into a Snapshot: each process NVML lists on each device is attributed to a slice, marked
+*unsliced*, or *unknown* (a pid this process cannot see); each slice's device has the
+driver's figure (the sum of its processes' device memory) beside the shim's
+(memory.current) and its cap.  The Agent (`vgpu-ctl agent`) looks every interval, reaps
+dead slots, judges the snapshots over time (grace period, compute window) into
+violations, logs each as one JSON line and, by policy, acts on the processes it is sure
+of.  `status`, the metrics and the Kubernetes plugin read through the same Observer.
+
+How a process is attributed (the first that applies; see docs/node-agent.md):
+  usage-file     /proc/<pid>/maps holds the slice's usage file: the shim of that slice
+                 runs in it (the kernel's word: a tenant cannot fake it for someone else);
+  identity-file  the slice's identity file is mounted at /run/vgpu/.slice in the
+                 process's mount namespace (stat through /proc/<pid>/root): the container
+                 was given the slice, whatever the process loaded;
+  pod            its cgroup path names the pod UID of the claim that made the slice;
+  cgroup         it shares its cgroup with a process attributed above that lives in a
+                 container (its own mount or pid namespace), of this slice only;
+  pid-namespace  likewise its pid namespace (never the agent's own).
+Two slices claiming a process is "ambiguous": reported with both, never acted on.  A pid
+the agent cannot read is "unknown": reported, never acted on.  Nothing the usage file says
+about its processes is taken as proof: its slots only help find them.
+"""
+import collections
+import fcntl
+import json
+import os
+import select
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import nvml, procfs, slices
+from ._region import ffi, lib
+from .quantities import SHARE_FULL, UNLIMITED, format_memory
+
+MiB = 1 << 20
+KINDS = ("over-cap", "gap", "unsliced", "compute")
+ACTIONS = {"over-cap": ("report", "kill"), "gap": ("report", "kill"), "unsliced": ("report", "kill"),
+           "compute": ("report", "kill", "stop")}
+CERTAIN = ("usage-file", "identity-file", "pod", "cgroup", "pid-namespace")
+STATE_FILE = ".agent.json"      # in the node directory (no slice name starts with '.')
+IDENTITY_PATH = "/run/vgpu/.slice"
+RECHECK_S = 10.0                # a process found in no slice is looked at again this often
+ORPHAN_S = 2.0                  # temporary slices' owners are checked this often
+
+
+# === settings ===
+
+@dataclass
+class Settings:
+    tolerance: int = 64 * MiB       # memory the driver may hold beyond the shim's figure / the cap
+    tolerance_ratio: float = 0.02   # ... or this share of the cap, whichever is larger
+    process_overhead: int = 0       # per process, on top (a context's own memory the shim does not charge)
+    grace: float = 1.0              # a memory or unsliced condition must last this long
+    window: float = 10.0            # a compute condition must hold on average over this long
+    compute_margin: int = 1000      # NVML's share may pass sm.max by this much (1/100 percent: 10 points)
+    require_slices: bool = False    # a GPU process in no slice is a violation
+    actions: dict = field(default_factory=dict)   # kind -> report | kill | stop
+
+    def action(self, kind):
+        return self.actions.get(kind, "report")
+
+    def tolerance_for(self, cap, processes=0) -> int:
+        base = self.tolerance if cap in (None, UNLIMITED) else max(self.tolerance, int(cap * self.tolerance_ratio))
+        return base + processes * self.process_overhead
+
+    def to_json(self):
+        return {"tolerance": self.tolerance, "tolerance_ratio": self.tolerance_ratio,
+                "process_overhead": self.process_overhead, "grace_s": self.grace, "window_s": self.window,
+                "compute_margin": self.compute_margin, "require_slices": self.require_slices,
+                "on_violation": {k: self.action(k) for k in KINDS}}
+
+
+def parse_actions(values) -> dict:
+    """`--on-violation` values: ACTION (every kind that has it) or KIND=ACTION, repeatable."""
+    out = {}
+    for v in values:
+        kind, _, action = v.rpartition("=")
+        kinds = [kind] if kind else [k for k in KINDS if action in ACTIONS[k]]
+        if kind and kind not in KINDS:
+            raise ValueError(f"{kind!r} is not a violation kind ({', '.join(KINDS)})")
+        if not kinds or any(action not in ACTIONS[k] for k in kinds):
+            raise ValueError(f"{v!r}: {action!r} is not an action for "
+                             f"{kind or 'any kind'} (" + "; ".join(f"{k}: {'|'.join(ACTIONS[k])}" for k in
+                                                                   ([kind] if kind else KINDS)) + ")")
+        out.update({k: action for k in kinds})
+    return out
+
+
+# === reading a slice's slots ===
+
+_PROC = struct.Struct("<iIQ32sQQQQ")
+assert _PROC.size == ffi.sizeof("struct vgpu_usage_proc")
+_PROCS_AT = ffi.offsetof("struct vgpu_usage", "procs")
+_PIDS = struct.Struct("<" + f"i{_PROC.size - 4}x" * slices.MAX_PROCS)
+_ROW = struct.Struct("<%dQ" % slices.MAX_PROCS)
+_DEV_AT = ffi.offsetof("struct vgpu_usage", "devices")
+_DEV_SIZE = ffi.sizeof("struct vgpu_usage_device")
+_GPU_TIME_AT = ffi.offsetof("struct vgpu_usage_device", "gpu_time_ns")
+_LAUNCHES_AT = ffi.offsetof("struct vgpu_usage_device", "launches")
+_HEADER = struct.Struct("<QII")
+
+
+@dataclass
+class Slot:
+    slot: int
+    pid: int                 # as the process sees itself
+    start_ticks: int
+    pid_ns: int
+    cgroup_id: int
+    from_file: bool
+    comm: str
+    charges: dict            # device -> bytes
+    alive: bool
+
+
+def read_slots(fd, devices):
+    """(slots in use, {device: memory.current}, {device: (gpu_time_ns, launches)}) from a
+    usage file descriptor, with one pread.  Raises slices.BadFile for a file cut short or
+    of another kind (the container's doing)."""
+    data = os.pread(fd, slices.USAGE_SIZE, 0)
+    if len(data) != slices.USAGE_SIZE or _HEADER.unpack_from(data) != \
+            (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, slices.USAGE_SIZE):
+        raise slices.BadFile("usage file cut short or not a vgpu usage file")
+    rows = {d: _ROW.unpack_from(data, slices.charge_offset(d, 0)) for d in devices}
+    current = {d: sum(r) & 0xFFFFFFFFFFFFFFFF for d, r in rows.items()}
+    counters = {d: struct.unpack_from("<QQ", data, _DEV_AT + d * _DEV_SIZE + _LAUNCHES_AT) for d in devices}
+    counters = {d: (g, n) for d, (n, g) in counters.items()}   # launches precedes gpu_time_ns
+    pids = _PIDS.unpack_from(data, _PROCS_AT)
+    out = []
+    for i, pid in enumerate(pids):
+        charges = {d: r[i] for d, r in rows.items() if r[i]}
+        if not pid and not charges:
+            continue
+        pid, _, _, comm, ticks, pns, cg, flags = _PROC.unpack_from(data, _PROCS_AT + i * _PROC.size)
+        out.append(Slot(i, pid, ticks, pns, cg, bool(flags & lib.VGPU_PROC_FROM_FILE),
+                        comm.split(b"\0", 1)[0].decode(errors="replace"), charges, slices.slot_alive(fd, i)))
+    return out, current, counters
+
+
+assert _LAUNCHES_AT + 8 == _GPU_TIME_AT, "usage counters moved"
+
+
+# === processes, as the kernel knows them ===
+
+class Tracked:
+    """A process NVML lists (or a slot's process in our pid namespace), with what the
+    kernel says of it, kept for its life (the pidfd says when it ends)."""
+    __slots__ = ("pid", "start", "pid_ns", "mnt_ns", "inner", "cgroup", "pidfd", "usage", "usage_at",
+                 "identity", "maps_ok", "comm")
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.pidfd = None
+        self.start = procfs.start_ticks(pid)
+        if self.start is None:
+            return
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except OSError:
+            self.start = None
+            return
+        if procfs.start_ticks(pid) != self.start:     # the pid was reused between the two reads
+            self.close()
+            self.start = None
+            return
+        self.pid_ns = procfs.pid_ns(pid)
+        self.mnt_ns = procfs.mnt_ns(pid)
+        self.inner = procfs.inner_pid(pid)
+        self.cgroup = procfs.cgroup(pid)
+        self.comm = procfs.comm(pid)
+        self.usage = None        # frozenset of slice names whose usage file it maps; None: not looked yet
+        self.usage_at = None
+        self.identity = None
+        self.maps_ok = False
+
+    @property
+    def visible(self):
+        return self.start is not None
+
+    def close(self):
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+@dataclass
+class Attribution:
+    slice: str = None
+    method: str = None       # usage-file, identity-file, pod, cgroup, pid-namespace; None: unsliced/unknown
+    state: str = "unsliced"  # sliced, unsliced, unknown, ambiguous
+    note: str = None
+    candidates: tuple = ()
+
+    @property
+    def certain(self):
+        return self.state == "sliced" and self.method in CERTAIN or self.state == "unsliced"
+
+    def to_json(self):
+        out = {"state": self.state, "container": self.slice, "method": self.method}
+        if self.note:
+            out["note"] = self.note
+        if self.candidates:
+            out["candidates"] = list(self.candidates)
+        return out
+
+
+# === the snapshot ===
+
+@dataclass
+class ProcRow:
+    host_pid: int
+    device: int
+    driver: int              # bytes NVML says it holds there (None: not said)
+    util: int                # SM percent NVML gives it over the last second
+    attribution: Attribution
+    slot: int = None         # its slot in the slice's usage file, when one is its own
+    charge: int = None       # what that slot charges on the device
+    comm: str = None
+
+    @property
+    def gap(self):
+        if self.driver is None:
+            return None
+        return self.driver - (self.charge or 0)
+
+    def to_json(self):
+        return {"host_pid": self.host_pid, "device": self.device, "memory_driver": self.driver,
+                "sm_util": self.util * 100 if self.util is not None else None, "slot": self.slot,
+                "memory_charged": self.charge, "comm": self.comm, **self.attribution.to_json()}
+
+
+@dataclass
+class SliceDevice:
+    name: str
+    device: int
+    memory_max: int
+    memory_current: int      # the shim's figure: the sum of the slots' charges
+    driver: int              # the driver's: the sum of its processes' memory (None: unknown)
+    tolerance: int
+    sm_max: int
+    sm_nvml: int             # NVML's share of its processes (1/100 percent), None without NVML
+    gpu_time_ns: int
+    processes: list = field(default_factory=list)
+
+    def to_json(self):
+        return {"container": self.name, "device": self.device, "memory_max": None if self.memory_max == UNLIMITED
+                else self.memory_max, "memory_current": self.memory_current, "memory_driver": self.driver,
+                "tolerance": self.tolerance, "sm_max": self.sm_max, "sm_nvml": self.sm_nvml,
+                "processes": [p.host_pid for p in self.processes]}
+
+
+@dataclass
+class Snapshot:
+    t: float
+    nvml_ok: bool
+    nvml_note: str
+    device_errors: dict                   # device -> why NVML could not say
+    slices: dict                          # (name, device) -> SliceDevice
+    processes: list                       # ProcRow of every process NVML lists, every device
+    slots: dict                           # name -> [Slot]
+    problems: dict                        # name -> why its files cannot be read
+
+    def unsliced(self):
+        return [p for p in self.processes if p.attribution.state in ("unsliced", "ambiguous")]
+
+    def unknown(self):
+        return [p for p in self.processes if p.attribution.state == "unknown"]
+
+    def to_json(self):
+        return {"nvml": {"available": self.nvml_ok, "note": self.nvml_note,
+                         "device_errors": {str(d): e for d, e in self.device_errors.items()}},
+                "slices": [sd.to_json() for sd in self.slices.values()],
+                "processes": [p.to_json() for p in self.processes],
+                "problems": self.problems}
+
+
+# === the observer ===
+
+class _SliceFiles:
+    """A slice's files as the observer keeps them: the usage descriptor (the reader's),
+    the usage and identity files' inodes."""
+    __slots__ = ("view", "usage_inode", "identity_inode", "checked")
+
+    def __init__(self, view, directory):
+        self.view = view
+        self.usage_inode = None
+        if view._ufd is not None:
+            st = os.fstat(view._ufd)
+            self.usage_inode = (st.st_dev, st.st_ino)
+        self.identity_inode = None
+        self.checked = None
+        self.check_identity(directory)
+
+    def check_identity(self, directory, now=None):
+        try:
+            st = os.stat(os.path.join(directory, self.view.name, slices.IDENTITY), follow_symlinks=False)
+            self.identity_inode = (st.st_dev, st.st_ino)
+        except OSError:
+            self.identity_inode = None
+        self.checked = now
+
+
+class Observer:
+    """One look at the node: slices (through an autoscale.NodeReader, shared with the
+    autoscaler and the metrics) and NVML."""
+
+    def __init__(self, directory=None, reader=None, use_nvml=True, settings=None, nvml_module=None,
+                 pod_uids=None):
+        from .autoscale import NodeReader
+        self.directory = slices.node_dir(directory)
+        self.reader = reader or NodeReader(self.directory)
+        self.use_nvml = use_nvml
+        self.settings = settings or Settings()
+        self.nvml = nvml_module or nvml
+        self.pod_uids = pod_uids or (lambda: {})      # -> {slice: [pod UID]}
+        self.tracked = {}         # host pid -> Tracked
+        self.files = {}           # slice -> _SliceFiles
+        self.my_pid_ns = procfs.pid_ns()
+        self.my_mnt_ns = procfs.mnt_ns()
+        self._prev = {}           # (slice, device) -> (t, gpu_time_ns)
+        self.lock = threading.Lock()
+
+    # --- processes ---
+
+    def track(self, pid):
+        """The Tracked for a host pid (forget_ended has dropped the ones that ended)."""
+        t = self.tracked.get(pid)
+        if t is None:
+            t = self.tracked[pid] = Tracked(pid)
+        return t
+
+    def forget_ended(self) -> list:
+        """Drop processes that ended (one poll over their pidfds) and the pids that could
+        not be seen (looked at again next time); returns those that ended."""
+        poller = select.poll()
+        fds = {}
+        for t in self.tracked.values():
+            if t.pidfd is not None:
+                poller.register(t.pidfd, select.POLLIN)
+                fds[t.pidfd] = t
+        ended = [fds[fd] for fd, _ in poller.poll(0)]
+        for t in ended + [t for t in self.tracked.values() if not t.visible]:
+            t.close()
+            self.tracked.pop(t.pid, None)
+        return ended
+
+    def pidfds(self):
+        return {t.pidfd: t for t in self.tracked.values() if t.pidfd is not None}
+
+    def _usage_of(self, t, by_usage, now):
+        if t.usage is None or (not t.usage and now - t.usage_at >= RECHECK_S):
+            found = procfs.maps_inodes(t.pid, by_usage)
+            t.maps_ok = found is not None
+            t.usage = frozenset(by_usage[i] for i in found) if found else frozenset()
+            t.usage_at = now
+            ident = procfs.file_in_root(t.pid, IDENTITY_PATH)
+            t.identity = ident
+        return t.usage
+
+    # --- one look ---
+
+    def observe(self, now=None) -> Snapshot:
+        with self.lock:
+            return self._observe(time.monotonic() if now is None else now)
+
+    def _observe(self, now):
+        st = self.settings
+        self.forget_ended()
+        views = self.reader.refresh(now)
+        for name in set(self.files) - set(views):
+            del self.files[name]
+        for name, v in views.items():
+            f = self.files.get(name)
+            if f is None or f.view is not v:
+                f = self.files[name] = _SliceFiles(v, self.directory)
+            elif f.identity_inode is None and (f.checked is None or now - f.checked >= RECHECK_S):
+                f.check_identity(self.directory, now)
+            v.refresh_quota()
+        problems = dict(self.reader.problems)
+
+        # the slices' own figures
+        slots, current, counters = {}, {}, {}
+        for name, v in views.items():
+            if v._ufd is None:
+                slots[name], current[name], counters[name] = [], {}, {}
+                continue
+            try:
+                slots[name], current[name], counters[name] = read_slots(v._ufd, [d for d, _ in v.held])
+            except (slices.BadFile, OSError) as e:
+                problems[name] = str(e)
+                slots[name], current[name], counters[name] = [], {}, {}
+
+        # the driver's
+        ok, note = (self.nvml.available() if self.use_nvml else (False, "NVML not used"))
+        per_device, util, errors = {}, {}, {}
+        if ok:
+            try:
+                count = self.nvml.device_count()
+            except Exception as e:   # a driver going away
+                ok, note, count = False, str(e), 0
+            for d in range(count):
+                try:
+                    per_device[d] = self.nvml.running_processes(d)
+                except Exception as e:
+                    errors[d] = str(e)
+                    continue
+                try:
+                    util[d] = self.nvml.process_utilization(d)
+                except Exception:
+                    util[d] = {}
+
+        # attribution
+        by_usage = {f.usage_inode: name for name, f in self.files.items() if f.usage_inode}
+        by_identity = {f.identity_inode: name for name, f in self.files.items() if f.identity_inode}
+        pods = {}
+        for name, uids in (self.pod_uids() or {}).items():
+            for uid in uids or ():
+                pods[uid] = name
+        gpu_pids = sorted({p for procs in per_device.values() for p in procs})
+        for pid in gpu_pids:
+            t = self.track(pid)
+            if t.visible:
+                self._usage_of(t, by_usage, now)
+        # slot processes in our pid namespace: found without NVML (their death is seen at once)
+        for name, ss in slots.items():
+            for s in ss:
+                if s.alive and s.pid > 0 and s.pid_ns and s.pid_ns == self.my_pid_ns and s.pid not in self.tracked:
+                    t = self.track(s.pid)
+                    if t.visible and t.start == s.start_ticks:
+                        self._usage_of(t, by_usage, now)
+                    elif t.visible:      # another process has that pid now: not the slot's
+                        t.close()
+                        del self.tracked[s.pid]
+        groups = self._groups(by_identity)
+        attribution = {pid: self._attribute(self.tracked.get(pid), by_identity, pods, groups) for pid in gpu_pids}
+
+        # per slice and device
+        slot_of = {}    # (name, pid_ns, inner pid) -> Slot
+        for name, ss in slots.items():
+            for s in ss:
+                if s.alive and s.pid > 0:
+                    slot_of[(name, s.pid_ns, s.pid)] = s
+        table = {}
+        for name, v in views.items():
+            for d, q in v.held:
+                if d not in per_device and ok and len(v.held) == slices.MAX_DEVICES:
+                    continue     # a standalone quota holds every index: the devices that exist
+                known = 0 if ok and d not in errors else None
+                table[(name, d)] = SliceDevice(name, d, memory_max=q.memory_max, memory_current=current[name].get(d, 0),
+                                               driver=known, tolerance=0, sm_max=q.sm_max, sm_nvml=known,
+                                               gpu_time_ns=counters[name].get(d, (0, 0))[0])
+        rows = []
+        for d, procs in sorted(per_device.items()):
+            for pid, used in sorted(procs.items()):
+                a = attribution[pid]
+                t = self.tracked.get(pid)
+                row = ProcRow(pid, d, used, util.get(d, {}).get(pid, 0), a, comm=t.comm if t and t.visible else None)
+                rows.append(row)
+                if a.state != "sliced":
+                    continue
+                sd = table.get((a.slice, d))
+                if sd is None:       # a process of a slice on a device the slice was not given
+                    sd = table[(a.slice, d)] = SliceDevice(a.slice, d, memory_max=0, memory_current=0, driver=0,
+                                                           tolerance=0, sm_max=0, sm_nvml=0, gpu_time_ns=0)
+                if t is not None and t.visible and a.method == "usage-file":
+                    s = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
+                    if s is not None and (not s.start_ticks or s.start_ticks == t.start):
+                        row.slot, row.charge = s.slot, s.charges.get(d, 0)
+                sd.processes.append(row)
+                if sd.driver is not None:
+                    sd.driver = None if used is None else sd.driver + used
+                if sd.sm_nvml is not None:
+                    sd.sm_nvml += row.util * 100
+        for sd in table.values():
+            sd.tolerance = st.tolerance_for(sd.memory_max, len(sd.processes))
+        # a slice with a device NVML could not answer for: its driver figure is unknown
+        for sd in table.values():
+            if sd.device in errors:
+                sd.driver = sd.sm_nvml = None
+        return Snapshot(now, ok, note, errors, table, rows, slots, problems)
+
+    def _groups(self, by_identity):
+        """{("cgroup", path) | ("pid_ns", inode): {slice}} over processes attributed by the
+        kernel that live in a container (their own mount or pid namespace)."""
+        groups = collections.defaultdict(set)
+        for t in self.tracked.values():
+            if not t.visible:
+                continue
+            names = set(t.usage or ()) | ({by_identity[t.identity]} if t.identity in by_identity else set())
+            if len(names) != 1:
+                continue
+            contained = t.mnt_ns != self.my_mnt_ns or t.pid_ns != self.my_pid_ns
+            if not contained:
+                continue
+            if t.cgroup and t.cgroup != "/":
+                groups[("cgroup", t.cgroup)] |= names
+            if t.pid_ns and t.pid_ns != self.my_pid_ns:
+                groups[("pid_ns", t.pid_ns)] |= names
+        return groups
+
+    def _attribute(self, t, by_identity, pods, groups) -> Attribution:
+        if t is None or not t.visible:
+            return Attribution(state="unknown", note="not visible from here (another pid namespace?)")
+        if t.usage and len(t.usage) > 1:
+            return Attribution(state="ambiguous", note="maps the usage files of several slices",
+                               candidates=tuple(sorted(t.usage)))
+        if t.usage:
+            (name,) = t.usage
+            ident = by_identity.get(t.identity)
+            note = f"its container was given slice {ident}" if ident and ident != name else None
+            return Attribution(name, "usage-file", "sliced", note)
+        if t.identity in by_identity:
+            return Attribution(by_identity[t.identity], "identity-file", "sliced")
+        if t.cgroup:
+            hits = {name for uid, name in pods.items() if uid in t.cgroup or uid.replace("-", "_") in t.cgroup}
+            if len(hits) == 1:
+                return Attribution(hits.pop(), "pod", "sliced")
+            if len(hits) > 1:
+                return Attribution(state="ambiguous", note="its cgroup names pods of several slices",
+                                   candidates=tuple(sorted(hits)))
+        for key, method in ((("cgroup", t.cgroup), "cgroup"), (("pid_ns", t.pid_ns), "pid-namespace")):
+            names = groups.get(key)
+            if names and len(names) == 1:
+                return Attribution(next(iter(names)), method, "sliced")
+            if names:
+                return Attribution(state="ambiguous", note=f"its {method} holds processes of several slices",
+                                   candidates=tuple(sorted(names)))
+        if not t.maps_ok:
+            return Attribution(state="unknown", note="its memory maps cannot be read here (CAP_SYS_PTRACE?)")
+        return Attribution(state="unsliced")
+
+    def close(self):
+        for t in self.tracked.values():
+            t.close()
+        self.tracked.clear()
+
+
+# === judging ===
+
+@dataclass
+class Violation:
+    kind: str
+    key: tuple               # what it is about: (slice, device) or ("", host pid, start)
+    container: str
+    device: int
+    since: float             # monotonic time the condition was first seen
+    started: float = None    # when it became a violation (after the grace period / window)
+    detail: dict = field(default_factory=dict)
+    offenders: list = field(default_factory=list)   # [(host pid, start ticks)]
+    action: str = "report"
+    acted: bool = False
+    wall: float = None
+
+    def to_json(self):
+        return {"kind": self.kind, "container": self.container or None, "device": self.device,
+                "since": round(self.wall, 3) if self.wall else None, "action": self.action,
+                "offenders": [p for p, _ in self.offenders], **self.detail}
+
+
+def _utc(t=None):
+    t = time.time() if t is None else t
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+class Judge:
+    """Conditions seen in snapshots become violations when they last: memory and
+    unsliced ones for the grace period, compute ones on average over the window."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.pending = {}        # (kind, key) -> Violation (condition seen, not yet a violation)
+        self.active = {}         # (kind, key) -> Violation
+        self.compute = collections.defaultdict(collections.deque)   # (slice, device) -> [(t, nvml, charged)]
+        self._gpu = {}           # (slice, device) -> (t, gpu_time_ns)
+        self.counts = collections.Counter()   # (container, kind) -> violations started
+
+    def conditions(self, snap: Snapshot) -> dict:
+        """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
+        st = self.settings
+        out = {}
+        for (name, d), sd in snap.slices.items():
+            charged = None
+            prev = self._gpu.get((name, d))
+            if prev and snap.t > prev[0]:
+                charged = max(0, sd.gpu_time_ns - prev[1]) / ((snap.t - prev[0]) * 1e9) * SHARE_FULL
+            self._gpu[(name, d)] = (snap.t, sd.gpu_time_ns)
+            if sd.driver is not None:
+                gap = sd.driver - sd.memory_current
+                detail = {"memory_driver": sd.driver, "memory_current": sd.memory_current,
+                          "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
+                          "tolerance": sd.tolerance, "gap": gap}
+                threshold = st.tolerance + st.process_overhead
+                offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and p.gap is not None
+                             and p.gap > threshold]
+                if gap > sd.tolerance:
+                    out[("gap", (name, d))] = (name, d, detail, offenders)
+                    if sd.memory_max != UNLIMITED and sd.driver > sd.memory_max + sd.tolerance:
+                        out[("over-cap", (name, d))] = (name, d, detail, offenders)
+            ring = self.compute[(name, d)]
+            if sd.sm_nvml is not None and sd.sm_max < SHARE_FULL and charged is not None:
+                ring.append((snap.t, sd.sm_nvml, charged))
+                while ring and snap.t - ring[0][0] > st.window:
+                    ring.popleft()
+                if len(ring) >= 2 and ring[-1][0] - ring[0][0] >= st.window * 0.9:
+                    nv = sum(x[1] for x in ring) / len(ring)
+                    ch = sum(x[2] for x in ring) / len(ring)
+                    if nv - sd.sm_max > st.compute_margin and nv - ch > st.compute_margin:
+                        busy = [p for p in sd.processes if p.util and p.attribution.certain]
+                        unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
+                        out[("compute", (name, d))] = (name, d, {"sm_max": sd.sm_max, "sm_nvml": round(nv),
+                                                                 "sm_charged": round(ch), "window_s": st.window},
+                                                       [(p.host_pid, p) for p in unpaced])
+            else:
+                ring.clear()
+        for key in set(self.compute) - set(snap.slices):
+            del self.compute[key]
+            self._gpu.pop(key, None)
+        if st.require_slices:
+            for p in snap.processes:
+                if p.attribution.state == "unsliced":
+                    key = ("", p.host_pid, p.device)
+                    out[("unsliced", key)] = ("", p.device, {"host_pid": p.host_pid, "memory_driver": p.driver,
+                                                             "comm": p.comm}, [(p.host_pid, p)])
+        return out
+
+    def update(self, snap: Snapshot, observer, held=lambda key: False) -> tuple:
+        """(started, ended): violations that began and ended with this snapshot.  A held
+        one (`stop`: its condition is gone because the agent holds it) stays active."""
+        now = snap.t
+        seen = self.conditions(snap)
+        started, ended = [], []
+        for k, (name, d, detail, offenders) in seen.items():
+            kind = k[0]
+            v = self.active.get(k) or self.pending.get(k)
+            if v is None:
+                v = self.pending[k] = Violation(kind, k[1], name, d, now, wall=time.time())
+            v.detail = detail
+            v.offenders = [(pid, observer.tracked[pid].start) for pid, _ in offenders
+                           if pid in observer.tracked and observer.tracked[pid].visible]
+            if k in self.pending:
+                due = now - v.since >= (0 if kind == "compute" else self.settings.grace)
+                if due:
+                    del self.pending[k]
+                    v.started = now
+                    v.action = self.settings.action(kind)
+                    self.active[k] = v
+                    self.counts[(name, kind)] += 1
+                    started.append(v)
+        for k in list(self.pending):
+            if k not in seen:
+                del self.pending[k]
+        for k in list(self.active):
+            if k not in seen and not held(k):
+                ended.append(self.active.pop(k))
+        return started, ended
+
+
+# === acting ===
+
+def _signal(pidfd, sig):
+    signal.pidfd_send_signal(pidfd, sig)
+
+
+class Holder(threading.Thread):
+    """`stop`: duty-cycles compute hogs from outside, SIGSTOP/SIGCONT, to their share.
+    Every PERIOD each held group runs for duty x PERIOD and is stopped for the rest; the
+    agent moves each duty every interval toward the share NVML measures.  Processes are
+    always continued when released and when the agent stops."""
+    PERIOD = 0.1
+    GAIN = 0.8
+
+    def __init__(self, log):
+        super().__init__(name="vgpu-holder", daemon=True)
+        self.log = log
+        self.groups = {}         # key -> {"pidfds": {pid: (pidfd, start)}, "duty", "target", "full_since"}
+        self.lock = threading.Lock()
+        self.halt = threading.Event()
+
+    def hold(self, key, procs, target, measured):
+        """Hold `procs` [(pid, start)] to `target` (1/100 percent of the GPU)."""
+        with self.lock:
+            g = self.groups.get(key)
+            if g is None:
+                g = self.groups[key] = {"pidfds": {}, "duty": max(0.05, min(1.0, target / max(measured, 1))),
+                                        "target": target, "full_since": None}
+            for pid, start in procs:
+                if pid in g["pidfds"]:
+                    continue
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue
+                if procfs.start_ticks(pid) != start:
+                    os.close(fd)
+                    continue
+                g["pidfds"][pid] = (fd, start)
+            g["target"] = target
+
+    def steer(self, key, measured, now):
+        """Move a group's duty toward its target from its share NVML measured; True while
+        it still needs holding (released after a whole window at full duty)."""
+        with self.lock:
+            g = self.groups.get(key)
+            if g is None:
+                return False
+            err = (g["target"] - measured) / SHARE_FULL
+            g["duty"] = min(1.0, max(0.02, g["duty"] + self.GAIN * err))
+            g["full_since"] = (g["full_since"] or now) if g["duty"] >= 1.0 else None
+            return True
+
+    def held_pids(self):
+        with self.lock:
+            return [(pid, start) for g in self.groups.values() for pid, (_, start) in g["pidfds"].items()]
+
+    def release(self, key):
+        with self.lock:
+            g = self.groups.pop(key, None)
+        if g:
+            for pid, (fd, _) in g["pidfds"].items():
+                try:
+                    _signal(fd, signal.SIGCONT)
+                except OSError:
+                    pass
+                os.close(fd)
+
+    def release_all(self):
+        for key in list(self.groups):
+            self.release(key)
+
+    def run(self):
+        while not self.halt.is_set():
+            t0 = time.monotonic()
+            with self.lock:
+                plan = sorted((g["duty"], list(g["pidfds"].values())) for g in self.groups.values())
+            if not plan:
+                self.halt.wait(self.PERIOD)
+                continue
+            for _, fds in plan:
+                for fd, _ in fds:
+                    try:
+                        _signal(fd, signal.SIGCONT)
+                    except OSError:
+                        pass
+            for duty, fds in plan:
+                if duty >= 1.0:
+                    continue
+                self.halt.wait(max(0.0, t0 + duty * self.PERIOD - time.monotonic()))
+                for fd, _ in fds:
+                    try:
+                        _signal(fd, signal.SIGSTOP)
+                    except OSError:
+                        pass
+            self.halt.wait(max(0.0, t0 + self.PERIOD - time.monotonic()))
+        self.release_all()
+
+
+# === the agent ===
+
+class Agent:
+    """The node agent: observe, reap, judge, act, every interval; a dead process's slot
+    is reaped as soon as its pidfd says it ended."""
+
+    def __init__(self, directory=None, settings=None, interval=1.0, use_nvml=True, log=None, autoscaler=None,
+                 nvml_module=None, pod_uids=None, on_violation=None, reap=True):
+        from .autoscale import NodeReader
+        self.directory = slices.node_dir(directory)
+        self.settings = settings or Settings()
+        self.interval = interval
+        self.log_line = log or (lambda line: print(line, flush=True))
+        self.autoscaler = autoscaler
+        reader = autoscaler.reader if autoscaler is not None else NodeReader(self.directory)
+        self.observer = Observer(self.directory, reader, use_nvml, self.settings, nvml_module, pod_uids)
+        self.judge = Judge(self.settings)
+        self.holder = Holder(self.log)
+        self.on_violation = on_violation or (lambda v, record: None)
+        self.reap_enabled = reap
+        self.latest = None
+        self.iterations = 0
+        self.last_iteration_cpu_s = 0.0
+        self.reaped_total = 0
+        self.actions_total = collections.Counter()    # (kind, action) -> n
+        self._orphans_at = -1e9
+        self._orphan_seen = {}   # slice -> when its owner was first seen gone
+        self._state_at = -1e9
+        self._state_written = None
+        self._nvml_note = None
+        self._acted = set()      # (pid, start) already killed
+
+    def log(self, event, **fields):
+        rec = {"ts": _utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
+        self.log_line(json.dumps(rec, separators=(",", ":")))
+
+    # --- one iteration ---
+
+    def tick(self, now=None):
+        t0 = time.process_time()
+        now = time.monotonic() if now is None else now
+        snap = self.observer.observe(now)
+        if snap.nvml_ok != (self._nvml_note is None) or (not snap.nvml_ok and snap.nvml_note != self._nvml_note):
+            if snap.nvml_ok:
+                self.log("nvml", available=True)
+            else:
+                self.log("nvml", available=False, note=snap.nvml_note,
+                         effect="driver figures unknown: nothing judged against the driver, nothing acted on")
+            self._nvml_note = None if snap.nvml_ok else snap.nvml_note
+        if self.reap_enabled:
+            self._reap(snap)
+        started, ended = self.judge.update(snap, self.observer, held=lambda k: k in self.holder.groups)
+        for v in started:
+            self._started(v, snap)
+        for v in ended:
+            if v.action == "stop":
+                self.holder.release(("compute", v.key))
+            self.log("violation-end", kind=v.kind, container=v.container or None, device=v.device,
+                     lasted_s=round(now - v.started, 3))
+        self._steer(snap, now)
+        if now - self._orphans_at >= ORPHAN_S:
+            self._orphans_at = now
+            self._orphans(snap, now)
+        self.latest = snap
+        self.iterations += 1
+        self._write_state(now)
+        if self.autoscaler is not None:
+            self.autoscaler.tick(now)
+        self.last_iteration_cpu_s = time.process_time() - t0
+        return snap
+
+    def _reap(self, snap, names=None):
+        for name, ss in snap.slots.items():
+            if names is not None and name not in names:
+                continue
+            if any(not s.alive for s in ss):
+                self.reap(name)
+
+    def reap(self, name):
+        try:
+            for rec in slices.reap_slice(self.directory, name):
+                self.reaped_total += 1
+                self.log("reaped", container=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
+                         memory=rec["memory"])
+        except slices.NotFound:
+            pass
+        except (slices.VgpuError, OSError) as e:
+            self.log("error", container=name, error=f"reap: {e}")
+
+    def _started(self, v, snap):
+        record = {"kind": v.kind, "container": v.container or None, "device": v.device, "action": v.action,
+                  **v.detail, "offenders": [pid for pid, _ in v.offenders],
+                  "processes": [p.to_json() for p in (snap.slices[v.key].processes if v.key in snap.slices else [])]}
+        self.log("violation", **record)
+        self.on_violation(v, record)
+        if v.action == "kill":
+            self._kill(v)
+        elif v.action == "stop":
+            sd = snap.slices.get(v.key)
+            if sd is not None and v.offenders:
+                self.holder.hold(("compute", v.key), v.offenders, sd.sm_max, sd.sm_nvml or 0)
+                if not self.holder.is_alive():
+                    self.holder.start()
+                for pid, _ in v.offenders:
+                    self.actions_total[(v.kind, "stop")] += 1
+                    self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device, pid=pid,
+                             result="held to its share with SIGSTOP/SIGCONT", target=sd.sm_max)
+            else:
+                self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device,
+                         result="no process the agent is sure of: reported only")
+
+    def _kill(self, v):
+        if not v.offenders:
+            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device,
+                     result="no process the agent is sure of: reported only")
+            return
+        for pid, start in v.offenders:
+            if (pid, start) in self._acted:
+                continue
+            result = self._kill_one(v, pid, start)
+            self._acted.add((pid, start))
+            self.actions_total[(v.kind, "kill")] += result == "killed"
+            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
+                     result=result)
+
+    def _kill_one(self, v, pid, start):
+        """SIGKILL through a pidfd, after checking once more that it is the same process and
+        still where the agent put it."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return "gone"
+        try:
+            if procfs.start_ticks(pid) != start:
+                return "gone (its pid is another process now): not killed"
+            t = Tracked(pid)
+            try:
+                obs = self.observer
+                by_usage = {f.usage_inode: name for name, f in obs.files.items() if f.usage_inode}
+                by_identity = {f.identity_inode: name for name, f in obs.files.items() if f.identity_inode}
+                if t.visible:
+                    obs._usage_of(t, by_usage, time.monotonic())
+                a = obs._attribute(t, by_identity, {}, obs._groups(by_identity))
+            finally:
+                t.close()
+            wanted = ("unsliced",) if v.kind == "unsliced" else ("sliced",)
+            if a.state not in wanted or (v.kind != "unsliced" and a.slice != v.container):
+                return f"not killed: no longer attributed with certainty ({a.state})"
+            _signal(fd, signal.SIGKILL)
+            return "killed"
+        except OSError as e:
+            return f"not killed: {e.strerror or e}"
+        finally:
+            os.close(fd)
+
+    def _steer(self, snap, now):
+        for key in list(self.holder.groups):
+            _, sk = key
+            sd = snap.slices.get(sk)
+            if sd is None or sd.sm_nvml is None:
+                continue
+            g = self.holder.groups.get(key)
+            held = {pid for pid in g["pidfds"]} if g else set()
+            measured = sum(p.util * 100 for p in sd.processes if p.host_pid in held)
+            others = sum(p.util * 100 for p in sd.processes if p.host_pid not in held)
+            g["target"] = max(100, sd.sm_max - others)
+            self.holder.steer(key, measured, now)
+            if g["full_since"] is not None and now - g["full_since"] >= self.settings.window:
+                self.holder.release(key)
+                self.judge.active.pop(key, None)
+                self.log("violation-end", kind="compute", container=sk[0], device=sk[1],
+                         note="released: within its share without being held for a whole window")
+            elif all(procfs.start_ticks(pid) != start for pid, (_, start) in g["pidfds"].items()):
+                self.holder.release(key)
+                self.judge.active.pop(key, None)
+                self.log("violation-end", kind="compute", container=sk[0], device=sk[1],
+                         note="released: the held processes ended")
+
+    # --- orphans ---
+
+    def _orphans(self, snap, now):
+        views = self.observer.reader.views
+        attributed = {p.attribution.slice for p in snap.processes if p.attribution.slice}
+        for name, v in list(views.items()):
+            owner = v.quota.temporary
+            if owner is None:
+                continue
+            if owner.pid_ns != self.observer.my_pid_ns:
+                continue         # made in another pid namespace: its owner cannot be judged from here
+            if procfs.same_process(owner.pid, owner.start_ticks):
+                self._orphan_seen.pop(name, None)
+                continue
+            if any(s.alive for s in snap.slots.get(name, [])) or name in attributed:
+                continue         # its command still runs: when it ends
+            first = self._orphan_seen.setdefault(name, now)
+            if now - first < ORPHAN_S:
+                continue         # `run` may be deleting it itself right now
+            try:
+                slices.delete(self.directory, name)
+                self.log("orphan-removed", container=name, owner_pid=owner.pid,
+                         reason="temporary slice of vgpu-ctl run whose owner is gone, with no process left")
+            except slices.NotFound:
+                pass
+            except (slices.VgpuError, OSError) as e:
+                self.log("error", container=name, error=f"orphan not removed: {e}")
+            self._orphan_seen.pop(name, None)
+
+    # --- state for status ---
+
+    def state(self):
+        return {"version": 1, "pid": os.getpid(), "pid_start": procfs.start_ticks(os.getpid()),
+                "updated": round(time.time(), 3), "interval_s": self.interval, "settings": self.settings.to_json(),
+                "violations": [v.to_json() for v in self.judge.active.values()],
+                "held": [{"pid": p, "start_ticks": s} for p, s in self.holder.held_pids()],
+                "violations_total": [{"container": c or None, "kind": k, "count": n}
+                                     for (c, k), n in sorted(self.judge.counts.items())]}
+
+    def _write_state(self, now, force=False):
+        state = self.state()
+        changed = {k: v for k, v in state.items() if k != "updated"} != self._state_written
+        if not (force or changed or now - self._state_at >= max(2.0, self.interval * 2)):
+            return
+        self._state_at = now
+        self._state_written = {k: v for k, v in state.items() if k != "updated"}
+        write_state(self.directory, state)
+
+    # --- looping ---
+
+    def resume_held(self):
+        """Continue processes a previous agent held when it ended without releasing them."""
+        old = read_state(self.directory)
+        for h in (old or {}).get("held", []):
+            if procfs.same_process(h.get("pid"), h.get("start_ticks")):
+                try:
+                    fd = os.pidfd_open(h["pid"])
+                    try:
+                        _signal(fd, signal.SIGCONT)
+                    finally:
+                        os.close(fd)
+                    self.log("action", action="continue", pid=h["pid"], result="held by a previous agent: continued")
+                except OSError:
+                    pass
+
+    def run(self, stop=None):
+        stop = stop or threading.Event()
+        self.resume_held()
+        self.log("start", dir=self.directory, interval_s=self.interval, settings=self.settings.to_json(),
+                 autoscale=self.autoscaler is not None)
+        next_at = time.monotonic()
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= next_at:
+                    try:
+                        self.tick(now)
+                    except Exception as e:    # one bad moment must not end the node's agent
+                        self.log("error", error=f"{type(e).__name__}: {e}")
+                    next_at += self.interval
+                    if next_at < now:
+                        next_at = now + self.interval
+                self._wait(stop, next_at)
+        finally:
+            self.holder.halt.set()
+            self.holder.release_all()
+            self.log("stopped")
+            try:
+                self._write_state(time.monotonic(), force=True)
+            except OSError:
+                pass
+
+    def _wait(self, stop, until):
+        """Sleep until `until`, waking at once when a tracked process ends (its slice is
+        reaped then) or `stop` is set."""
+        while not stop.is_set():
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            fds = self.observer.pidfds()
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            events = poller.poll(min(left, 0.2) * 1000)
+            if not events:
+                continue
+            names = set()
+            with self.observer.lock:
+                for t in self.observer.forget_ended():
+                    names |= set(t.usage or ())
+            for name in sorted(names):
+                self.reap(name)
+
+
+# === the state file (status reads what the agent judged) ===
+
+def _state_path(directory):
+    return os.path.join(slices.node_dir(directory), STATE_FILE)
+
+
+def write_state(directory, state):
+    """Rewrite the agent's state in place (not by rename: the node directory's mtime, which
+    readers watch for new slices, stays put), under an exclusive flock."""
+    data = (json.dumps(state, separators=(",", ":")) + "\n").encode()
+    fd = os.open(_state_path(directory), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def read_state(directory):
+    """The agent's last state, or None without one (or a broken one)."""
+    try:
+        fd = os.open(_state_path(directory), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        data = os.read(fd, 1 << 22)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        state = json.loads(data)
+    except ValueError:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def agent_running(state, now=None) -> bool:
+    """Is the agent that wrote `state` alive and current?"""
+    if not state:
+        return False
+    now = time.time() if now is None else now
+    fresh = now - state.get("updated", 0) <= max(5.0, 3 * state.get("interval_s", 1.0))
+    return fresh and procfs.same_process(state.get("pid"), state.get("pid_start"))
+
+
+# === for status ===
+
+def annotate(data: dict, use_nvml=True):
+    """Add the driver's view to `vgpu-ctl status`'s data: per container device
+    memory_driver, per process how it was attributed; unsliced and unknown GPU processes;
+    and the agent's violations (when an agent runs)."""
+    obs = Observer(data["dir"], use_nvml=use_nvml and data["nvml"]["available"])
+    try:
+        snap = obs.observe()
+    finally:
+        obs.close()
+    for c in data["containers"]:
+        for cd in c["devices"]:
+            sd = snap.slices.get((c["name"], cd["index"]))
+            cd["memory_driver"] = sd.driver if sd is not None else None
+            cd["driver_processes"] = [p.host_pid for p in sd.processes] if sd is not None else []
+    procs = [p.to_json() | {"command": procfs.cmdline(p.host_pid) or p.comm}
+             for p in snap.processes if p.attribution.state != "sliced"]
+    data["unsliced"] = [p for p in procs if p["state"] in ("unsliced", "ambiguous")]
+    data["unknown"] = [p for p in procs if p["state"] == "unknown"]
+    state = read_state(data["dir"])
+    running = agent_running(state)
+    data["agent"] = {"running": running, "pid": state.get("pid") if running else None}
+    data["violations"] = state.get("violations", []) if running else None
+    return data
+
+
+def describe_violation(v: dict) -> str:
+    what = {"over-cap": "holds more than its cap (driver)", "gap": "driver figure above the shim's",
+            "unsliced": "a GPU process in no slice", "compute": "SM share above sm.max, unpaced"}[v["kind"]]
+    parts = [what]
+    if v.get("memory_driver") is not None and v["kind"] in ("over-cap", "gap"):
+        parts.append(f"driver {format_memory(v['memory_driver'])}, shim {format_memory(v['memory_current'])}"
+                     + (f", cap {format_memory(v['memory_max'])}" if v.get("memory_max") is not None else ""))
+    if v["kind"] == "compute":
+        parts.append(f"NVML {v['sm_nvml'] / 100:.0f}% vs sm.max {v['sm_max'] / 100:.0f}%")
+    if v.get("offenders"):
+        parts.append("pid " + ", ".join(map(str, v["offenders"])))
+    parts.append(f"action {v['action']}")
+    return "; ".join(parts)
+
