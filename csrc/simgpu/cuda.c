@@ -23,6 +23,7 @@
 #include "cuda_abi.h"
 #include "abi_resolve.h"
 #include "footprint.h"
+#include "simgpu/image.h"
 #include "simgpu/node.h"
 
 #include <errno.h>
@@ -41,7 +42,7 @@
  * (in range, slot aligned, right kind, alive) without ever dereferencing a wild pointer. */
 
 enum kind { K_FREE = 0, K_CTX, K_STREAM, K_EVENT, K_MODULE, K_FUNCTION, K_LIBRARY, K_POOL,
-            K_ARRAY, K_GRAPH, K_GRAPH_NODE, K_GRAPH_EXEC, K_VMM };
+            K_ARRAY, K_GRAPH, K_GRAPH_NODE, K_GRAPH_EXEC, K_VMM, K_LINK };
 
 #define ARENA_SLOT 256
 #define ARENA_SLOTS 65536
@@ -83,12 +84,28 @@ struct vgpu_function {
     struct hdr h;
     uint64_t us_per_wave;
     struct vgpu_function *next;   /* module's list */
-    char name[160];
+    struct vgpu_module *module;
+    char *name;
+    struct simgpu_kernel info;    /* what the image says (name not owned) */
+    int max_dynamic_shared;       /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
+    int carveout;                 /* CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; -1 default */
+    int cluster[3];               /* REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH */
+    int non_portable_cluster, cluster_policy, cache_config;
 };
 
 struct vgpu_module {
     struct hdr h;
     struct vgpu_function *functions;
+    struct simgpu_image image;
+};
+
+struct vgpu_link {                /* a pending cuLink* invocation */
+    struct hdr h;
+    struct simgpu_image image;    /* the inputs' kernels so far */
+    void *options;                /* struct jit_log, kept for the link's life */
+    void *cubin;                  /* cuLinkComplete's result, owned by the state */
+    size_t cubin_size;
+    int inputs;
 };
 struct vgpu_library {
     struct hdr h;
@@ -151,6 +168,8 @@ struct vgpu_vmm {               /* a cuMemCreate allocation */
 _Static_assert(sizeof(struct vgpu_ctx) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_stream) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_function) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_module) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_link) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_mempool) <= ARENA_SLOT, "arena slot");
 
 static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -391,6 +410,11 @@ SIMGPU_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevic
     return CUDA_SUCCESS;
 }
 
+/* Limits are the simulated board's (node.c says where each comes from; texture and
+ * surface limits are those of compute capability 8.x and 9.0 in the CUDA C++ Programming
+ * Guide).  Capabilities are what simgpu implements: a feature it does not simulate (IPC,
+ * stream memory operations, peer access, multicast, ...) reads 0, so a program that asks
+ * does not go on to use it. */
 SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
 {
     REQUIRE_INIT();
@@ -399,48 +423,107 @@ SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
     const struct simgpu_profile *p = simgpu_profile();
+    int hopper = p->cc_major >= 9;
     int v;
     switch (attrib) {
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
-    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_PITCH: v = 2147483647; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = p->clock_khz; break;
-    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: v = 512; break;
-    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = p->sm_count; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = 0x10 + dev; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: v = 0; break;
-    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = p->mem_clock_khz; break;
-    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = p->bus_width; break;
-    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = p->l2_bytes; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = p->cc_major >= 9 ? 2048 : 1536; break;
-    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 2; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = p->cc_major; break;
-    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = p->cc_minor; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: v = 228 * 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: v = 227 * 1024; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: v = 65536; break;
-    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: v = 32; break;
-    case CU_DEVICE_ATTRIBUTE_GPU_OVERLAP:
-    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
-    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
-    case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED:
-    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
-    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS:
-    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
-    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
-    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: v = 1; break;
-    default: v = 0; break;   /* features simgpu does not simulate */
+    case 1: v = 1024; break;                       /* MAX_THREADS_PER_BLOCK */
+    case 2: case 3: v = 1024; break;               /* MAX_BLOCK_DIM_X, _Y */
+    case 4: v = 64; break;                         /* MAX_BLOCK_DIM_Z */
+    case 5: v = 2147483647; break;                 /* MAX_GRID_DIM_X */
+    case 6: case 7: v = 65535; break;              /* MAX_GRID_DIM_Y, _Z */
+    case 8: v = 49152; break;                      /* MAX_SHARED_MEMORY_PER_BLOCK */
+    case 9: v = 65536; break;                      /* TOTAL_CONSTANT_MEMORY */
+    case 10: v = 32; break;                        /* WARP_SIZE */
+    case 11: v = 2147483647; break;                /* MAX_PITCH */
+    case 12: v = 65536; break;                     /* MAX_REGISTERS_PER_BLOCK */
+    case 13: v = p->clock_khz; break;              /* CLOCK_RATE */
+    case 14: v = 512; break;                       /* TEXTURE_ALIGNMENT */
+    case 15: v = 1; break;                         /* GPU_OVERLAP */
+    case 16: v = p->sm_count; break;               /* MULTIPROCESSOR_COUNT */
+    case 17: v = 0; break;                         /* KERNEL_EXEC_TIMEOUT: no display watchdog */
+    case 18: v = 0; break;                         /* INTEGRATED */
+    case 19: v = 1; break;                         /* CAN_MAP_HOST_MEMORY */
+    case 20: v = 0; break;                         /* COMPUTE_MODE: default */
+    case 21: v = 131072; break;                    /* MAXIMUM_TEXTURE1D_WIDTH */
+    case 22: v = 131072; break;                    /* MAXIMUM_TEXTURE2D_WIDTH */
+    case 23: v = 65536; break;                     /* MAXIMUM_TEXTURE2D_HEIGHT */
+    case 24: case 25: case 26: v = 16384; break;   /* MAXIMUM_TEXTURE3D_WIDTH/HEIGHT/DEPTH */
+    case 27: case 28: v = 32768; break;            /* MAXIMUM_TEXTURE2D_LAYERED_WIDTH/HEIGHT */
+    case 29: v = 2048; break;                      /* MAXIMUM_TEXTURE2D_LAYERED_LAYERS */
+    case 30: v = 512; break;                       /* SURFACE_ALIGNMENT */
+    case 31: v = 1; break;                         /* CONCURRENT_KERNELS */
+    case 32: v = 1; break;                         /* ECC_ENABLED: all four boards run with ECC on */
+    case 33: v = 0x10 + dev; break;                /* PCI_BUS_ID (as cuDeviceGetPCIBusId) */
+    case 34: v = 0; break;                         /* PCI_DEVICE_ID (the slot) */
+    case 35: v = 0; break;                         /* TCC_DRIVER: Linux */
+    case 36: v = p->mem_clock_khz; break;          /* MEMORY_CLOCK_RATE */
+    case 37: v = p->bus_width; break;              /* GLOBAL_MEMORY_BUS_WIDTH */
+    case 38: v = p->l2_bytes; break;               /* L2_CACHE_SIZE */
+    case 39: v = p->threads_per_sm; break;         /* MAX_THREADS_PER_MULTIPROCESSOR */
+    case 40: v = p->copy_engines; break;           /* ASYNC_ENGINE_COUNT */
+    case 41: v = 1; break;                         /* UNIFIED_ADDRESSING */
+    case 42: v = 32768; break;                     /* MAXIMUM_TEXTURE1D_LAYERED_WIDTH */
+    case 43: v = 2048; break;                      /* MAXIMUM_TEXTURE1D_LAYERED_LAYERS */
+    case 44: v = 0; break;                         /* CAN_TEX2D_GATHER (deprecated) */
+    case 45: case 46: v = 32768; break;            /* MAXIMUM_TEXTURE2D_GATHER_WIDTH/HEIGHT */
+    case 47: case 48: v = 8192; break;             /* MAXIMUM_TEXTURE3D_WIDTH/HEIGHT_ALTERNATE */
+    case 49: v = 32768; break;                     /* MAXIMUM_TEXTURE3D_DEPTH_ALTERNATE */
+    case 50: v = 0; break;                         /* PCI_DOMAIN_ID */
+    case 51: v = 32; break;                        /* TEXTURE_PITCH_ALIGNMENT */
+    case 52: v = 32768; break;                     /* MAXIMUM_TEXTURECUBEMAP_WIDTH */
+    case 53: v = 32768; break;                     /* MAXIMUM_TEXTURECUBEMAP_LAYERED_WIDTH */
+    case 54: v = 2046; break;                      /* MAXIMUM_TEXTURECUBEMAP_LAYERED_LAYERS */
+    case 55: v = 32768; break;                     /* MAXIMUM_SURFACE1D_WIDTH */
+    case 56: v = 131072; break;                    /* MAXIMUM_SURFACE2D_WIDTH */
+    case 57: v = 65536; break;                     /* MAXIMUM_SURFACE2D_HEIGHT */
+    case 58: case 59: case 60: v = 16384; break;   /* MAXIMUM_SURFACE3D_WIDTH/HEIGHT/DEPTH */
+    case 61: v = 32768; break;                     /* MAXIMUM_SURFACE1D_LAYERED_WIDTH */
+    case 62: v = 2048; break;                      /* MAXIMUM_SURFACE1D_LAYERED_LAYERS */
+    case 63: case 64: v = 32768; break;            /* MAXIMUM_SURFACE2D_LAYERED_WIDTH/HEIGHT */
+    case 65: v = 2048; break;                      /* MAXIMUM_SURFACE2D_LAYERED_LAYERS */
+    case 66: case 67: v = 32768; break;            /* MAXIMUM_SURFACECUBEMAP(_LAYERED)_WIDTH */
+    case 68: v = 2046; break;                      /* MAXIMUM_SURFACECUBEMAP_LAYERED_LAYERS */
+    case 69: v = 268435456; break;                 /* MAXIMUM_TEXTURE1D_LINEAR_WIDTH (deprecated) */
+    case 70: v = 131072; break;                    /* MAXIMUM_TEXTURE2D_LINEAR_WIDTH */
+    case 71: v = 65000; break;                     /* MAXIMUM_TEXTURE2D_LINEAR_HEIGHT */
+    case 72: v = 2097120; break;                   /* MAXIMUM_TEXTURE2D_LINEAR_PITCH */
+    case 73: case 74: v = 32768; break;            /* MAXIMUM_TEXTURE2D_MIPMAPPED_WIDTH/HEIGHT */
+    case 75: v = p->cc_major; break;               /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: v = p->cc_minor; break;               /* COMPUTE_CAPABILITY_MINOR */
+    case 77: v = 32768; break;                     /* MAXIMUM_TEXTURE1D_MIPMAPPED_WIDTH */
+    case 78: v = 1; break;                         /* STREAM_PRIORITIES_SUPPORTED */
+    case 79: case 80: v = 1; break;                /* GLOBAL_L1_CACHE_SUPPORTED, LOCAL_L1_CACHE_SUPPORTED */
+    case 81: v = p->smem_per_sm; break;            /* MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
+    case 82: v = 65536; break;                     /* MAX_REGISTERS_PER_MULTIPROCESSOR */
+    case 83: v = 1; break;                         /* MANAGED_MEMORY */
+    case 84: v = 0; break;                         /* MULTI_GPU_BOARD */
+    case 85: v = dev; break;                       /* MULTI_GPU_BOARD_GROUP_ID */
+    case 86: v = 0; break;                         /* HOST_NATIVE_ATOMIC_SUPPORTED: PCIe */
+    case 87: v = p->fp32_per_fp64; break;          /* SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO */
+    case 88: v = 0; break;                         /* PAGEABLE_MEMORY_ACCESS */
+    case 89: v = 1; break;                         /* CONCURRENT_MANAGED_ACCESS */
+    case 90: v = 1; break;                         /* COMPUTE_PREEMPTION_SUPPORTED */
+    case 91: v = 1; break;                         /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM */
+    case 95: v = 1; break;                         /* COOPERATIVE_LAUNCH */
+    case 97: v = p->smem_per_block_optin; break;   /* MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
+    case 99: v = 0; break;                         /* HOST_REGISTER_SUPPORTED: not simulated */
+    case 102: v = 1; break;                        /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    case 103: v = 0; break;                        /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: no IPC */
+    case 106: v = p->blocks_per_sm; break;         /* MAX_BLOCKS_PER_MULTIPROCESSOR */
+    case 108: v = p->l2_bytes / 4 * 3; break;      /* MAX_PERSISTING_L2_CACHE_SIZE: 3/4 of L2 (model) */
+    case 109: v = 134213632; break;                /* MAX_ACCESS_POLICY_WINDOW_SIZE */
+    case 111: v = 1024; break;                     /* RESERVED_SHARED_MEMORY_PER_BLOCK */
+    case 115: v = 1; break;                        /* MEMORY_POOLS_SUPPORTED */
+    case 120: v = hopper; break;                   /* CLUSTER_LAUNCH */
+    case 126: v = hopper ? 4 : 1; break;           /* MEM_SYNC_DOMAIN_COUNT */
+    case 130: v = 0; break;                        /* NUMA_CONFIG: none */
+    case 131: v = -1; break;                       /* NUMA_ID */
+    case 134: v = 0; break;                        /* HOST_NUMA_ID: host node 0 */
+    case 139: v = (int)(p->pci_device << 16 | 0x10DE); break;      /* GPU_PCI_DEVICE_ID */
+    case 140: v = (int)(p->pci_subsystem << 16 | 0x10DE); break;   /* GPU_PCI_SUBSYSTEM_ID */
+    case 141: case 142: v = 1; break;              /* HOST_NUMA_ VMM / MEMORY_POOLS: simgpu takes node 0 */
+    case 144: case 145: v = 1; break;              /* HOST_MEMORY_POOLS, HOST_VIRTUAL_MEMORY_MANAGEMENT */
+    default: v = 0; break;                         /* features simgpu does not simulate */
     }
     *pi = v;
     return CUDA_SUCCESS;
@@ -469,12 +552,16 @@ static const struct { CUresult code; const char *name, *text; } errors[] = {
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU", "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_UNSUPPORTED_PTX_VERSION, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "the provided PTX was compiled with an unsupported toolchain."},
     {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
     {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
@@ -794,6 +881,20 @@ SIMGPU_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
     if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
     *device = c->dev;
+    return CUDA_SUCCESS;
+}
+
+/* CUDA 13.0's forms: the context is named (NULL: the current one). */
+SIMGPU_EXPORT CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
+{
+    REQUIRE_INIT();
+    if (!ctx)
+        return cuCtxGetDevice(device);
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(ctx, K_CTX) || !ctx->active)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = ctx->dev;
     return CUDA_SUCCESS;
 }
 
@@ -1690,6 +1791,116 @@ static void forget_allocations(void)
     handles_drop(K_VMM, NULL, NULL, close_vmm_fd);
 }
 
+/* === pointers (cuPointerGetAttribute[s]) ===
+ * What the driver says about an address: the allocation that holds it (device, managed,
+ * pool, graph, page-locked host memory) or the cuMemMap mapping over a reservation.  An
+ * address simgpu did not hand out is CUDA_ERROR_INVALID_VALUE for cuPointerGetAttribute
+ * (Triton relies on that to refuse host tensors) and default values for
+ * cuPointerGetAttributes, as documented. */
+
+struct ptr_info {
+    int known;
+    struct alloc a;
+    uint64_t map_base, map_size;   /* VMM: the mapping */
+};
+
+static struct ptr_info ptr_info(CUdeviceptr ptr)
+{
+    struct ptr_info pi = {0};
+    if (!alloc_find(ptr, 1, &pi.a))
+        return pi;
+    if (pi.a.kind == A_RESERVED) {   /* only a mapped part of a reservation is memory */
+        pthread_mutex_lock(&vmm_lock);
+        for (size_t i = 0; i < nvmm_maps; i++)
+            if (ptr >= vmm_maps[i].ptr && ptr - vmm_maps[i].ptr < vmm_maps[i].size) {
+                pi.known = 1;
+                pi.map_base = vmm_maps[i].ptr;
+                pi.map_size = vmm_maps[i].size;
+                pi.a.dev = vmm_maps[i].v->dev;
+            }
+        pthread_mutex_unlock(&vmm_lock);
+        return pi;
+    }
+    pi.known = 1;
+    return pi;
+}
+
+#define PUT(type, v) (*(type *)data = (type)(v))
+
+/* One attribute of a known pointer (pi.known), or of an unknown one's defaults. */
+static CUresult pointer_attribute(const struct ptr_info *pi, CUpointer_attribute attr, void *data, CUdeviceptr ptr)
+{
+    const struct alloc *a = &pi->a;
+    int host = pi->known && a->kind == A_HOST, vmm = pi->known && a->kind == A_RESERVED;
+    struct vgpu_ctx *ctx = !pi->known ? NULL : a->ctx ? a->ctx : a->dev >= 0 ? primary[a->dev] : NULL;
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT: PUT(CUcontext, vmm ? NULL : ctx); break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        PUT(unsigned int, !pi->known ? 0 : host ? CU_MEMORYTYPE_HOST : CU_MEMORYTYPE_DEVICE);
+        break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: PUT(CUdeviceptr, pi->known ? ptr : 0); break;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+        if (pi->known && !host && a->kind != A_MANAGED)
+            return CUDA_ERROR_INVALID_VALUE;   /* device memory has no host address */
+        PUT(void *, pi->known ? (void *)(uintptr_t)ptr : NULL);
+        break;
+    case CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: PUT(unsigned int, 0); break;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID:
+        PUT(unsigned long long, pi->known ? (vmm ? pi->map_base : a->base) : 0);
+        break;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: PUT(unsigned int, pi->known && a->kind == A_MANAGED); break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: PUT(int, pi->known ? (a->dev >= 0 ? a->dev : 0) : -2); break;
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: PUT(unsigned int, 0); break;   /* no IPC in simgpu */
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: PUT(CUdeviceptr, !pi->known ? 0 : vmm ? pi->map_base : a->base); break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: PUT(size_t, !pi->known ? 0 : vmm ? pi->map_size : a->size); break;
+    case CU_POINTER_ATTRIBUTE_MAPPED: PUT(unsigned int, pi->known); break;
+    case CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: PUT(unsigned long long, 0); break;
+    case CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: PUT(unsigned int, 0); break;
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: PUT(unsigned int, pi->known ? 3 : 0); break;   /* READWRITE */
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: PUT(CUmemoryPool, pi->known ? a->pool : NULL); break;
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE: PUT(size_t, !pi->known ? 0 : vmm ? pi->map_size : a->size); break;
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR:
+        PUT(void *, !pi->known ? NULL : (void *)(uintptr_t)(vmm ? pi->map_base : a->base));
+        break;
+    case CU_POINTER_ATTRIBUTE_IS_HW_DECOMPRESS_CAPABLE: PUT(unsigned int, 0); break;
+    case CU_POINTER_ATTRIBUTE_P2P_TOKENS: return CUDA_ERROR_NOT_SUPPORTED;   /* deprecated, no peers */
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+#undef PUT
+
+SIMGPU_EXPORT CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr)
+{
+    REQUIRE_INIT();
+    if (!data)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct ptr_info pi = ptr_info(ptr);
+    if (!pi.known)
+        return CUDA_ERROR_INVALID_VALUE;
+    return pointer_attribute(&pi, attribute, data, ptr);
+}
+
+SIMGPU_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes,
+                                              void **data, CUdeviceptr ptr)
+{
+    REQUIRE_INIT();
+    if (!attributes || !data)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct ptr_info pi = ptr_info(ptr);
+    for (unsigned i = 0; i < numAttributes; i++) {
+        if (!data[i])
+            return CUDA_ERROR_INVALID_VALUE;
+        CUresult r = pointer_attribute(&pi, attributes[i], data[i], ptr);
+        if (r == CUDA_ERROR_INVALID_VALUE && attributes[i] == CU_POINTER_ATTRIBUTE_HOST_POINTER)
+            *(void **)data[i] = NULL, r = CUDA_SUCCESS;   /* no host address: NULL, not an error */
+        if (r != CUDA_SUCCESS)
+            return r;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* === memory: arrays === */
 
 static CUresult array_new(CUarray *out, uint64_t size)
@@ -1977,6 +2188,18 @@ SIMGPU_EXPORT CUresult cuCtxSynchronize(void)
     return CUDA_SUCCESS;
 }
 
+SIMGPU_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    REQUIRE_INIT();
+    if (!ctx)
+        return cuCtxSynchronize();
+    if (!handle_ok(ctx, K_CTX) || !ctx->active)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    simgpu_sleep_until(__atomic_load_n(&ctx->last_end, __ATOMIC_ACQUIRE));
+    pools_release_over_threshold();
+    return CUDA_SUCCESS;
+}
+
 /* === events === */
 
 #define CU_EVENT_DISABLE_TIMING 0x2
@@ -2195,55 +2418,213 @@ SIMGPU_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size
 SIMGPU_EXPORT CUresult cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n, CUstream h) { PER_THREAD(cuMemsetD16Async(d, v, n, h)); }
 SIMGPU_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { PER_THREAD(cuMemsetD32Async(d, v, n, h)); }
 
-/* === modules, libraries, functions === */
+/* === modules, libraries, functions ===
+ * A module holds the kernels its image names (simgpu/image.h): PTX, cubins, fatbins,
+ * objects, libraries and what cuLinkComplete produced.  A stand-in image (anything else,
+ * e.g. the string "image") holds every name: the simulation convention of simgpu's tests.
+ * What a kernel does: nothing to memory (simgpu runs no device code), and it takes
+ * simulated time on the device's timeline: a kernel named sim_<N>us, or whose mangled
+ * name's identifier is sim_<N>us (numba's _ZN...9sim_300usB2v1..., a Triton kernel
+ * def sim_300us), runs N microseconds per wave of blocks (a wave is as many blocks as the
+ * device has SMs); any other kernel SIMGPU_DEFAULT_KERNEL_US per wave. */
 
-static struct vgpu_function *function_get(struct vgpu_module *m, const char *name)
+static int device_cc(void) { return simgpu_profile()->cc_major * 10 + simgpu_profile()->cc_minor; }
+
+/* N if `name` is sim_<N>us, or holds sim_<N>us as one length-prefixed identifier of an
+ * Itanium-mangled name (…<len>sim_<N>us…); else 0. */
+static uint64_t sim_us_of(const char *name)
+{
+    unsigned long long us;
+    int end = 0;
+    if (sscanf(name, "sim_%lluus%n", &us, &end) == 1 && end && !name[end])
+        return us;
+    for (const char *p = strstr(name, "sim_"); p; p = strstr(p + 1, "sim_")) {
+        const char *d = p;
+        while (d > name && d[-1] >= '0' && d[-1] <= '9')
+            d--;
+        if (d == p || sscanf(p, "sim_%lluus%n", &us, &end) != 1 || !end)
+            continue;
+        if (strtoul(d, NULL, 10) == (unsigned long)end)   /* the identifier is exactly sim_<N>us */
+            return us;
+    }
+    return 0;
+}
+
+/* The module's function `name`: NULL with *err set when the image has no such kernel. */
+static struct vgpu_function *function_get(struct vgpu_module *m, const char *name, CUresult *err)
 {
     for (struct vgpu_function *f = m->functions; f; f = f->next)
         if (strcmp(f->name, name) == 0)
             return f;
-    struct vgpu_function *f = handle_new(K_FUNCTION);
-    if (!f)
+    const struct simgpu_kernel *k = NULL;
+    if (m->image.names_known && !(k = simgpu_image_find(&m->image, name))) {
+        *err = CUDA_ERROR_NOT_FOUND;
         return NULL;
-    snprintf(f->name, sizeof f->name, "%s", name);
-    /* the simulation convention: sim_<N>us runs N microseconds per wave */
-    unsigned long long us;
-    char tail[4];
-    if (sscanf(name, "sim_%lluus%3s", &us, tail) == 1)
-        f->us_per_wave = us;
-    else
-        f->us_per_wave = SIMGPU_DEFAULT_KERNEL_US;
+    }
+    struct vgpu_function *f = handle_new(K_FUNCTION);
+    if (!f || !(f->name = strdup(name))) {
+        if (f)
+            handle_free(f);
+        *err = CUDA_ERROR_OUT_OF_MEMORY;
+        return NULL;
+    }
+    if (k)
+        f->info = *k;
+    f->info.name = NULL;
+    f->carveout = -1;
+    f->module = m;
+    uint64_t us = sim_us_of(name);
+    f->us_per_wave = us ? us : SIMGPU_DEFAULT_KERNEL_US;
     f->next = m->functions;
     m->functions = f;
     return f;
 }
 
-static CUresult module_new(CUmodule *out)
+/* JIT options (cuModuleLoadDataEx, cuLink*, cuLibraryLoadData): simgpu compiles nothing,
+ * so it honours the log buffers (errors say why an image was refused; the info log, with
+ * CU_JIT_LOG_VERBOSE, what was loaded), writes back the bytes logged and a wall time of 0,
+ * and accepts every other known option. */
+struct jit_log {
+    char *info, *error;
+    size_t info_cap, error_cap, info_len, error_len;
+    void **values;
+    int info_size_at, error_size_at, wall_at, verbose;
+};
+
+static CUresult jit_options(unsigned n, const CUjit_option *options, void **values, struct jit_log *log)
+{
+    memset(log, 0, sizeof *log);
+    log->info_size_at = log->error_size_at = log->wall_at = -1;
+    if (n && (!options || !values))
+        return CUDA_ERROR_INVALID_VALUE;
+    log->values = values;
+    for (unsigned i = 0; i < n; i++) {
+        uintptr_t v = (uintptr_t)values[i];
+        switch (options[i]) {
+        case CU_JIT_INFO_LOG_BUFFER: log->info = (char *)values[i]; break;
+        case CU_JIT_ERROR_LOG_BUFFER: log->error = (char *)values[i]; break;
+        case CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES: log->info_cap = (unsigned)v, log->info_size_at = (int)i; break;
+        case CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: log->error_cap = (unsigned)v, log->error_size_at = (int)i; break;
+        case CU_JIT_WALL_TIME: log->wall_at = (int)i; break;
+        case CU_JIT_LOG_VERBOSE: log->verbose = v != 0; break;
+        default:
+            if (options[i] < 0 || options[i] >= CU_JIT_NUM_OPTIONS)
+                return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    if (!log->info)
+        log->info_cap = 0;
+    if (!log->error)
+        log->error_cap = 0;
+    return CUDA_SUCCESS;
+}
+
+static void jit_append(char *buf, size_t cap, size_t *len, const char *line)
+{
+    if (!buf || *len + 1 >= cap)
+        return;
+    int w = snprintf(buf + *len, cap - *len, "%s%s", *len ? "\n" : "", line);
+    *len = w < 0 ? *len : *len + (size_t)w >= cap ? cap - 1 : *len + (size_t)w;
+}
+
+/* Write back what was logged (bytes including the NUL) and the wall time. */
+static void jit_done(struct jit_log *log)
+{
+    if (log->info_size_at >= 0)
+        log->values[log->info_size_at] = (void *)(uintptr_t)(log->info_len ? log->info_len + 1 : 0);
+    if (log->error_size_at >= 0)
+        log->values[log->error_size_at] = (void *)(uintptr_t)(log->error_len ? log->error_len + 1 : 0);
+    if (log->wall_at >= 0) {
+        float ms = 0;
+        memcpy(&log->values[log->wall_at], &ms, sizeof ms);
+    }
+}
+
+/* Read an image for a module or a link input, logging why it is refused. */
+static CUresult read_image(const void *data, size_t size, int kind, const char *name, struct jit_log *log,
+                           struct simgpu_image *img)
+{
+    char why[256];
+    CUresult r = simgpu_image_read(data, size, kind, device_cc(), img, why, sizeof why);
+    if (r != CUDA_SUCCESS && log) {
+        char line[400];
+        snprintf(line, sizeof line, "error   : %s%s%s", name ? name : "", name ? ": " : "", why[0] ? why : "bad image");
+        jit_append(log->error, log->error_cap, &log->error_len, line);
+    } else if (r == CUDA_SUCCESS && log && log->verbose) {
+        char line[400];
+        snprintf(line, sizeof line, "info    : simgpu: %s%s%zu kernel(s)%s, not compiled (simulated device)",
+                 name ? name : "", name ? ": " : "", img->count, img->names_known ? "" : " (stand-in image)");
+        jit_append(log->info, log->info_cap, &log->info_len, line);
+    }
+    return r;
+}
+
+static CUresult module_new(CUmodule *out, const void *data, size_t size, struct jit_log *log)
 {
     REQUIRE_INIT();
-    if (!out)
+    if (!out || !data)
         return CUDA_ERROR_INVALID_VALUE;
+    struct simgpu_image img;
+    CUresult r = read_image(data, size, IMG_ANY, NULL, log, &img);
+    if (log)
+        jit_done(log);
+    if (r != CUDA_SUCCESS)
+        return r;
     struct vgpu_module *m = handle_new(K_MODULE);
-    if (!m)
+    if (!m) {
+        simgpu_image_free(&img);
         return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->image = img;
     *out = m;
     return CUDA_SUCCESS;
 }
 
-/* Any image is accepted: simgpu runs functions by name, not by code. */
+/* A whole file, NUL-terminated (PTX is text); NULL with *err set. */
+static void *read_file(const char *path, size_t *size, CUresult *err)
+{
+    FILE *f = path ? fopen(path, "rbe") : NULL;
+    if (!f) {
+        *err = path ? CUDA_ERROR_FILE_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+        return NULL;
+    }
+    char *d = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *n = realloc(d, cap = (cap ? cap * 2 : 65536));
+            if (!n)
+                break;
+            d = n;
+        }
+        size_t got = fread(d + len, 1, cap - len - 1, f);
+        len += got;
+        if (!got)
+            break;
+    }
+    int bad = ferror(f) || !d;
+    fclose(f);
+    if (bad) {
+        free(d);
+        *err = CUDA_ERROR_FILE_NOT_FOUND;
+        return NULL;
+    }
+    d[len] = 0;
+    *size = len;
+    return d;
+}
+
 SIMGPU_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
-    REQUIRE_INIT();
-    if (!image)
-        return CUDA_ERROR_INVALID_VALUE;
-    return module_new(module);
+    return module_new(module, image, 0, NULL);
 }
 
 SIMGPU_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
-                                          void *options, void **optionValues)
+                                          CUjit_option *options, void **optionValues)
 {
-    (void)numOptions, (void)options, (void)optionValues;
-    return cuModuleLoadData(module, image);
+    struct jit_log log;
+    CUresult r = jit_options(numOptions, options, optionValues, &log);
+    return r != CUDA_SUCCESS ? r : module_new(module, image, 0, &log);
 }
 
 SIMGPU_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
@@ -2256,9 +2637,25 @@ SIMGPU_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
     REQUIRE_INIT();
     if (!fname)
         return CUDA_ERROR_INVALID_VALUE;
-    if (access(fname, R_OK))
-        return CUDA_ERROR_FILE_NOT_FOUND;
-    return module_new(module);
+    CUresult r;
+    size_t size;
+    void *data = read_file(fname, &size, &r);
+    if (!data)
+        return r;
+    r = module_new(module, data, size, NULL);
+    free(data);
+    return r;
+}
+
+static void module_free(struct vgpu_module *m)
+{
+    for (struct vgpu_function *f = m->functions, *next; f; f = next) {
+        next = f->next;
+        free(f->name);
+        handle_free(f);
+    }
+    simgpu_image_free(&m->image);
+    handle_free(m);
 }
 
 SIMGPU_EXPORT CUresult cuModuleUnload(CUmodule m)
@@ -2266,11 +2663,7 @@ SIMGPU_EXPORT CUresult cuModuleUnload(CUmodule m)
     REQUIRE_INIT();
     if (!handle_ok(m, K_MODULE))
         return CUDA_ERROR_INVALID_HANDLE;
-    for (struct vgpu_function *f = m->functions, *next; f; f = next) {
-        next = f->next;
-        handle_free(f);
-    }
-    handle_free(m);
+    module_free(m);
     return CUDA_SUCCESS;
 }
 
@@ -2281,42 +2674,113 @@ SIMGPU_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule m, const 
         return CUDA_ERROR_INVALID_VALUE;
     if (!handle_ok(m, K_MODULE))
         return CUDA_ERROR_INVALID_HANDLE;
-    *hfunc = function_get(m, name);
-    return *hfunc ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult err = CUDA_SUCCESS;
+    *hfunc = function_get(m, name, &err);
+    return err;
 }
 
-SIMGPU_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, void *jitOptions,
+SIMGPU_EXPORT CUresult cuModuleGetFunctionCount(unsigned int *count, CUmodule m)
+{
+    REQUIRE_INIT();
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(m, K_MODULE))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *count = (unsigned)m->image.count;   /* a stand-in image names none */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuModuleEnumerateFunctions(CUfunction *functions, unsigned int numFunctions, CUmodule m)
+{
+    REQUIRE_INIT();
+    if (!functions)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(m, K_MODULE))
+        return CUDA_ERROR_INVALID_HANDLE;
+    for (unsigned i = 0; i < numFunctions && i < m->image.count; i++) {
+        CUresult err = CUDA_SUCCESS;
+        if (!(functions[i] = function_get(m, m->image.kernels[i].name, &err)))
+            return err;
+    }
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuModuleGetLoadingMode(int *mode)
+{
+    REQUIRE_INIT();
+    if (!mode)
+        return CUDA_ERROR_INVALID_VALUE;
+    *mode = 2;   /* CU_MODULE_LAZY_LOADING, the default since CUDA 12.2 */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncGetModule(CUmodule *hmod, CUfunction f)
+{
+    REQUIRE_INIT();
+    if (!hmod)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *hmod = f->module;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncIsLoaded(int *state, CUfunction f)
+{
+    REQUIRE_INIT();
+    if (!state)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *state = 1;   /* CU_FUNCTION_LOADING_STATE_LOADED */
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuFuncLoad(CUfunction f)
+{
+    REQUIRE_INIT();
+    return handle_ok(f, K_FUNCTION) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
                                          void **jitOptionsValues, unsigned int numJitOptions,
                                          void *libraryOptions, void **libraryOptionValues,
                                          unsigned int numLibraryOptions)
 {
-    (void)jitOptions, (void)jitOptionsValues, (void)numJitOptions;
     (void)libraryOptions, (void)libraryOptionValues, (void)numLibraryOptions;
     REQUIRE_INIT();
     if (!library || !code)
         return CUDA_ERROR_INVALID_VALUE;
+    struct jit_log log;
+    CUresult r = jit_options(numJitOptions, jitOptions, jitOptionsValues, &log);
+    if (r != CUDA_SUCCESS)
+        return r;
     struct vgpu_library *l = handle_new(K_LIBRARY);
-    if (!l || module_new(&l->module) != CUDA_SUCCESS) {
-        if (l)
-            handle_free(l);
+    if (!l)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    if ((r = module_new(&l->module, code, 0, &log)) != CUDA_SUCCESS) {
+        handle_free(l);
+        return r;
     }
     *library = l;
     return CUDA_SUCCESS;
 }
 
-SIMGPU_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, void *jitOptions,
+SIMGPU_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
                                              void **jitOptionsValues, unsigned int numJitOptions,
                                              void *libraryOptions, void **libraryOptionValues,
                                              unsigned int numLibraryOptions)
 {
     REQUIRE_INIT();
-    if (!fileName)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (access(fileName, R_OK))
-        return CUDA_ERROR_FILE_NOT_FOUND;
-    return cuLibraryLoadData(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
-                             libraryOptions, libraryOptionValues, numLibraryOptions);
+    CUresult r;
+    size_t size;
+    void *data = read_file(fileName, &size, &r);
+    if (!data)
+        return r;
+    r = cuLibraryLoadData(library, data, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                          libraryOptionValues, numLibraryOptions);
+    free(data);
+    return r;
 }
 
 SIMGPU_EXPORT CUresult cuLibraryUnload(CUlibrary l)
@@ -2324,7 +2788,7 @@ SIMGPU_EXPORT CUresult cuLibraryUnload(CUlibrary l)
     REQUIRE_INIT();
     if (!handle_ok(l, K_LIBRARY))
         return CUDA_ERROR_INVALID_HANDLE;
-    cuModuleUnload(l->module);
+    module_free(l->module);
     handle_free(l);
     return CUDA_SUCCESS;
 }
@@ -2336,8 +2800,17 @@ SIMGPU_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary l, const 
         return CUDA_ERROR_INVALID_VALUE;
     if (!handle_ok(l, K_LIBRARY))
         return CUDA_ERROR_INVALID_HANDLE;
-    *pKernel = function_get(l->module, name);
-    return *pKernel ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult err = CUDA_SUCCESS;
+    *pKernel = function_get(l->module, name, &err);
+    return err;
+}
+
+SIMGPU_EXPORT CUresult cuLibraryGetKernelCount(unsigned int *count, CUlibrary l)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LIBRARY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return cuModuleGetFunctionCount(count, l->module);
 }
 
 SIMGPU_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary l)
@@ -2373,6 +2846,38 @@ SIMGPU_EXPORT CUresult cuFuncGetName(const char **name, CUfunction f)
     return CUDA_SUCCESS;
 }
 
+SIMGPU_EXPORT CUresult cuKernelGetName(const char **name, CUkernel k) { return cuFuncGetName(name, k); }
+
+/* === function attributes and occupancy ===
+ * Resources come from the image: registers, local (frame) and static shared memory and
+ * the thread limit that a cubin records; PTX is not compiled here, so a kernel loaded as
+ * PTX reports no registers or local memory.  The limits are the device's: a block's
+ * threads are bounded by its registers (allocated per warp in units of 256) and by
+ * 1024 or the kernel's .maxntid; occupancy follows the same per-SM limits (threads,
+ * blocks, registers, shared memory in 128-byte units plus the 1 KiB the driver reserves
+ * per block), as NVIDIA's occupancy calculator computes them. */
+
+struct sm_limits { int threads, blocks, regs, smem, smem_optin, smem_reserved; };
+
+static struct sm_limits sm_limits(void)
+{
+    const struct simgpu_profile *p = simgpu_profile();
+    return (struct sm_limits){p->threads_per_sm, p->blocks_per_sm, 65536, p->smem_per_sm, p->smem_per_block_optin, 1024};
+}
+
+static int regs_per_warp(const struct vgpu_function *f) { return (f->info.regs * 32 + 255) / 256 * 256; }
+
+static int func_max_threads(const struct vgpu_function *f)
+{
+    int t = f->info.max_threads ? f->info.max_threads : 1024;
+    if (f->info.regs) {
+        int warps = 65536 / regs_per_warp(f);
+        if (warps * 32 < t)
+            t = warps * 32;
+    }
+    return t;
+}
+
 SIMGPU_EXPORT CUresult cuFuncGetAttribute(int *pi, int attrib, CUfunction f)
 {
     REQUIRE_INIT();
@@ -2380,34 +2885,375 @@ SIMGPU_EXPORT CUresult cuFuncGetAttribute(int *pi, int attrib, CUfunction f)
         return CUDA_ERROR_INVALID_VALUE;
     if (!handle_ok(f, K_FUNCTION))
         return CUDA_ERROR_INVALID_HANDLE;
-    *pi = attrib == 0 ? 1024 : 0;   /* MAX_THREADS_PER_BLOCK; other resources: none used */
+    struct sm_limits lim = sm_limits();
+    int cc = device_cc();
+    switch (attrib) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = func_max_threads(f); break;
+    case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *pi = f->info.shared_bytes; break;
+    case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES: *pi = 0; break;
+    case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: *pi = f->info.local_bytes; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = f->info.regs; break;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION:   /* the architecture the code was written for */
+        *pi = f->module && f->module->image.arch ? f->module->image.arch : cc;
+        break;
+    case CU_FUNC_ATTRIBUTE_BINARY_VERSION:   /* the SASS that runs: the cubin's, or JIT-compiled for this device */
+        *pi = f->module && f->module->image.arch && !f->module->image.ptx_version ? f->module->image.arch : cc;
+        break;
+    case CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: *pi = 0; break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        *pi = f->max_dynamic_shared ? f->max_dynamic_shared : 49152 - f->info.shared_bytes;
+        break;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *pi = f->carveout; break;
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET: *pi = 0; break;
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
+        *pi = f->cluster[attrib - CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH];
+        break;
+    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: *pi = f->non_portable_cluster; break;
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: *pi = f->cluster_policy; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    (void)lim;
     return CUDA_SUCCESS;
 }
 
 SIMGPU_EXPORT CUresult cuFuncSetAttribute(CUfunction f, int attrib, int value)
 {
     REQUIRE_INIT();
-    (void)attrib, (void)value;
-    return handle_ok(f, K_FUNCTION) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct sm_limits lim = sm_limits();
+    int cluster_ok = simgpu_profile()->cc_major >= 9;
+    switch (attrib) {
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        /* static + dynamic may not pass the opt-in limit */
+        if (value < 0 || value + f->info.shared_bytes > lim.smem_optin)
+            return CUDA_ERROR_INVALID_VALUE;
+        f->max_dynamic_shared = value;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
+        if (value < -1 || value > 100)
+            return CUDA_ERROR_INVALID_VALUE;
+        f->carveout = value;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
+        if (!cluster_ok || value < 0)
+            return CUDA_ERROR_NOT_SUPPORTED;
+        f->cluster[attrib - CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH] = value;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
+        if (!cluster_ok)
+            return CUDA_ERROR_NOT_SUPPORTED;
+        f->non_portable_cluster = value != 0;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE:
+        if (!cluster_ok)
+            return CUDA_ERROR_NOT_SUPPORTED;
+        f->cluster_policy = value;
+        return CUDA_SUCCESS;
+    default:
+        return attrib >= 0 && attrib < CU_FUNC_ATTRIBUTE_MAX ? CUDA_ERROR_INVALID_VALUE   /* read-only */
+                                                             : CUDA_ERROR_INVALID_VALUE;
+    }
 }
 
 SIMGPU_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, int config)
 {
     REQUIRE_INIT();
-    (void)config;
-    return handle_ok(f, K_FUNCTION) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (config < 0 || config > 3)   /* CU_FUNC_CACHE_PREFER_NONE .. _EQUAL */
+        return CUDA_ERROR_INVALID_VALUE;
+    f->cache_config = config;
+    return CUDA_SUCCESS;
 }
 
 SIMGPU_EXPORT CUresult cuKernelGetAttribute(int *pi, int attrib, CUkernel k, CUdevice dev)
 {
-    (void)dev;
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
     return cuFuncGetAttribute(pi, attrib, k);
 }
 
 SIMGPU_EXPORT CUresult cuKernelSetAttribute(int attrib, int val, CUkernel k, CUdevice dev)
 {
-    (void)dev;
+    REQUIRE_INIT();
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
     return cuFuncSetAttribute(k, attrib, val);
+}
+
+/* Blocks of `block` threads using `smem` dynamic shared memory that fit on one SM. */
+static int blocks_per_sm(const struct vgpu_function *f, int block, size_t smem)
+{
+    struct sm_limits lim = sm_limits();
+    if (block <= 0 || block > func_max_threads(f) ||
+        smem + (size_t)f->info.shared_bytes > (size_t)lim.smem_optin)
+        return 0;
+    int warps = (block + 31) / 32;
+    int n = lim.blocks;
+    if (lim.threads / (warps * 32) < n)
+        n = lim.threads / (warps * 32);
+    if (f->info.regs) {
+        int by_regs = lim.regs / (regs_per_warp(f) * warps);
+        if (by_regs < n)
+            n = by_regs;
+    }
+    size_t per_block = (smem + (size_t)f->info.shared_bytes + 127) / 128 * 128 + (size_t)lim.smem_reserved;
+    if ((size_t)lim.smem / per_block < (size_t)n)
+        n = (int)((size_t)lim.smem / per_block);
+    return n;
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *numBlocks, CUfunction f, int blockSize,
+                                                                            size_t dynamicSMemSize, unsigned int flags)
+{
+    REQUIRE_INIT();
+    if (!numBlocks || flags > CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *numBlocks = blocks_per_sm(f, blockSize, dynamicSMemSize);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction f, int blockSize,
+                                                                   size_t dynamicSMemSize)
+{
+    return cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, f, blockSize, dynamicSMemSize, 0);
+}
+
+/* The block size (a multiple of the warp size, up to blockSizeLimit) with the most
+ * resident threads per SM; the smallest grid that fills the device with it. */
+SIMGPU_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, int *blockSize, CUfunction f,
+                                                                 CUoccupancyB2DSize smemOf, size_t dynamicSMemSize,
+                                                                 int blockSizeLimit, unsigned int flags)
+{
+    REQUIRE_INIT();
+    if (!minGridSize || !blockSize || flags > CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    int limit = func_max_threads(f);
+    if (blockSizeLimit > 0 && blockSizeLimit < limit)
+        limit = blockSizeLimit;
+    int best = 0, best_blocks = 0;
+    for (int b = (limit + 31) / 32 * 32; b > 0; b -= 32) {
+        int size = b > limit ? limit : b;
+        int n = blocks_per_sm(f, size, smemOf ? smemOf(size) : dynamicSMemSize);
+        if (n * size > best_blocks * best)
+            best = size, best_blocks = n;
+    }
+    *blockSize = best;
+    *minGridSize = best_blocks * simgpu_profile()->sm_count;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction f,
+                                                        CUoccupancyB2DSize smemOf, size_t dynamicSMemSize,
+                                                        int blockSizeLimit)
+{
+    return cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, f, smemOf, dynamicSMemSize,
+                                                     blockSizeLimit, 0);
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyAvailableDynamicSMemPerBlock(size_t *dynamicSmemSize, CUfunction f, int numBlocks,
+                                                               int blockSize)
+{
+    REQUIRE_INIT();
+    if (!dynamicSmemSize || numBlocks <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (blocks_per_sm(f, blockSize, 0) < numBlocks) {
+        *dynamicSmemSize = 0;
+        return CUDA_SUCCESS;
+    }
+    struct sm_limits lim = sm_limits();
+    size_t per_block = (size_t)lim.smem / (size_t)numBlocks;
+    size_t used = (size_t)f->info.shared_bytes + (size_t)lim.smem_reserved;
+    size_t avail = per_block > used ? (per_block - used) / 128 * 128 : 0;
+    size_t optin = (size_t)lim.smem_optin - (size_t)f->info.shared_bytes;
+    *dynamicSmemSize = avail < optin ? avail : optin;
+    return CUDA_SUCCESS;
+}
+
+/* Clusters (compute capability 9.0): at most 8 blocks portably, 16 when the kernel allows
+ * non-portable sizes; as many clusters fit at once as blocks fit on the device's GPCs,
+ * modelled here as the device's SMs in groups of the cluster size. */
+static int cluster_blocks(const CUlaunchConfig *c)
+{
+    for (unsigned i = 0; c->attrs && i < c->numAttrs; i++) {
+        const unsigned char *a = (const unsigned char *)c->attrs + (size_t)i * 72;   /* sizeof(CUlaunchAttribute) */
+        int id;
+        memcpy(&id, a, sizeof id);
+        if (id == 4) {   /* CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value.clusterDim at offset 8 */
+            unsigned d[3];
+            memcpy(d, a + 8, sizeof d);
+            return (int)(d[0] * d[1] * d[2]);
+        }
+    }
+    return 1;
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyMaxPotentialClusterSize(int *clusterSize, CUfunction f, const CUlaunchConfig *config)
+{
+    REQUIRE_INIT();
+    if (!clusterSize || !config)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (simgpu_profile()->cc_major < 9)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    *clusterSize = f->non_portable_cluster ? 16 : 8;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuOccupancyMaxActiveClusters(int *numClusters, CUfunction f, const CUlaunchConfig *config)
+{
+    REQUIRE_INIT();
+    if (!numClusters || !config)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(f, K_FUNCTION))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (simgpu_profile()->cc_major < 9)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    int size = cluster_blocks(config), limit = f->non_portable_cluster ? 16 : 8;
+    if (size > limit)
+        return CUDA_ERROR_INVALID_VALUE;
+    int per_sm = blocks_per_sm(f, (int)(config->blockDimX * config->blockDimY * config->blockDimZ),
+                               config->sharedMemBytes);
+    *numClusters = per_sm * simgpu_profile()->sm_count / size;
+    return CUDA_SUCCESS;
+}
+
+/* === the linker (cuLink*) ===
+ * Inputs are read as their declared type (simgpu/image.h) and their kernels gathered;
+ * cuLinkComplete writes them as one cubin (owned by the link state until cuLinkDestroy)
+ * that cuModuleLoadData loads.  No code is compiled or linked: unresolved externals are
+ * not detected; a kernel defined by two inputs is an error, as in nvlink. */
+
+static CUresult link_log_error(struct vgpu_link *l, const char *line)
+{
+    struct jit_log *log = l->options;
+    jit_append(log->error, log->error_cap, &log->error_len, line);
+    jit_done(log);
+    return CUDA_ERROR_INVALID_IMAGE;
+}
+
+SIMGPU_EXPORT CUresult cuLinkCreate_v2(unsigned int numOptions, CUjit_option *options, void **optionValues,
+                                       CUlinkState *stateOut)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    if (!stateOut)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct jit_log *log = malloc(sizeof *log);
+    if (!log)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = jit_options(numOptions, options, optionValues, log);
+    if (r != CUDA_SUCCESS) {
+        free(log);
+        return r;
+    }
+    struct vgpu_link *l = handle_new(K_LINK);
+    if (!l) {
+        free(log);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    l->options = log;
+    l->image.names_known = 1;
+    jit_done(log);
+    *stateOut = l;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLinkAddData_v2(CUlinkState l, CUjitInputType type, void *data, size_t size, const char *name,
+                                        unsigned int numOptions, CUjit_option *options, void **optionValues)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LINK))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!data || !size || l->cubin)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct jit_log local;
+    CUresult r = jit_options(numOptions, options, optionValues, &local);   /* checked; the link's logs are used */
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct simgpu_image img;
+    if ((r = read_image(data, size, type, name, l->options, &img)) != CUDA_SUCCESS) {
+        jit_done(l->options);
+        return r;
+    }
+    char why[256] = "";
+    r = simgpu_image_merge(&l->image, &img, why, sizeof why);
+    simgpu_image_free(&img);
+    if (r != CUDA_SUCCESS) {
+        char line[400];
+        snprintf(line, sizeof line, "error   : %s: %s", name ? name : "input", why);
+        return link_log_error(l, line);
+    }
+    l->inputs++;
+    jit_done(l->options);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLinkAddFile_v2(CUlinkState l, CUjitInputType type, const char *path, unsigned int numOptions,
+                                        CUjit_option *options, void **optionValues)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LINK))
+        return CUDA_ERROR_INVALID_HANDLE;
+    CUresult r;
+    size_t size;
+    void *data = read_file(path, &size, &r);
+    if (!data)
+        return r;
+    r = size ? cuLinkAddData_v2(l, type, data, size, path, numOptions, options, optionValues) : CUDA_ERROR_INVALID_IMAGE;
+    free(data);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuLinkComplete(CUlinkState l, void **cubinOut, size_t *sizeOut)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LINK))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!cubinOut || !sizeOut)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!l->cubin) {
+        if (!l->inputs)
+            return link_log_error(l, "error   : no input files");
+        if (!(l->cubin = simgpu_image_write(&l->image, device_cc(), &l->cubin_size)))
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    struct jit_log *log = l->options;
+    if (log->verbose) {
+        char line[200];
+        snprintf(line, sizeof line, "info    : simgpu: linked %zu kernel(s) from %d input(s) for sm_%d", l->image.count,
+                 l->inputs, device_cc());
+        jit_append(log->info, log->info_cap, &log->info_len, line);
+    }
+    jit_done(log);
+    *cubinOut = l->cubin;
+    *sizeOut = l->cubin_size;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuLinkDestroy(CUlinkState l)
+{
+    REQUIRE_INIT();
+    if (!handle_ok(l, K_LINK))
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(l->cubin);
+    free(l->options);
+    simgpu_image_free(&l->image);
+    handle_free(l);
+    return CUDA_SUCCESS;
 }
 
 /* === launch === */
@@ -3124,12 +3970,14 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuCtxPushCurrent, 4000, 0, cuCtxPushCurrent_v2)                          \
     X(cuCtxPopCurrent, 4000, 0, cuCtxPopCurrent_v2)                            \
     X(cuCtxGetDevice, 2000, 0, cuCtxGetDevice)                                 \
+    X(cuCtxGetDevice, 13000, 0, cuCtxGetDevice_v2)                             \
     X(cuCtxGetFlags, 7000, 0, cuCtxGetFlags)                                   \
     X(cuCtxGetApiVersion, 3020, 0, cuCtxGetApiVersion)                         \
     X(cuCtxGetStreamPriorityRange, 5050, 0, cuCtxGetStreamPriorityRange)       \
     X(cuCtxGetLimit, 3010, 0, cuCtxGetLimit)                                   \
     X(cuCtxSetLimit, 3010, 0, cuCtxSetLimit)                                   \
     X(cuCtxSynchronize, 2000, 0, cuCtxSynchronize)                             \
+    X(cuCtxSynchronize, 13000, 0, cuCtxSynchronize_v2)                         \
     X(cuMemAlloc, 3020, 0, cuMemAlloc_v2)                                      \
     X(cuMemAllocPitch, 3020, 0, cuMemAllocPitch_v2)                            \
     X(cuMemAllocManaged, 6000, 0, cuMemAllocManaged)                           \
@@ -3243,6 +4091,29 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuFuncGetAttribute, 2020, 0, cuFuncGetAttribute)                         \
     X(cuFuncSetAttribute, 9000, 0, cuFuncSetAttribute)                         \
     X(cuFuncSetCacheConfig, 3000, 0, cuFuncSetCacheConfig)                     \
+    X(cuFuncGetModule, 11000, 0, cuFuncGetModule)                              \
+    X(cuFuncIsLoaded, 12040, 0, cuFuncIsLoaded)                                \
+    X(cuFuncLoad, 12040, 0, cuFuncLoad)                                        \
+    X(cuKernelGetName, 12030, 0, cuKernelGetName)                              \
+    X(cuModuleGetFunctionCount, 12040, 0, cuModuleGetFunctionCount)            \
+    X(cuModuleEnumerateFunctions, 12040, 0, cuModuleEnumerateFunctions)        \
+    X(cuModuleGetLoadingMode, 11070, 0, cuModuleGetLoadingMode)                \
+    X(cuLibraryGetKernelCount, 12040, 0, cuLibraryGetKernelCount)              \
+    X(cuLinkCreate, 6050, 0, cuLinkCreate_v2)                                  \
+    X(cuLinkAddData, 6050, 0, cuLinkAddData_v2)                                \
+    X(cuLinkAddFile, 6050, 0, cuLinkAddFile_v2)                                \
+    X(cuLinkComplete, 5050, 0, cuLinkComplete)                                 \
+    X(cuLinkDestroy, 5050, 0, cuLinkDestroy)                                   \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050, 0, cuOccupancyMaxActiveBlocksPerMultiprocessor) \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags, 7000, 0,           \
+      cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags)                    \
+    X(cuOccupancyMaxPotentialBlockSize, 6050, 0, cuOccupancyMaxPotentialBlockSize) \
+    X(cuOccupancyMaxPotentialBlockSizeWithFlags, 7000, 0, cuOccupancyMaxPotentialBlockSizeWithFlags) \
+    X(cuOccupancyAvailableDynamicSMemPerBlock, 10020, 0, cuOccupancyAvailableDynamicSMemPerBlock) \
+    X(cuOccupancyMaxActiveClusters, 11070, 0, cuOccupancyMaxActiveClusters)    \
+    X(cuOccupancyMaxPotentialClusterSize, 11070, 0, cuOccupancyMaxPotentialClusterSize) \
+    X(cuPointerGetAttribute, 4000, 0, cuPointerGetAttribute)                   \
+    X(cuPointerGetAttributes, 7000, 0, cuPointerGetAttributes)                 \
     X(cuLaunchKernel, 4000, 0, cuLaunchKernel)                                 \
     X(cuLaunchKernel, 7000, 1, cuLaunchKernel_ptsz)                            \
     X(cuLaunchKernelEx, 11060, 0, cuLaunchKernelEx)                            \

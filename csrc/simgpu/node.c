@@ -16,18 +16,72 @@
 
 /* === profiles === */
 
-/* The last column is the device memory a process's first context on a device costs, when
- * SIMGPU_CONTEXT_OVERHEAD=profile (cuda.c).  A ballpark, not a measurement: what nvidia-smi
- * commonly shows for a process that has only created a context with a recent driver and
- * CUDA's lazy module loading (a few hundred MiB, more on the larger data-center parts); the
- * real figure varies with driver, CUDA version and loaded modules. */
+/* Where the figures come from:
+ *   model, memory, SMs, memory bus, L2, PCIe, max power (TDP), NVENC/NVDEC counts: NVIDIA's
+ *     product datasheets (A10; A100 40GB SXM4; H100 SXM5 80GB; H200 SXM 141GB).  H200 is
+ *     the same GH100 configuration as H100 SXM5 (132 SMs, 50 MB L2) with HBM3e on a 6144-bit
+ *     bus.
+ *   max SM clock (boost) and base clock, max memory clock: the boards' published boost and
+ *     base clocks; memory clocks as deviceQuery/nvidia-smi report them (A10 GDDR6 6251 MHz,
+ *     A100 HBM2 1215 MHz, H100 HBM3 2619 MHz, H200 HBM3e 3201 MHz).
+ *   per-SM limits: the CUDA C++ Programming Guide's table of technical specifications per
+ *     compute capability (8.0: 164 KB shared per SM, 163 KB opt-in per block, 2048 threads,
+ *     32 blocks; 8.6: 100 KB, 99 KB, 1536 threads, 16 blocks; 9.0: 228 KB, 227 KB, 2048,
+ *     32).  FP32 lanes per SM: 64 on GA100, 128 on GA102 and GH100.  FP64 rate: 1/2 of FP32
+ *     on GA100 and GH100, 1/64 on GA102 (the architecture whitepapers).
+ *   PCI device ids: 0x2236 (A10), 0x20B0 (A100 SXM4 40GB), 0x2330 (H100 SXM5 80GB), 0x2335
+ *     (H200); subsystem ids as the PCI ID database lists NVIDIA's own boards.
+ *   Not published per board, so ballparks of what nvidia-smi -q shows on these boards (a
+ *     model, marked so in docs/simgpu.md): temperature thresholds, minimum power limit,
+ *     idle power, video clock, BAR1 size, copy engines (2 on GA102, 3 on the others).
+ *   context overhead (SIMGPU_CONTEXT_OVERHEAD=profile, cuda.c): what nvidia-smi commonly
+ *     shows for a process that has only created a context with a recent driver and lazy
+ *     module loading (a few hundred MiB, more on the larger parts); it varies with driver,
+ *     CUDA version and loaded modules. */
 #define MiB (1ull << 20)
 #define GiB (1ull << 30)
+#define KiB 1024
 static const struct simgpu_profile profiles[] = {
-    {"a10", "NVIDIA A10", 24 * GiB, 72, 8, 6, 1695000, 6251000, 384, 6 << 20, 256 * MiB},
-    {"a100-40g", "NVIDIA A100-SXM4-40GB", 40 * GiB, 108, 8, 0, 1410000, 1215000, 5120, 40 << 20, 384 * MiB},
-    {"h100-80g", "NVIDIA H100 80GB HBM3", 80 * GiB, 132, 9, 0, 1980000, 2619000, 5120, 50 << 20, 512 * MiB},
-    {"h200", "NVIDIA H200", 141 * GiB, 132, 9, 0, 1980000, 3201000, 6144, 60 << 20, 512 * MiB},
+    {.id = "a10", .model = "NVIDIA A10", .memory = 24 * GiB, .sm_count = 72, .cc_major = 8, .cc_minor = 6,
+     .clock_khz = 1695000, .mem_clock_khz = 6251000, .bus_width = 384, .l2_bytes = 6 << 20,
+     .context_overhead = 256 * MiB,
+     .smem_per_sm = 100 * KiB, .smem_per_block_optin = 99 * KiB, .threads_per_sm = 1536, .blocks_per_sm = 16,
+     .copy_engines = 2, .fp32_per_fp64 = 64, .cores_per_sm = 128,
+     .pci_device = 0x2236, .pci_subsystem = 0x1482, .pcie_gen = 4, .pcie_width = 16,
+     .power_limit_w = 150, .power_min_w = 100, .power_idle_w = 15, .base_clock_mhz = 885, .video_clock_mhz = 1515,
+     .bar1_mib = 32768, .encoders = 1, .decoders = 2,
+     .temp_shutdown = 98, .temp_slowdown = 95, .temp_gpu_max = 93, .temp_mem_max = 0,
+     .architecture = 7, .mig_capable = 0},
+    {.id = "a100-40g", .model = "NVIDIA A100-SXM4-40GB", .memory = 40 * GiB, .sm_count = 108, .cc_major = 8,
+     .cc_minor = 0, .clock_khz = 1410000, .mem_clock_khz = 1215000, .bus_width = 5120, .l2_bytes = 40 << 20,
+     .context_overhead = 384 * MiB,
+     .smem_per_sm = 164 * KiB, .smem_per_block_optin = 163 * KiB, .threads_per_sm = 2048, .blocks_per_sm = 32,
+     .copy_engines = 3, .fp32_per_fp64 = 2, .cores_per_sm = 64,
+     .pci_device = 0x20B0, .pci_subsystem = 0x134F, .pcie_gen = 4, .pcie_width = 16,
+     .power_limit_w = 400, .power_min_w = 100, .power_idle_w = 50, .base_clock_mhz = 1095, .video_clock_mhz = 1290,
+     .bar1_mib = 65536, .encoders = 0, .decoders = 5,
+     .temp_shutdown = 92, .temp_slowdown = 89, .temp_gpu_max = 85, .temp_mem_max = 95,
+     .architecture = 7, .mig_capable = 1},
+    {.id = "h100-80g", .model = "NVIDIA H100 80GB HBM3", .memory = 80 * GiB, .sm_count = 132, .cc_major = 9,
+     .cc_minor = 0, .clock_khz = 1980000, .mem_clock_khz = 2619000, .bus_width = 5120, .l2_bytes = 50 << 20,
+     .context_overhead = 512 * MiB,
+     .smem_per_sm = 228 * KiB, .smem_per_block_optin = 227 * KiB, .threads_per_sm = 2048, .blocks_per_sm = 32,
+     .copy_engines = 3, .fp32_per_fp64 = 2, .cores_per_sm = 128,
+     .pci_device = 0x2330, .pci_subsystem = 0x16C1, .pcie_gen = 5, .pcie_width = 16,
+     .power_limit_w = 700, .power_min_w = 200, .power_idle_w = 70, .base_clock_mhz = 1590, .video_clock_mhz = 1755,
+     .bar1_mib = 131072, .encoders = 0, .decoders = 7,
+     .temp_shutdown = 92, .temp_slowdown = 89, .temp_gpu_max = 87, .temp_mem_max = 95,
+     .architecture = 9, .mig_capable = 1},
+    {.id = "h200", .model = "NVIDIA H200", .memory = 141 * GiB, .sm_count = 132, .cc_major = 9, .cc_minor = 0,
+     .clock_khz = 1980000, .mem_clock_khz = 3201000, .bus_width = 6144, .l2_bytes = 50 << 20,
+     .context_overhead = 512 * MiB,
+     .smem_per_sm = 228 * KiB, .smem_per_block_optin = 227 * KiB, .threads_per_sm = 2048, .blocks_per_sm = 32,
+     .copy_engines = 3, .fp32_per_fp64 = 2, .cores_per_sm = 128,
+     .pci_device = 0x2335, .pci_subsystem = 0x18BE, .pcie_gen = 5, .pcie_width = 16,
+     .power_limit_w = 700, .power_min_w = 200, .power_idle_w = 75, .base_clock_mhz = 1590, .video_clock_mhz = 1755,
+     .bar1_mib = 262144, .encoders = 0, .decoders = 7,
+     .temp_shutdown = 92, .temp_slowdown = 89, .temp_gpu_max = 87, .temp_mem_max = 95,
+     .architecture = 9, .mig_capable = 1},
 };
 #define NPROFILES (sizeof profiles / sizeof profiles[0])
 

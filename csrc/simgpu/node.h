@@ -24,14 +24,30 @@
 #define SIMGPU_DEFAULT_KERNEL_US 5           /* kernels not named sim_<N>us */
 #define SIMGPU_QUEUE_DEPTH 1024              /* launches pending per stream before blocking */
 
+/* A simulated board.  node.c says where each figure comes from. */
 struct simgpu_profile {
     const char *id;          /* what SIMGPU_PROFILE names */
     const char *model;       /* what cuDeviceGetName / nvmlDeviceGetName report */
     uint64_t memory;         /* bytes */
     int sm_count;
     int cc_major, cc_minor;
-    int clock_khz, mem_clock_khz, bus_width, l2_bytes;
+    int clock_khz, mem_clock_khz, bus_width, l2_bytes;   /* max SM clock, max memory clock */
     uint64_t context_overhead;   /* device memory of a process's first context (node.c) */
+    /* per SM, by compute capability */
+    int smem_per_sm, smem_per_block_optin, threads_per_sm, blocks_per_sm;
+    int copy_engines;        /* CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT */
+    int fp32_per_fp64;       /* CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO */
+    int cores_per_sm;        /* FP32 lanes: nvmlDeviceGetNumGpuCores */
+    /* the board, for NVML */
+    unsigned pci_device, pci_subsystem;   /* 16-bit device id, 16-bit subsystem id (vendor 0x10DE) */
+    int pcie_gen, pcie_width;
+    int power_limit_w, power_min_w, power_idle_w;
+    int base_clock_mhz, video_clock_mhz;
+    int bar1_mib;
+    int encoders, decoders;  /* NVENC, NVDEC engines */
+    int temp_shutdown, temp_slowdown, temp_gpu_max, temp_mem_max;   /* degrees C */
+    int architecture;        /* NVML_DEVICE_ARCH_* (7 Ampere, 9 Hopper) */
+    int mig_capable;
 };
 
 struct simgpu_proc {
