@@ -20,7 +20,7 @@ from vgpu.k8s.agent import default_plugin_dir
 ROOT = Path(__file__).resolve().parent.parent
 DRA = ROOT / "deploy" / "dra"
 NODE_AGENT = ROOT / "deploy" / "daemonset.yaml"
-FILES = ("daemonset.yaml", "deviceclass.yaml", "rbac.yaml", "example-pod.yaml")
+FILES = ("daemonset.yaml", "deviceclass.yaml", "rbac.yaml", "webhook.yaml", "example-pod.yaml", "kustomization.yaml")
 NODE = "gpu-node-1"      # what the downward API's spec.nodeName gives the pod in these tests
 GiB = 1 << 30
 
@@ -29,7 +29,8 @@ def load(path):
     return [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
 
 
-DOCS = [(path.name, i, doc) for path in sorted(DRA.glob("*.yaml")) for i, doc in enumerate(load(path))]
+DOCS = [(path.name, i, doc) for path in sorted(DRA.glob("*.yaml")) if path.name != "kustomization.yaml"
+        for i, doc in enumerate(load(path))]
 
 
 def one(kind, file=None):
@@ -129,14 +130,15 @@ MUTATIONS = {
         d["spec"]["spec"]["devices"]["requests"][0]["exactly"], "capacity", "capacities"), "capacities"),
     "containerPort-as-a-name": ("DaemonSet", lambda d: container("autoscale", d["spec"]["template"]["spec"])
                                 ["ports"][0].__setitem__("containerPort", "metrics"), "containerPort"),
-    "verbs-as-a-string": ("ClusterRole", lambda d: d["rules"][0].__setitem__("verbs", "get"), "verbs"),
+    "verbs-as-a-string": (("ClusterRole", "rbac.yaml"), lambda d: d["rules"][0].__setitem__("verbs", "get"),
+                          "verbs"),
 }
 
 
 @pytest.mark.parametrize("case", MUTATIONS)
 def test_roundtrip_catches_a_misspelled_field_or_a_wrongly_typed_value(case):
     kind, mutate, field = MUTATIONS[case]
-    doc = one(kind)
+    doc = one(*kind) if isinstance(kind, tuple) else one(kind)
     roundtrip(doc)                      # as written, it passes...
     bad = copy.deepcopy(doc)
     mutate(bad)
@@ -298,7 +300,7 @@ def test_rbac_grants_exactly_the_plugins_verbs_and_nothing_else():
 
 def test_admission_policy_holds_the_plugins_slice_writes_to_its_own_node():
     policy, binding, sa = one("ValidatingAdmissionPolicy"), one("ValidatingAdmissionPolicyBinding"), \
-        one("ServiceAccount")
+        one("ServiceAccount", "rbac.yaml")
     spec = policy["spec"]
     assert spec.get("failurePolicy", "Fail") == "Fail"
     (rule,) = spec["matchConstraints"]["resourceRules"]
