@@ -336,6 +336,32 @@ int simgpu_slot_alive(int slot)
     return fl.l_type != F_UNLCK;
 }
 
+/* The pid NVML reports for this process.  The driver names processes by their pid in the
+ * root pid namespace (nvidia-smi in a container lists pids it cannot see, or none of its own);
+ * simgpu has no kernel module to ask, so it takes the pid the mounted /proc gives this
+ * process (readlink /proc/self): in a pid namespace that shares the host's /proc (unshare
+ * --pid without --mount-proc) its host pid, as the driver would report it. */
+static int32_t nvml_pid(void)
+{
+    static _Atomic uint64_t cache;   /* getpid() << 32 | the pid, so a forked child looks again */
+    uint32_t me = (uint32_t)getpid();
+    uint64_t c = atomic_load(&cache);
+    if ((uint32_t)(c >> 32) == me)
+        return (int32_t)(uint32_t)c;
+    char buf[32];
+    ssize_t n = readlink("/proc/self", buf, sizeof buf - 1);
+    long pid = me;
+    if (n > 0) {
+        buf[n] = 0;
+        char *end;
+        long v = strtol(buf, &end, 10);
+        if (*end == 0 && v > 0 && v <= INT32_MAX)
+            pid = v;
+    }
+    atomic_store(&cache, (uint64_t)me << 32 | (uint32_t)pid);
+    return (int32_t)pid;
+}
+
 int simgpu_my_slot(void)
 {
     if (g.slot >= 0)
@@ -355,7 +381,7 @@ int simgpu_my_slot(void)
                 p->comm[strcspn(p->comm, "\n")] = 0;
             fclose(f);
         }
-        atomic_store(&p->pid, (int32_t)getpid());
+        atomic_store(&p->pid, nvml_pid());
         g.slot = i;
     }
     pthread_mutex_unlock(&g.lock);
@@ -482,7 +508,7 @@ uint64_t simgpu_enqueue(int dev, uint64_t dur_ns)
     struct simgpu_interval *e = &simgpu_ring(dev)[h % SIMGPU_RING_SIZE];
     e->start_ns = start;
     e->end_ns = end;
-    e->pid = (int32_t)getpid();
+    e->pid = nvml_pid();
     e->slot = slot;
     atomic_store_explicit(&d->ring_head, h + 1, memory_order_release);
     pthread_mutex_unlock(&d->lock);
