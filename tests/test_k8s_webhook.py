@@ -8,6 +8,7 @@ independent RFC 6902 implementation (jsonpatch).  Templates land in the fake API
 import base64
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -31,19 +32,21 @@ NS = "team-a"
 RESPONSE_FIELDS = {"uid", "allowed", "status", "patch", "patchType", "auditAnnotations", "warnings"}
 
 
+def doc_cert_steps() -> list:
+    """The openssl steps of docs/kubernetes.md's walkthrough (step 2), as written there."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    [block] = [b for b in blocks if "openssl req -x509" in b]
+    return [line.strip() for line in block.splitlines() if line.strip().startswith(("openssl ", "echo "))]
+
+
 def make_certs(d: Path):
-    """A CA, and a server certificate for the webhook's Service signed by it (what the docs'
-    openssl steps make)."""
+    """A CA, and a server certificate for the webhook's Service signed by it, made by the
+    docs' own openssl steps."""
     if not shutil.which("openssl"):
         pytest.skip("no openssl to make a throwaway CA")
-    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)   # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=vgpu-webhook-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr",
-        "-subj", f"/CN={SERVICE}")
-    (d / "san.ext").write_text(f"subjectAltName=DNS:vgpu-webhook,DNS:vgpu-webhook.vgpu-system,DNS:{SERVICE}\n")
-    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "tls.crt", "-days", "2", "-extfile", "san.ext")
+    for step in doc_cert_steps():
+        subprocess.run(["bash", "-c", step], cwd=d, check=True, capture_output=True)
     return d / "ca.crt", d / "tls.crt", d / "tls.key"
 
 
