@@ -146,4 +146,68 @@ typedef struct nvmlProcessDetail_v1_st {
     unsigned long long usedGpuCcProtectedMemory;
 } nvmlProcessDetail_v1_t;
 
+/* === the board: PCI, thermals, power, clocks, ECC, BAR1 (layouts as nvidia-ml-py's) === */
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE 16
+#define NVML_DEVICE_SERIAL_BUFFER_SIZE 30
+
+/* nvmlDeviceGetPciInfo and _v2 */
+typedef struct nvmlPciInfo_v2_st {
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];   /* "0000:10:00.0" */
+    unsigned int domain, bus, device;
+    unsigned int pciDeviceId;      /* device id << 16 | vendor id */
+    unsigned int pciSubSystemId;   /* subsystem id << 16 | subsystem vendor id */
+    unsigned int reserved0, reserved1, reserved2, reserved3;
+} nvmlPciInfo_v2_t;
+
+/* nvmlDeviceGetPciInfo_v3 */
+typedef struct nvmlPciInfo_st {
+    char busIdLegacy[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+    unsigned int domain, bus, device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];      /* "00000000:10:00.0" */
+} nvmlPciInfo_t;
+
+typedef struct nvmlPciInfoExt_v1_st {
+    unsigned int version;          /* nvmlPciInfoExt_v1 */
+    unsigned int domain, bus, device;
+    unsigned int pciDeviceId, pciSubSystemId;
+    unsigned int baseClass, subClass;
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+} nvmlPciInfoExt_v1_t;
+#define nvmlPciInfoExt_v1 NVML_STRUCT_VERSION(PciInfoExt, 1)   /* 0x01000040 */
+
+typedef struct nvmlTemperature_v1_st {
+    unsigned int version;          /* nvmlTemperature_v1 */
+    int sensorType;                /* nvmlTemperatureSensors_t: 0 = the GPU */
+    int temperature;
+} nvmlTemperature_v1_t;
+#define nvmlTemperature_v1 NVML_STRUCT_VERSION(Temperature, 1)   /* 0x0100000C */
+
+typedef struct nvmlBAR1Memory_st {
+    unsigned long long bar1Total, bar1Free, bar1Used;
+} nvmlBAR1Memory_t;
+
+typedef struct nvmlEccErrorCounts_st {
+    unsigned long long l1Cache, l2Cache, deviceMemory, registerFile;
+} nvmlEccErrorCounts_t;
+
+typedef struct nvmlFBCStats_st {
+    unsigned int sessionsCount, averageFPS, averageLatency;
+} nvmlFBCStats_t;
+
+enum {   /* nvmlTemperatureThresholds_t */
+    NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0,
+    NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1,
+    NVML_TEMPERATURE_THRESHOLD_MEM_MAX = 2,
+    NVML_TEMPERATURE_THRESHOLD_GPU_MAX = 3,
+};
+enum { NVML_CLOCK_GRAPHICS = 0, NVML_CLOCK_SM = 1, NVML_CLOCK_MEM = 2, NVML_CLOCK_VIDEO = 3 };
+enum { NVML_CLOCK_ID_CURRENT = 0, NVML_CLOCK_ID_APP_CLOCK_TARGET = 1, NVML_CLOCK_ID_APP_CLOCK_DEFAULT = 2,
+       NVML_CLOCK_ID_CUSTOMER_BOOST_MAX = 3 };
+#define NVML_BRAND_NVIDIA 14
+#define NVML_CLOCKS_EVENT_REASON_GPU_IDLE 0x1ull
+#define NVML_CLOCKS_EVENT_REASONS_SUPPORTED 0x1ffull   /* idle .. display clock setting */
+
 #endif
