@@ -256,3 +256,39 @@ def test_labels_files_that_are_hostile_are_no_labels(tmp_path):
     assert podlabels.read(d, "s") == {"namespace": "a", "pod": "p", "container": "c"}
     slices.delete(d, "s")
     assert not (d / "s").exists()
+
+
+def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
+    import os
+    import threading
+    from vgpu import node as node_truth, procfs
+    n = plugin_node(tmp_path, api, shipped_rules())
+    n.start("--claim-status-interval", "200ms")
+    claim, share = pod_claim(n, "judged")
+    n.kubelet().prepare(claim)
+    violations = [{"kind": "gap", "container": share, "device": 0, "action": "report", "offenders": [],
+                   "memory_driver": 2 * GiB, "memory_current": GiB, "memory_max": 4 * GiB}]
+    stop = threading.Event()
+
+    def agent_state():   # what a running `vgpu-ctl agent` keeps writing (vgpu.node.write_state)
+        while not stop.is_set():
+            node_truth.write_state(n.slice_dir, {"version": 1, "pid": os.getpid(),
+                                                 "pid_start": procfs.start_ticks(os.getpid()),
+                                                 "updated": time.time(), "interval_s": 0.2,
+                                                 "violations": list(violations)})
+            stop.wait(0.2)
+    t = threading.Thread(target=agent_state, daemon=True)
+    t.start()
+    try:
+        def violating():
+            entries = our_entries(api, "judged")
+            c = [x for x in entries[0]["conditions"] if x["type"] == "Violating"] if entries else []
+            return c[0] if c else None
+        v = wait(lambda: (c := violating()) and c["status"] == "True" and c, "Violating True")
+        assert v["reason"] == "Gap" and "driver 2Gi, shim 1Gi" in v["message"]
+        violations.clear()
+        v = wait(lambda: (c := violating()) and c["status"] == "False" and c, "Violating False")
+        assert v["reason"] == "NoViolation"
+    finally:
+        stop.set()
+        t.join(5)

@@ -9,7 +9,9 @@ device, shareID -- the tuple the API server requires to match status.allocation)
            interval), throttled.seconds (time
            launches waited for the share, in all), oom.refusals, and processes: [{pid,
            memory, command}] as the slice's usage file and NVML tell them
-    conditions: Ready (True once the slice serves the claim)
+    conditions: Ready (True once the slice serves the claim) and, while the node agent
+           (`vgpu-ctl agent`) runs, Violating (its verdict on the slice: over-cap, gap,
+           compute, with the action it took)
 
 `kubectl vgpu` reads them (and `kubectl describe resourceclaim` prints them).  The writer
 runs in the k8s-plugin process; every --claim-status-interval it reads the node's slices
@@ -63,7 +65,10 @@ def figures(container: dict, index: int, driver_memory=None) -> dict:
                  "throttled.seconds": round(row["throttled_ns"] / 1e9, 3), "oom.refusals": row["oom_refusals"]})
     if row.get("sm_used") is not None:
         data["sm.used"] = round(row["sm_used"] / 100, 1)
-    if driver_memory is not None:   # what the driver holds for the slice's processes, not what the shim counts
+    if "memory_driver" in row:      # the node-truth model's figure (vgpu.node): what the driver holds
+        if row["memory_driver"] is not None:
+            data["memory.driver"] = row["memory_driver"]
+    elif driver_memory is not None:   # else NVML's own list, for the slice's processes
         hosts = [p.get("host_pid") for p in container.get("processes") or [] if p.get("alive")]
         data["memory.driver"] = sum(driver_memory.get(h) or 0 for h in hosts if h is not None)
     procs = []
@@ -94,6 +99,24 @@ def ready_condition(ready: bool, previous=None, message="") -> dict:
     status = "True" if ready else "False"
     since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
     return {"type": "Ready", "status": status, "reason": "SlicePrepared" if ready else "SliceMissing",
+            "message": message[:1000], "lastTransitionTime": since or _now()}
+
+
+def violating_condition(violations, previous=None) -> dict:
+    """Violating: True while the node agent (vgpu-ctl agent) judges the slice in violation on
+    this GPU (over-cap, gap, compute: see vgpu.node), with what it saw and did."""
+    status = "True" if violations else "False"
+    since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
+    if violations:
+        from ..node import describe_violation
+        reason = "".join(w.capitalize() for w in str(violations[0].get("kind", "unknown")).split("-"))
+        try:
+            message = "; ".join(f"{v.get('kind')}: {describe_violation(v)}" for v in violations)
+        except (KeyError, TypeError, ValueError):   # a verdict of a newer agent: its kinds at least
+            message = ", ".join(str(v.get("kind")) for v in violations)
+    else:
+        reason, message = "NoViolation", "the node agent finds the slice within its quota"
+    return {"type": "Violating", "status": status, "reason": reason if reason.isalnum() else "Violation",
             "message": message[:1000], "lastTransitionTime": since or _now()}
 
 
@@ -138,6 +161,7 @@ class Writer:
         data = status_mod.collect(self.slice_dir, previous=self.previous, use_nvml=self.use_nvml)
         self.previous = data
         by_slice = {c["name"]: c for c in data["containers"]}
+        self._violations = data.get("violations")   # None: no node agent (vgpu-ctl agent) judging
         self._driver_memory = {}
         self._nvml = data["nvml"]["available"]
         now = time.monotonic()
@@ -160,6 +184,9 @@ class Writer:
             e["data"] = figures(container, index, self.driver_memory(index)) \
                 if container is not None and index is not None else \
                 {"slice": entry["slice"], "problem": "the slice is gone from this node"}
+            if self._violations is not None:
+                e["violations"] = [v for v in self._violations if v.get("container") == entry["slice"] and
+                                   v.get("device", index) == index]
             out.append(e)
         return out
 
@@ -220,7 +247,13 @@ class Writer:
             old = next((c for c in (before.get(key) or {}).get("conditions") or [] if c.get("type") == "Ready"),
                        None)
             message = f"slice {d['data'].get('slice')}" if ready else d["data"].get("problem", "")
-            fresh.append({**d, "conditions": [ready_condition(ready, old, message)]})
+            conditions = [ready_condition(ready, old, message)]
+            entry = {k: v for k, v in d.items() if k != "violations"}
+            if "violations" in d:
+                was = next((c for c in (before.get(key) or {}).get("conditions") or []
+                            if c.get("type") == "Violating"), None)
+                conditions.append(violating_condition(d["violations"], was))
+            fresh.append({**entry, "conditions": conditions})
         status["devices"] = kept + fresh
         return claim
 
