@@ -299,37 +299,50 @@ static uint64_t wall_us(void)
     return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
 }
 
-/* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
- * NOT_MEASURED when NVML cannot say. */
-#define NOT_MEASURED UINT64_MAX
-static uint64_t measured_ns(int dev, uint64_t window_ns)
+/* What NVML saw the container's processes use on `dev` over the last `window_ns`: the
+ * sum of their per-process SM and memory utilization (percent of the device).  0 when
+ * NVML says no process ran; -1 when NVML cannot say. */
+static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64_t *mem_pct)
 {
     if (!LOAD(&S.nvml_ready))
         nvml_resolve();
     static int nvml_up;
+    *sm_pct = *mem_pct = 0;
     if (!real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
-        return NOT_MEASURED;
+        return -1;
     if (!LOAD(&nvml_up)) {
         if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS)
-            return NOT_MEASURED;
+            return -1;
         STORE(&nvml_up, 1);
     }
     nvmlDevice_t h;
     nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
     unsigned int n = VGPU_MAX_PROCS * 2;
     if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS)
-        return NOT_MEASURED;
+        return -1;
     nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
     if (r == NVML_ERROR_NOT_FOUND)
         return 0;   /* no process ran a kernel in the window */
     if (r != NVML_SUCCESS)
-        return NOT_MEASURED;
-    uint64_t pct = 0;
+        return -1;
     for (unsigned int i = 0; i < n; i++)
         for (int p = 0; p < VGPU_MAX_PROCS; p++)
-            if ((unsigned)LOAD(&S.usage->procs[p].pid) == smp[i].pid && smp[i].pid)
-                pct += smp[i].smUtil;
-    return pct * window_ns / 100;
+            if ((unsigned)LOAD(&S.usage->procs[p].pid) == smp[i].pid && smp[i].pid) {
+                *sm_pct += smp[i].smUtil;
+                *mem_pct += smp[i].memUtil;
+            }
+    return 0;
+}
+
+/* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
+ * NOT_MEASURED when NVML cannot say. */
+#define NOT_MEASURED UINT64_MAX
+static uint64_t measured_ns(int dev, uint64_t window_ns)
+{
+    uint64_t sm, mem;
+    if (own_utilization(dev, window_ns, &sm, &mem))
+        return NOT_MEASURED;
+    return sm * window_ns / 100;
 }
 
 /* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
@@ -520,3 +533,47 @@ SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream
     return r;
 }
 
+
+/* === utilization inside a slice ===
+ * nvmlDeviceGetUtilizationRates shows the slice, as the memory view does (total = the
+ * cap): gpu = the GPU time the container's own processes used over the last second as a
+ * share of what its sm.max allows (100% = its whole share is in use); with no SM limit,
+ * their share of the whole device.  A neighbour's work is not in it.  memory = the
+ * container's processes' memory-bandwidth use, as a share of the whole device (bandwidth
+ * is not divided).  The figures are NVML's per-process utilization of the container's
+ * processes (by the pids they see, as in the cost correction above); where NVML cannot
+ * give it, the usage file's GPU-time counter since this process last asked, against
+ * sm.max (limited slices only: an unlimited slice's launches are not counted), and else
+ * the device's figure unchanged. */
+#define UTIL_WINDOW_NS 1000000000ull
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
+{
+    NVML_ENTER(nvmlDeviceGetUtilizationRates, device, utilization);
+    nvmlReturn_t r = real_nvmlDeviceGetUtilizationRates(device, utilization);
+    int dev = nvml_index(device);
+    if (r != NVML_SUCCESS || dev < 0 || S.mode != MODE_ENFORCE)
+        return r;
+    uint32_t sm_max = (uint32_t)dev < S.quota->device_count ? LOAD(&S.quota->devices[dev].sm_max) : 0;
+    uint64_t sm, mem, gpu;
+    if (!sm_max) {
+        utilization->gpu = utilization->memory = 0;   /* a device the slice was not given */
+        return r;
+    }
+    if (own_utilization(dev, UTIL_WINDOW_NS, &sm, &mem) == 0) {
+        gpu = sm_max >= SM_FULL ? sm : sm * SM_FULL / sm_max;
+        utilization->memory = (unsigned int)(mem > 100 ? 100 : mem);
+    } else if (sm_max < SM_FULL) {
+        static uint64_t last_at[VGPU_MAX_DEVICES], last_gpu[VGPU_MAX_DEVICES];
+        uint64_t now = now_ns(), used = LOAD(&S.usage->devices[dev].gpu_time_ns);
+        uint64_t at = __atomic_exchange_n(&last_at[dev], now, __ATOMIC_ACQ_REL);
+        uint64_t before = __atomic_exchange_n(&last_gpu[dev], used, __ATOMIC_ACQ_REL);
+        uint64_t allowed = at && now > at ? (now - at) * sm_max / SM_FULL : 0;
+        gpu = allowed && used >= before ? (used - before) * 100 / allowed : 0;
+        utilization->memory = 0;
+    } else {
+        return r;   /* nothing better than the device's figure */
+    }
+    utilization->gpu = (unsigned int)(gpu > 100 ? 100 : gpu);
+    return r;
+}

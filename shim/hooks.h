@@ -117,6 +117,8 @@
     X(nvmlDeviceGetComputeRunningProcesses_v2, nvmlReturn_t,                                       \
       (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v2_t *infos))                 \
     X(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                       \
-      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))                    \
+    /* === view: utilization as the slice's own use of its share (compute.c) === */              \
+    X(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization))
 
 #endif
