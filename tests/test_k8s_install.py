@@ -39,6 +39,10 @@ RENDERINGS = {
                        {"webhook": {"memoryResource": "example.com/gpu-memory",
                                     "utilizationResource": "example.com/gpu-sm"}}),
     "no-autoscale": (DEPLOY / "overlays" / "no-autoscale", {"nodeAgent": {"metricsArgs": ["serve", "--port", "9400"]}}),
+    "violation-policy": (DEPLOY / "overlays" / "violation-policy", {"nodeAgent": {
+        "metricsArgs": ["agent", "--autoscale", "--metrics-port", "9400", "--on-violation", "over-cap=kill",
+                        "--on-violation", "gap=kill"],
+        "hostPID": True, "metricsCapabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}}}),
 }
 NAMESPACE = "vgpu-system"
 
@@ -110,7 +114,9 @@ def render_chart(values_over=None, namespace=NAMESPACE):
                 value = value[k]
         if pipe == "toJson":
             return json.dumps(value, separators=(",", ":"))
-        assert isinstance(value, (str, int)) and not isinstance(value, bool), f"{path} must be a string or number"
+        assert isinstance(value, (str, int)), f"{path} must be a string, number or boolean"
+        if isinstance(value, bool):      # Go's %v of a bool
+            return json.dumps(str(value).lower()) if pipe == "quote" else str(value).lower()
         return json.dumps(str(value)) if pipe == "quote" else str(value)
     docs = []
     for t in sorted((DEPLOY / "chart" / "templates").glob("*.yaml")):
@@ -142,7 +148,8 @@ def test_the_chart_makes_the_same_objects_as_kustomize_but_the_namespace(name):
 def test_every_value_the_chart_names_exists_and_every_value_is_used():
     _, used = render_chart()
     values = yaml.safe_load((DEPLOY / "chart" / "values.yaml").read_text())
-    assert used == set(leaves(values))
+    unused = [leaf for leaf in leaves(values) if not any(leaf == u or leaf.startswith(u + ".") for u in used)]
+    assert unused == []
     chart = yaml.safe_load((DEPLOY / "chart" / "Chart.yaml").read_text())
     assert (chart["apiVersion"], chart["name"]) == ("v2", "vgpu")
 
@@ -254,10 +261,18 @@ def test_the_metrics_container_runs_a_vgpu_ctl_command_on_the_plugins_slices(nam
     spec = the(rendered(name), "DaemonSet")["spec"]["template"]["spec"]
     second = spec["containers"][1]
     command, params = parse(second)
-    assert command == ("serve" if name == "no-autoscale" else "autoscale")
+    assert command == {"no-autoscale": "serve", "violation-policy": "agent"}.get(name, "autoscale")
     port = params["port"] if command == "serve" else params["metrics_port"]
     assert port in [p["containerPort"] for p in second["ports"]]
     assert params["directory"] == parse(container(spec, "plugin"))[1]["directory"]
+    added = set(second["securityContext"]["capabilities"].get("add", []))
+    if command == "agent":    # judging and acting: the host's pids, other users' /proc maps, signals
+        assert params["with_autoscale"] and set(params["on_violation"]) == {"over-cap=kill", "gap=kill"}
+        assert spec["hostPID"] is True and added == {"KILL", "SYS_PTRACE"}
+    else:
+        assert spec["hostPID"] is False and added == set()
+    for c in spec["initContainers"] + spec["containers"]:
+        assert c is second or not c["securityContext"]["capabilities"].get("add"), c["name"]
 
 
 # === quota and per-claim caps ===
