@@ -180,6 +180,7 @@ static void init_node(struct simgpu_node *n, const struct simgpu_profile *p, int
         dev->uuid[6] = (unsigned char)((dev->uuid[6] & 0x0f) | 0x40);   /* version 4 */
         dev->uuid[8] = (unsigned char)((dev->uuid[8] & 0x3f) | 0x80);
     }
+    simgpu_mig_init(n->mig, SIMGPU_MAX_DEVICES);
     /* magic last: a reader that sees it sees an initialised node */
     __atomic_store_n(&n->magic, SIMGPU_MAGIC, __ATOMIC_RELEASE);
 }
@@ -323,6 +324,7 @@ static void clear_slot(struct simgpu_proc *p)
     for (int d = 0; d < SIMGPU_MAX_DEVICES; d++)
         atomic_store(&p->mem[d], 0);
     atomic_store(&p->context_devices, 0);
+    simgpu_mig_clear_proc(&p->mig);
     atomic_store(&p->pid, 0);
 }
 

@@ -17,12 +17,14 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 1u
+#define SIMGPU_VERSION 2u                    /* 2: MIG state (mig.h) */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
 #define SIMGPU_DEFAULT_KERNEL_US 5           /* kernels not named sim_<N>us */
 #define SIMGPU_QUEUE_DEPTH 1024              /* launches pending per stream before blocking */
+
+#include "simgpu/mig.h"                    /* MIG instances, kept in the node too */
 
 /* A simulated board.  node.c says where each figure comes from. */
 struct simgpu_profile {
@@ -55,6 +57,7 @@ struct simgpu_proc {
     _Atomic uint32_t context_devices;          /* bit d: has a context on device d */
     _Atomic uint64_t mem[SIMGPU_MAX_DEVICES];  /* bytes held on each device */
     char comm[32];
+    struct simgpu_mig_proc mig;                /* what it holds in MIG instances */
 };
 
 struct simgpu_interval {
@@ -78,6 +81,7 @@ struct simgpu_node {
     char profile_id[32];
     struct simgpu_proc procs[SIMGPU_MAX_PROCS];
     struct simgpu_device devices[SIMGPU_MAX_DEVICES];
+    struct simgpu_mig_gpu mig[SIMGPU_MAX_DEVICES];
     /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
 };
 

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include "nvml_abi.h"
 #include "simgpu/node.h"
+#include "simgpu/nvml_mig.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -81,6 +82,8 @@ static nvmlReturn_t device_index(nvmlDevice_t h, int *dev)
 {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
+    if (simgpu_nvml_is_mig(h))
+        return NVML_ERROR_NOT_SUPPORTED;   /* a MIG device: only the calls that say so answer (nvml_mig.h) */
     uintptr_t p = (uintptr_t)h, base = (uintptr_t)devices;
     if (p < base || p >= base + sizeof devices || (p - base) % sizeof devices[0] ||
         h->magic != DEV_MAGIC || h->index >= simgpu_node()->device_count)
@@ -242,6 +245,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevic
         return NVML_ERROR_UNINITIALIZED;
     if (!uuid || !device)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (!strncasecmp(uuid, "MIG-", 4))
+        return simgpu_nvml_mig_by_uuid(uuid, device);
     char s[UUID_LEN];
     for (unsigned int i = 0; i < simgpu_node()->device_count; i++) {
         format_uuid((int)i, s);
@@ -255,6 +260,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevic
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
+    if (simgpu_nvml_is_mig(device))
+        return simgpu_nvml_mig_index(device, index);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     if (r)
@@ -267,6 +274,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int 
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    if (simgpu_nvml_is_mig(device))
+        return simgpu_nvml_mig_name(device, name, length);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     return r ? r : put_str(name, length, simgpu_profile()->model);
@@ -274,6 +283,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, un
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    if (simgpu_nvml_is_mig(device))
+        return simgpu_nvml_mig_uuid(device, uuid, length);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     if (r)
@@ -286,8 +297,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, un
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
                                                               int *minor)
 {
-    int d;
-    nvmlReturn_t r = device_index(device, &d);
+    int d;   /* a MIG device has its GPU's compute capability */
+    nvmlReturn_t r = simgpu_nvml_is_mig(device) ? simgpu_nvml_mig_parent(device, &d) : device_index(device, &d);
     if (r)
         return r;
     if (!major || !minor)
@@ -324,6 +335,8 @@ static void memory(int dev, unsigned long long *total, unsigned long long *used)
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *mem)
 {
+    if (simgpu_nvml_is_mig(device))
+        return simgpu_nvml_mig_memory(device, mem);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     if (r)
@@ -337,6 +350,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemo
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *mem)
 {
+    if (simgpu_nvml_is_mig(device))
+        return simgpu_nvml_mig_memory_v2(device, mem);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     if (r)
@@ -370,6 +385,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device,
     nvmlReturn_t r = device_index(device, &d);
     if (r)
         return r;
+    if (simgpu_mig_enabled(d))
+        return NVML_ERROR_NOT_SUPPORTED;   /* nvml.h: not supported on MIG-enabled GPUs */
     if (!utilization)
         return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t now = simgpu_now_ns(), from = now > SEC_NS ? now - SEC_NS : 0;
@@ -400,6 +417,8 @@ nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSampl
     nvmlReturn_t r = device_index(device, &d);
     if (r)
         return r;
+    if (simgpu_mig_enabled(d))
+        return NVML_ERROR_NOT_SUPPORTED;   /* nvml.h: not supported on MIG-enabled GPUs */
     if (!processSamplesCount)
         return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t now = simgpu_now_ns(), now_us = wall_us();
@@ -442,6 +461,8 @@ enum proc_abi { GRAPHICS_NONE, PROC_V1, PROC_V2 };
 static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos,
                                       enum proc_abi abi)
 {
+    if (simgpu_nvml_is_mig(device) && abi != GRAPHICS_NONE)
+        return simgpu_nvml_mig_processes(device, infoCount, infos, abi == PROC_V1);
     int d;
     nvmlReturn_t r = device_index(device, &d);
     if (r)
@@ -457,11 +478,15 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
             int32_t pid = atomic_load(&n->procs[i].pid);
             uint64_t mem = atomic_load(&n->procs[i].mem[d]);
             int has_ctx = (atomic_load(&n->procs[i].context_devices) >> d) & 1;
-            if (pid > 0 && (mem > 0 || has_ctx))
-                found[count++] = (nvmlProcessInfo_v2_t){
+            if (pid > 0 && (mem > 0 || has_ctx)) {
+                found[count] = (nvmlProcessInfo_v2_t){
                     .pid = (unsigned int)pid, .usedGpuMemory = mem,
                     .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,   /* not MIG */
                     .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};
+                if (simgpu_mig_enabled(d))   /* aggregate: each process with its instance */
+                    simgpu_nvml_mig_process_ids(d, i, &found[count].gpuInstanceId, &found[count].computeInstanceId);
+                count++;
+            }
         }
     }
     return vgpu_nvml_put_processes(found, count, infoCount, infos, abi == PROC_V1);
