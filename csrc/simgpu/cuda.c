@@ -26,6 +26,16 @@
 #include "simgpu/image.h"
 #include "simgpu/node.h"
 
+/* CUdevice ordinals are devices of the process's view (CUDA_VISIBLE_DEVICES; a MIG device
+ * is one compute instance: its GI's memory pool, its own timeline): the node's memory and
+ * timeline calls in this file go through the view (mig.h). */
+#define simgpu_mem_reserve simgpu_view_mem_reserve
+#define simgpu_mem_release simgpu_view_mem_release
+#define simgpu_mem_used simgpu_view_mem_used
+#define simgpu_enqueue simgpu_view_enqueue
+#define simgpu_note_context simgpu_view_note_context
+#define simgpu_forget_context simgpu_view_forget_context
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -245,7 +255,7 @@ static __thread int tls_per_thread;   /* set by _ptds/_ptsz entry points */
             return CUDA_ERROR_NOT_INITIALIZED;                                \
     } while (0)
 
-static int ndevices(void) { return (int)simgpu_node()->device_count; }
+static int ndevices(void) { return simgpu_view_count(); }
 static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
 
 /* Run `call` as the per-thread-default-stream variant of an entry point. */
@@ -324,6 +334,8 @@ SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
         return CUDA_ERROR_INVALID_VALUE;
     if (simgpu_attach())
         return CUDA_ERROR_NO_DEVICE;   /* simgpu printed why (profile, state dir) */
+    if (simgpu_view_init())
+        return CUDA_ERROR_NO_DEVICE;   /* CUDA_VISIBLE_DEVICES names no device */
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, init_once);
     if (ctx_overhead_bad)
@@ -367,7 +379,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)len, "%s", simgpu_profile()->model);
+    simgpu_view_name(dev, name, (unsigned)len);
     return CUDA_SUCCESS;
 }
 
@@ -378,7 +390,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    memcpy(uuid->bytes, simgpu_node()->devices[dev].uuid, 16);
+    simgpu_view_uuid(dev, uuid->bytes);   /* a MIG device's own UUID */
     return CUDA_SUCCESS;
 }
 
@@ -394,7 +406,7 @@ SIMGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    *bytes = simgpu_profile()->memory;
+    *bytes = simgpu_view_memory(dev);
     return CUDA_SUCCESS;
 }
 
@@ -439,7 +451,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     case 13: v = p->clock_khz; break;              /* CLOCK_RATE */
     case 14: v = 512; break;                       /* TEXTURE_ALIGNMENT */
     case 15: v = 1; break;                         /* GPU_OVERLAP */
-    case 16: v = p->sm_count; break;               /* MULTIPROCESSOR_COUNT */
+    case 16: v = simgpu_view_sm_count(dev); break; /* MULTIPROCESSOR_COUNT */
     case 17: v = 0; break;                         /* KERNEL_EXEC_TIMEOUT: no display watchdog */
     case 18: v = 0; break;                         /* INTEGRATED */
     case 19: v = 1; break;                         /* CAN_MAP_HOST_MEMORY */
@@ -453,7 +465,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     case 30: v = 512; break;                       /* SURFACE_ALIGNMENT */
     case 31: v = 1; break;                         /* CONCURRENT_KERNELS */
     case 32: v = 1; break;                         /* ECC_ENABLED: all four boards run with ECC on */
-    case 33: v = 0x10 + dev; break;                /* PCI_BUS_ID (as cuDeviceGetPCIBusId) */
+    case 33: v = 0x10 + simgpu_view_gpu(dev); break; /* PCI_BUS_ID (as cuDeviceGetPCIBusId) */
     case 34: v = 0; break;                         /* PCI_DEVICE_ID (the slot) */
     case 35: v = 0; break;                         /* TCC_DRIVER: Linux */
     case 36: v = p->mem_clock_khz; break;          /* MEMORY_CLOCK_RATE */
@@ -536,7 +548,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(pciBusId, (size_t)len, "00000000:%02X:00.0", 0x10 + dev);
+    snprintf(pciBusId, (size_t)len, "00000000:%02X:00.0", 0x10 + simgpu_view_gpu(dev));
     return CUDA_SUCCESS;
 }
 
@@ -1169,7 +1181,7 @@ SIMGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     if (!free || !total)
         return CUDA_ERROR_INVALID_VALUE;
     simgpu_reap_dead();
-    uint64_t cap = simgpu_profile()->memory, used = simgpu_mem_used(c->dev);
+    uint64_t cap = simgpu_view_memory(c->dev), used = simgpu_mem_used(c->dev);
     *total = cap;
     *free = used < cap ? cap - used : 0;
     return CUDA_SUCCESS;
@@ -3258,9 +3270,9 @@ SIMGPU_EXPORT CUresult cuLinkDestroy(CUlinkState l)
 
 /* === launch === */
 
-static uint64_t kernel_ns(const struct vgpu_function *f, uint64_t blocks)
+static uint64_t kernel_ns(int dev, const struct vgpu_function *f, uint64_t blocks)
 {
-    uint64_t sms = (uint64_t)simgpu_profile()->sm_count;
+    uint64_t sms = (uint64_t)simgpu_view_sm_count(dev);   /* a wave: as many blocks as SMs */
     uint64_t waves = (blocks + sms - 1) / sms;
     return waves * f->us_per_wave * 1000ull;
 }
@@ -3304,7 +3316,7 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     uint64_t blocks = (uint64_t)gx * gy * gz;
     if (s->capture)
         return graph_add_kernel(s->capture, f, blocks);
-    stream_enqueue(s, kernel_ns(f, blocks));
+    stream_enqueue(s, kernel_ns(s->ctx->dev, f, blocks));
     return CUDA_SUCCESS;
 }
 
@@ -3784,7 +3796,7 @@ SIMGPU_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phExec, CUgraph 
         return CUDA_ERROR_OUT_OF_MEMORY;
     e->dev = c->dev;
     for (size_t i = 0; i < g->count; i++)
-        e->duration_ns += kernel_ns(g->nodes[i].fn, g->nodes[i].blocks);
+        e->duration_ns += kernel_ns(c->dev, g->nodes[i].fn, g->nodes[i].blocks);
     e->kernels = g->count;
     e->flags = flags;
     if (g->nmem) {
