@@ -335,3 +335,19 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path):
             assert fresh.request("GET", "/healthz").status == 200
         finally:
             hook.stop()
+
+
+def test_a_template_the_api_server_refuses_is_a_denial_that_says_why(tmp_path):
+    with FakeApiServer() as api:
+        hook = Webhook(tmp_path, api)
+        try:
+            api.fail_next("POST", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaimtemplates", 403,
+                          message='resourceclaimtemplates.resource.k8s.io "x" is forbidden: ValidatingAdmissionPolicy '
+                                  "'vgpu-claim-caps' denied request: a vgpu claim in namespace team-a may ask for at "
+                                  "most 8Gi of GPU memory")
+            response = hook.review(pod_of(ctr("c", limits={"vgpu.dev/gpu-memory": "16Gi"})))
+            assert response["allowed"] is False
+            assert "API server said 403: " in response["status"]["message"]
+            assert "may ask for at most 8Gi of GPU memory" in response["status"]["message"]
+        finally:
+            hook.stop()

@@ -309,9 +309,13 @@ class Admitter:
             self.log({"event": "template_created", "namespace": meta["namespace"], "name": meta["name"]})
             return
         except ApiException as e:
-            if e.status != 409:
+            if e.status != 409:     # e.g. refused by a quota or the claim-caps policy: say why
+                try:
+                    why = json.loads(e.body).get("message") or e.reason
+                except (TypeError, ValueError, AttributeError):
+                    why = e.reason
                 raise Denied(f"cannot create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: API server "
-                             f"said {e.status} {e.reason}") from None
+                             f"said {e.status}: {why}") from None
         have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
             meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
         if have.get("spec") != tmpl["spec"]:
