@@ -59,8 +59,9 @@ class Webhook:
                                       str(key), "--port", "0", "--address", "127.0.0.1", "--kubeconfig",
                                       str(tmp / "kubeconfig"), *extra], stderr=open(self.log, "w"), text=True)
         self.port = self.wait_for("serving")["port"]
-        self.pool = urllib3.HTTPSConnectionPool("127.0.0.1", self.port, ca_certs=str(self.ca), cert_reqs="CERT_REQUIRED",
-                                                server_hostname=SERVICE, assert_hostname=SERVICE, timeout=10)
+        self.pool = urllib3.HTTPSConnectionPool("127.0.0.1", self.port, ca_certs=str(self.ca),
+                                                cert_reqs="CERT_REQUIRED", server_hostname=SERVICE,
+                                                assert_hostname=SERVICE, timeout=10)
 
     def events(self):
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
