@@ -1160,7 +1160,7 @@ class OnViolation(click.ParamType):
 @click.option("--interval", type=DURATION, default="1s", show_default=True,
               help="Time between looks at the driver and the slices (dead slots are reaped at once when the agent "
                    "sees their process end, else within this).")
-@click.option("--grace", type=DURATION, default="1s", show_default=True,
+@click.option("--grace", type=DURATION, default="500ms", show_default=True,
               help="How long a memory or unsliced condition must last to be a violation.")
 @click.option("--compute-window", type=DURATION, default="10s", show_default=True,
               help="A slice's NVML share must pass its sm.max by 10 points, unpaced, on average over this long.")

@@ -49,6 +49,7 @@ STATE_FILE = ".agent.json"      # in the node directory (no slice name starts wi
 IDENTITY_PATH = "/run/vgpu/.slice"
 RECHECK_S = 10.0                # a process found in no slice is looked at again this often
 ORPHAN_S = 2.0                  # temporary slices' owners are checked this often
+SLACK_S = 0.005
 
 
 # === settings ===
@@ -58,7 +59,7 @@ class Settings:
     tolerance: int = 64 * MiB       # memory the driver may hold beyond the shim's figure / the cap
     tolerance_ratio: float = 0.02   # ... or this share of the cap, whichever is larger
     process_overhead: int = 0       # per process, on top (a context's own memory the shim does not charge)
-    grace: float = 1.0              # a memory or unsliced condition must last this long
+    grace: float = 0.5              # a memory or unsliced condition must last this long
     window: float = 10.0            # a compute condition must hold on average over this long
     compute_margin: int = 1000      # NVML's share may pass sm.max by this much (1/100 percent: 10 points)
     require_slices: bool = False    # a GPU process in no slice is a violation
@@ -631,6 +632,12 @@ class Judge:
                                                              "comm": p.comm}, [(p.host_pid, p)])
         return out
 
+    def next_due(self):
+        """When a pending memory or unsliced condition is due to be looked at again (it
+        becomes a violation then, if it still holds), or None."""
+        due = [v.since + self.settings.grace for v in self.pending.values() if v.kind != "compute"]
+        return min(due) if due else None
+
     def update(self, snap: Snapshot, observer, held=lambda key: False) -> tuple:
         """(started, ended): violations that began and ended with this snapshot.  A held
         one (`stop`: its condition is gone because the agent holds it) stays active."""
@@ -646,7 +653,8 @@ class Judge:
             v.offenders = [(pid, observer.tracked[pid].start) for pid, _ in offenders
                            if pid in observer.tracked and observer.tracked[pid].visible]
             if k in self.pending:
-                due = now - v.since >= (0 if kind == "compute" else self.settings.grace)
+                # (a hair of slack: two looks a grace period apart are never quite that far apart)
+                due = now - v.since >= (0 if kind == "compute" else self.settings.grace - SLACK_S)
                 if due:
                     del self.pending[k]
                     v.started = now
@@ -1022,7 +1030,14 @@ class Agent:
                     next_at += self.interval
                     if next_at < now:
                         next_at = now + self.interval
-                self._wait(stop, next_at)
+                # a condition waiting out its grace period is looked at again as it ends
+                due = self.judge.next_due()
+                until = next_at if due is None or due >= next_at else max(due, time.monotonic())
+                if self._wait(stop, until) and until < next_at:
+                    try:
+                        self.tick(time.monotonic())
+                    except Exception as e:
+                        self.log("error", error=f"{type(e).__name__}: {e}")
         finally:
             self.holder.halt.set()
             self.holder.release_all()
@@ -1034,11 +1049,11 @@ class Agent:
 
     def _wait(self, stop, until):
         """Sleep until `until`, waking at once when a tracked process ends (its slice is
-        reaped then) or `stop` is set."""
+        reaped then); False when `stop` was set."""
         while not stop.is_set():
             left = until - time.monotonic()
             if left <= 0:
-                return
+                return True
             fds = self.observer.pidfds()
             poller = select.poll()
             for fd in fds:
@@ -1052,6 +1067,7 @@ class Agent:
                     names |= set(t.usage or ())
             for name in sorted(names):
                 self.reap(name)
+        return False
 
 
 # === the state file (status reads what the agent judged) ===
@@ -1114,10 +1130,14 @@ def annotate(data: dict, use_nvml=True):
     finally:
         obs.close()
     for c in data["containers"]:
+        c["driver_only"] = []    # its processes the driver lists that hold no slot of its own (no shim)
         for cd in c["devices"]:
             sd = snap.slices.get((c["name"], cd["index"]))
             cd["memory_driver"] = sd.driver if sd is not None else None
             cd["driver_processes"] = [p.host_pid for p in sd.processes] if sd is not None else []
+            if sd is not None:
+                c["driver_only"] += [p.to_json() | {"command": procfs.cmdline(p.host_pid) or p.comm}
+                                     for p in sd.processes if p.slot is None]
     procs = [p.to_json() | {"command": procfs.cmdline(p.host_pid) or p.comm}
              for p in snap.processes if p.attribution.state != "sliced"]
     data["unsliced"] = [p for p in procs if p["state"] in ("unsliced", "ambiguous")]

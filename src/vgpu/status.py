@@ -261,6 +261,11 @@ def render(data: dict, wide=True) -> str:
             cmd = p["command"] if p["alive"] else f"{p['command']} (dead: vgpu-ctl reap)"
             prow.append([c["name"], p["pid"], p["host_pid"] if p["host_pid"] is not None else "-", mem, sm,
                          cmd if len(cmd) <= 60 else cmd[:57] + "..."])
+        for p in c.get("driver_only", []):   # the driver lists it as the slice's; it holds no slot (no shim)
+            mem = "-" if p["memory_driver"] is None else format_memory(p["memory_driver"])
+            cmd = f"(no slot: by {p['method']}) {p.get('command') or p.get('comm') or '?'}"
+            prow.append([c["name"], "-", p["host_pid"], mem, _percent(p["sm_util"]),
+                         cmd if len(cmd) <= 60 else cmd[:57] + "..."])
     # GPU processes in no slice (or that this host cannot see): the driver's figures
     for p in data.get("unsliced", []) + data.get("unknown", []):
         what = {"unsliced": "(unsliced)", "ambiguous": "(ambiguous)", "unknown": "(unknown)"}[p["state"]]

@@ -1,0 +1,109 @@
+"""A GPU tenant for the node agent's tests: talks to whatever libcuda.so.1 it is given (the
+shim in front of simgpu, or simgpu alone) and takes one JSON command per line on stdin:
+
+  {"alloc": BYTES}                 cuMemAlloc; prints the CUresult
+  {"hide": BYTES, "usage": PATH}   rewrite this process's own slot charge on device 0 in its
+                                   slice's usage file (as a tenant can: the file is writable
+                                   in its container); prints the old charge
+  {"hog": KERNEL_US}               from now on, launch and synchronise sim_<KERNEL_US>us
+                                   kernels back to back in a thread (no pause); prints 0
+  {"child": [ARGV...]}             start ARGV with an EMPTY environment but for simgpu's
+                                   variables (which stand in for the GPU, not for vgpu) and
+                                   relay its lines; prints {"child": pid} first
+  {"mmap": [PATH...]}              map these files read-only (and keep them mapped); prints 0
+At start it prints {"pid": its pid, "host_pid": its pid in the /proc it sees}.
+"""
+import ctypes
+import json
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+cuda = ctypes.CDLL("libcuda.so.1")
+
+
+def check(rc, what):
+    if rc != 0:
+        raise SystemExit(f"{what} -> {rc}")
+
+
+check(cuda.cuInit(0), "cuInit")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def say(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+try:
+    host = int(os.readlink("/proc/self"))
+except (OSError, ValueError):
+    host = None
+say({"pid": os.getpid(), "host_pid": host, "time": time.time()})
+held, maps = [], []
+
+
+def hog(us):
+    module, func = ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    check(cuda.cuModuleLoadData(ctypes.byref(module), b"img"), "cuModuleLoadData")
+    check(cuda.cuModuleGetFunction(ctypes.byref(func), module, f"sim_{us}us".encode()), "cuModuleGetFunction")
+    launch = cuda.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                                                                 ctypes.c_void_p]
+    while True:
+        launch(func, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        cuda.cuCtxSynchronize()
+
+
+def relay(proc):
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if "alloc" in cmd:
+        ptr = ctypes.c_uint64()
+        rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cmd["alloc"]))
+        if rc == 0:
+            held.append(ptr)
+        say(rc)
+    elif "hide" in cmd:
+        # the layout of csrc/vgpu_region.h, as a tenant would read it from the header
+        sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
+        from vgpu import slices
+        fd = os.open(cmd["usage"], os.O_RDWR)
+        slot = next(i for i in range(slices.MAX_PROCS)
+                    if struct.unpack("<i", os.pread(fd, 4, slices.pid_offset(i)))[0] == os.getpid())
+        old = struct.unpack("<Q", os.pread(fd, 8, slices.charge_offset(0, slot)))[0]
+        os.pwrite(fd, struct.pack("<Q", cmd["hide"]), slices.charge_offset(0, slot))
+        os.close(fd)
+        say({"old": old, "time": time.time()})
+    elif "hog" in cmd:
+        threading.Thread(target=hog, args=(cmd["hog"],), daemon=True).start()
+        say({"hog": 0, "time": time.time()})
+    elif "child" in cmd:
+        env = {k: v for k, v in os.environ.items() if k.startswith("SIMGPU_") or k == "LD_LIBRARY_PATH"}
+        proc = subprocess.Popen(["env", "-i", *(f"{k}={v}" for k, v in env.items()), *cmd["child"]],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        held.append(proc)
+        say({"child": proc.pid})
+        threading.Thread(target=relay, args=(proc,), daemon=True).start()
+        for sub in cmd.get("send", []):
+            proc.stdin.write(json.dumps(sub) + "\n")
+            proc.stdin.flush()
+    elif "mmap" in cmd:
+        for path in cmd["mmap"]:
+            with open(path, "rb") as f:
+                maps.append(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ))
+        say(0)

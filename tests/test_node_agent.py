@@ -1,0 +1,714 @@
+"""The node agent (`vgpu-ctl agent`), judged from outside: real processes on simgpu (under
+the shim, or simgpu alone), the agent as its own process, and NVML without the shim as
+the referee (vgpu.referee).  Containers are a mount namespace (and where asked a cgroup and
+a pid namespace) made with unshare: see Box.
+"""
+import json
+import os
+import queue
+import re
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_sim_env
+from containers import mount_script, namespaces_work
+from vgpu import install, node, referee, runtime, slices
+from vgpu.paths import SHIM, simgpu_dir
+
+GiB, MiB = 1 << 30, 1 << 20
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+TENANT = str(Path(__file__).resolve().parent / "programs" / "tenant.py")
+OOM = 2
+
+
+# === the pieces: a node, tenants, the agent ===
+
+class Node:
+    def __init__(self, root):
+        self.root = root
+        self.dir = root / "vgpu"
+        self.env = make_sim_env(root / "node")
+
+    def ctl(self, *args, ok=True, env=None):
+        out = subprocess.run([CTL, *map(str, args), "--dir", str(self.dir)], env=env or self.env,
+                             capture_output=True, text=True, timeout=60)
+        if ok and out.returncode != 0:
+            raise AssertionError(f"vgpu-ctl {' '.join(map(str, args))} -> {out.returncode}\n{out.stdout}{out.stderr}")
+        return out
+
+    def status(self):
+        return json.loads(self.ctl("status", "--json").stdout)
+
+    def shim_env(self, name):
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+
+    def usage(self, name):
+        return slices.read_usage(self.dir, name)     # a plain read: it reaps nothing
+
+
+class Tenant:
+    """tests/programs/tenant.py, started with `argv` prefix (nsenter ...) and `env`."""
+
+    def __init__(self, env, prefix=()):
+        self.proc = subprocess.Popen([*prefix, sys.executable, TENANT], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout] + [self.lines.put("")],
+                         daemon=True).start()
+        hello = self.read()
+        self.pid, self.host_pid = hello["pid"], hello["host_pid"]
+
+    def read(self, timeout=30):
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            line = ""
+        if not line:
+            self.proc.kill()
+            raise AssertionError(f"tenant said nothing: {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def alive(self):
+        try:
+            os.kill(self.host_pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{self.host_pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+    def kill(self):
+        try:
+            os.kill(self.host_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+class Agent:
+    """`vgpu-ctl agent ARGS` as its own process; its JSON lines gathered as they come."""
+
+    def __init__(self, node_, *args, env=None, prefix=()):
+        self.lines = queue.Queue()
+        self.seen = []
+        self.proc = subprocess.Popen([*prefix, CTL, "agent", *map(str, args), "--dir", str(node_.dir)],
+                                     env=env or node_.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.port = None
+        threading.Thread(target=self._pump, args=(self.proc.stdout, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, False), daemon=True).start()
+        self.wait_for(lambda e: e.get("event") == "start", 30)
+
+    def _pump(self, stream, json_lines):
+        for line in stream:
+            if json_lines:
+                self.lines.put(json.loads(line))
+            else:
+                m = re.search(r"serving metrics on http://[^:]+:(\d+)/metrics", line)
+                if m:
+                    self.port = int(m.group(1))
+                self.lines.put({"event": "_stderr", "line": line})
+
+    def wait_for(self, pred, timeout):
+        for e in self.seen:
+            if pred(e):
+                return e
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                e = self.lines.get(timeout=max(0.01, deadline - time.time()))
+            except queue.Empty:
+                break
+            self.seen.append(e)
+            if pred(e):
+                return e
+        raise AssertionError(f"agent did not log it within {timeout}s; it logged: {self.seen}")
+
+    def events(self, name):
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                break
+        return [e for e in self.seen if e.get("event") == name]
+
+    def metrics(self):
+        deadline = time.time() + 10
+        while self.port is None and time.time() < deadline:
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class Box:
+    """A container without a container engine: a mount namespace holding `mounts`
+    [(host, path, read_only)] (made as tests/containers.py does), optionally a cgroup (v2)
+    and a pid namespace (sharing the host's /proc, as NVML sees host pids).  `run(env)`
+    starts a tenant in it with exactly `env`."""
+
+    def __init__(self, root, mounts, cgroup=None, pid_ns=False):
+        self.cgroup = cgroup
+        scratch = root / f"box-{id(self)}"
+        scratch.mkdir(parents=True)
+        # bash reads its own stat through the host's /proc: its first field is its host pid,
+        # which `exec sleep` keeps
+        script = mount_script(mounts, scratch) + 'read -r me rest < /proc/self/stat; echo "$me"\nexec sleep 3600\n'
+        argv = ["unshare", "--mount", "--propagation", "private", *(["--pid", "--fork"] if pid_ns else []),
+                "bash", "-c", script]
+        self.init = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={"PATH": "/usr/bin:/bin"})
+        line = self.init.stdout.readline()
+        assert line.strip(), self.init.stderr.read()
+        self.host_init = int(line)
+        self.pid_ns = pid_ns
+        self.tenants = []
+
+    def run(self, env):
+        inner = " ".join(f"{k}={v}" for k, v in env.items())
+        join = f"echo $$ > {self.cgroup}/cgroup.procs; " if self.cgroup else ""
+        prefix = ["nsenter", f"--target={self.host_init}", "--mount", *(["--pid"] if self.pid_ns else []), "--",
+                  "sh", "-c", f'{join}exec env -i {inner} "$0" "$@"']
+        t = Tenant({"PATH": "/usr/bin:/bin"}, prefix)
+        self.tenants.append(t)
+        return t
+
+    def stop(self):
+        for t in self.tenants:
+            t.kill()
+        self.init.kill()
+        self.init.wait(10)
+        try:
+            os.kill(self.host_init, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def inner_env(node_, **extra):
+    """The variables of a process in a box: simgpu's (they stand in for the GPU) and `extra`."""
+    return {"LD_LIBRARY_PATH": str(simgpu_dir()),
+            **{k: v for k, v in node_.env.items() if k.startswith("SIMGPU_")}, **extra}
+
+
+@pytest.fixture
+def node_(tmp_path):
+    n = Node(tmp_path)
+    n.dir.mkdir()
+    return n
+
+
+@pytest.fixture
+def spawn():
+    started = []
+
+    def start(env, prefix=()):
+        started.append(Tenant(env, prefix))
+        return started[-1]
+
+    yield start
+    for t in started:
+        t.kill()
+
+
+@pytest.fixture
+def agents():
+    started = []
+
+    def start(node_, *args, **kw):
+        started.append(Agent(node_, *args, **kw))
+        return started[-1]
+
+    yield start
+    for a in started:
+        a.stop()
+
+
+@pytest.fixture
+def boxes(tmp_path):
+    if not namespaces_work(tmp_path / "probe"):
+        pytest.skip("needs root and mount namespaces")
+    started = []
+
+    def start(*args, **kw):
+        started.append(Box(tmp_path, *args, **kw))
+        return started[-1]
+
+    yield start
+    for b in started:
+        b.stop()
+
+
+@pytest.fixture
+def cgroup(tmp_path):
+    """A fresh cgroup v2 directory (removed after), or a skip."""
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        if os.path.exists(f"{root}/cgroup.procs") and os.statvfs(root) and _is_cgroup2(root):
+            path = f"{root}/vgpu-test-{os.getpid()}-{tmp_path.name[-20:]}"
+            try:
+                os.mkdir(path)
+            except OSError as e:
+                pytest.skip(f"cannot make a cgroup here: {e}")
+            yield path
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            return
+    pytest.skip("no cgroup v2 hierarchy")
+
+
+def _is_cgroup2(path):
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path and " - cgroup2 " in line for line in f)
+
+
+def wait_until(pred, timeout, step=0.02):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    return pred()
+
+
+# === the shim says who it is ===
+
+def test_a_slot_records_its_process_s_start_time_pid_namespace_and_cgroup(node_, spawn):
+    node_.ctl("create", "a", "--memory", "1Gi")
+    t = spawn(node_.shim_env("a"))
+    (p,) = node_.usage("a").procs
+    with open(f"/proc/{t.pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert (p.pid, p.start_ticks, p.pid_ns, p.from_file) == (t.pid, ticks, os.stat(f"/proc/{t.pid}/ns/pid").st_ino,
+                                                             False)
+    with open(f"/proc/{t.pid}/cgroup") as f:
+        path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+    mounts = [m for m in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if _is_cgroup2(m)]
+    if path is not None and mounts:
+        assert p.cgroup_id == os.stat(mounts[0] + path).st_ino
+
+
+# === reaping ===
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_the_agent(node_, spawn, agents, sig):
+    node_.ctl("create", "a", "--memory", "4Gi")
+    t = spawn(node_.shim_env("a"))
+    assert t.call(alloc=GiB) == 0
+    assert node_.usage("a").devices[0]["memory_current"] == GiB
+
+    # without an agent (and no other process of the slice to do it) the charge stays: the test can fail
+    t.proc.send_signal(sig)
+    t.proc.wait(10)
+    time.sleep(1.5)
+    assert node_.usage("a").devices[0]["memory_current"] == GiB
+
+    agent = agents(node_)
+    agent.wait_for(lambda e: e.get("event") == "reaped", 5)
+    t2 = spawn(node_.shim_env("a"))
+    assert t2.call(alloc=GiB) == 0
+    t2.proc.send_signal(sig)
+    t0 = time.monotonic()
+    back = wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 3, step=0.01)
+    took = time.monotonic() - t0
+    assert back and took < 1.0, f"memory back after {took:.3f}s"
+    e = agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == t2.pid, 5)
+    assert (e["container"], e["memory"]) == ("a", {"0": GiB})
+
+
+# === unsliced processes ===
+
+def test_an_unsliced_process_appears_in_status_and_metrics(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    sliced = spawn(node_.shim_env("a"))
+    assert sliced.call(alloc=GiB) == 0
+    loose = spawn(node_.env)                      # simgpu alone: no shim, no slice
+    assert loose.call(alloc=3 * GiB // 2) == 0
+    agent = agents(node_, "--metrics-port", 0, "--metrics-address", "127.0.0.1")
+    time.sleep(1.5)
+
+    s = node_.status()
+    (u,) = s["unsliced"]
+    assert (u["host_pid"], u["device"], u["memory_driver"], u["state"]) == (loose.host_pid, 0, 3 * GiB // 2,
+                                                                             "unsliced")
+    (d,) = s["containers"][0]["devices"]
+    assert (d["memory_current"], d["memory_driver"], d["driver_processes"]) == (GiB, GiB, [sliced.host_pid])
+    assert s["agent"]["running"] is True and s["violations"] == []     # not required: reported, no violation
+    table = node_.ctl("status").stdout
+    row = next(line for line in table.splitlines() if line.startswith("(unsliced)"))
+    assert row.split()[:4] == ["(unsliced)", "-", str(loose.host_pid), "1.5Gi"]
+    assert next(line for line in table.splitlines() if line.startswith("a ")).split()[4] == "1Gi"   # DRIVER
+
+    m = agent.metrics()
+    assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 3 * GiB // 2
+    assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 1
+    assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+    assert m[("vgpu_unknown_processes", (("device", "0"),))] == 0
+
+
+def test_with_slices_required_an_unsliced_process_is_a_violation_and_killed_alone(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    sliced = spawn(node_.shim_env("a"))
+    assert sliced.call(alloc=GiB) == 0
+    loose = spawn(node_.env)
+    assert loose.call(alloc=GiB) == 0
+    agent = agents(node_, "--require-slices", "--on-violation", "unsliced=kill")
+    v = agent.wait_for(lambda e: e.get("event") == "violation", 5)
+    assert (v["kind"], v["host_pid"], v["offenders"], v["action"]) == ("unsliced", loose.host_pid,
+                                                                       [loose.host_pid], "kill")
+    a = agent.wait_for(lambda e: e.get("event") == "action", 5)
+    assert (a["action"], a["pid"], a["result"]) == ("kill", loose.host_pid, "killed")
+    assert wait_until(lambda: not loose.alive(), 5)
+    assert sliced.alive()
+
+
+# === a tenant that rewrites its usage file ===
+
+def test_a_process_hiding_a_gib_is_reported_within_2s_and_with_kill_killed_alone(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    honest = spawn(node_.shim_env("a"))
+    assert honest.call(alloc=256 * MiB) == 0
+    liar = spawn(node_.shim_env("a"))
+    assert liar.call(alloc=3 * GiB // 2) == 0
+    agent = agents(node_, "--on-violation", "kill")
+    time.sleep(1.2)
+    assert agent.events("violation") == []                         # honest so far: nothing to say
+
+    hid = liar.call(hide=GiB // 2, usage=str(node_.dir / "a" / "usage"))   # 1.5Gi held, 0.5Gi charged
+    assert hid["old"] == 3 * GiB // 2
+    assert liar.call(alloc=GiB) == 0     # the shim now thinks 1.75Gi of 2Gi: admitted; the driver has 2.75Gi
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+    latency = _ts(v["ts"]) - hid["time"]
+    assert latency <= 2.0, f"reported {latency:.2f}s after"
+    assert (v["container"], v["memory_driver"], v["memory_current"], v["offenders"]) == \
+        ("a", 11 * GiB // 4, 7 * GiB // 4, [liar.host_pid])
+    over = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
+    assert over["memory_driver"] > over["memory_max"] == 2 * GiB
+    kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("pid") == liar.host_pid, 5)
+    assert kill["result"] == "killed"
+    assert wait_until(lambda: not liar.alive(), 5)
+    time.sleep(1)
+    assert honest.alive() and honest.call(alloc=MiB) == 0        # only it
+    assert all(e["pid"] == liar.host_pid for e in agent.events("action"))
+    # the liar's slot reaped: what is left is the honest process's own charge
+    assert wait_until(lambda: [p.pid for p in node_.usage("a").procs] == [honest.pid], 3)
+    (p,) = node_.usage("a").procs
+    assert node_.usage("a").devices[0]["memory_current"] == p.memory[0] >= 256 * MiB + MiB
+
+
+def _ts(text):
+    import datetime
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def test_without_kill_a_hiding_process_is_reported_and_left_alone(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    liar = spawn(node_.shim_env("a"))
+    assert liar.call(alloc=GiB) == 0
+    agent = agents(node_)
+    liar.call(hide=0, usage=str(node_.dir / "a" / "usage"))
+    v = agent.wait_for(lambda e: e.get("event") == "violation", 5)
+    assert (v["kind"], v["action"], v["gap"]) == ("gap", "report", GiB)
+    time.sleep(1.5)
+    assert liar.alive() and agent.events("action") == []
+    s = node_.status()
+    assert [(x["kind"], x["container"]) for x in s["violations"]] == [("gap", "a")]
+    assert "driver figure above the shim's" in node_.ctl("status").stdout
+
+
+# === containers: identity file, cgroup, pid namespace ===
+
+def _slice_mounts(node_, name, identity=True, preload=None):
+    ms = runtime.mounts(name, slices.paths(node_.dir, name), SHIM, preload)
+    return [m for m in ms if identity or m[1] != runtime.CONTAINER_IDENTITY]
+
+
+def test_a_child_started_with_env_i_under_ld_so_preload_is_capped(node_, boxes, agents, tmp_path):
+    node_.ctl("create", "a", "--memory", "1Gi")
+    preload = tmp_path / "ld.so.preload"
+    preload.write_bytes(install.preload_line())
+    box = boxes(_slice_mounts(node_, "a", preload=preload))
+    parent = box.run(inner_env(node_))           # no VGPU_* at all: the shim comes from /etc/ld.so.preload
+    assert parent.call(alloc=2 * GiB) == OOM     # the identity file named the slice
+    hello = parent.call(child=[sys.executable, TENANT], send=[{"alloc": 2 * GiB}, {"alloc": GiB // 2}])
+    assert "child" in hello
+    child = parent.read()
+    assert parent.read() == OOM and parent.read() == 0           # env -i: capped all the same
+    slots = {p.pid: p for p in node_.usage("a").procs}
+    assert slots[child["pid"]].from_file and slots[parent.pid].from_file
+    assert node_.usage("a").devices[0]["memory_current"] == GiB // 2
+
+    # the same without the identity file: the child has nothing to tell it its slice
+    node_.ctl("create", "b", "--memory", "1Gi")
+    box2 = boxes(_slice_mounts(node_, "b", identity=False, preload=preload))
+    p2 = box2.run(inner_env(node_, VGPU_CONTAINER="b"))
+    assert p2.call(alloc=2 * GiB) == OOM
+    p2.call(child=[sys.executable, TENANT], send=[{"alloc": 2 * GiB}])
+    p2.read()
+    assert p2.read() == 0                                          # escaped
+
+
+def test_a_process_without_the_shim_in_a_slice_s_container_is_attributed_to_it(node_, boxes, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    box = boxes(_slice_mounts(node_, "a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM))
+    assert member.call(alloc=GiB // 2) == 0
+    raw = box.run(inner_env(node_))               # simgpu directly (no LD_PRELOAD): nothing counted
+    assert raw.call(alloc=GiB) == 0
+    agent = agents(node_)
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+    assert (v["container"], v["memory_driver"], v["memory_current"], v["offenders"]) == \
+        ("a", 3 * GiB // 2, GiB // 2, [raw.host_pid])
+    by = {p["host_pid"]: p["method"] for p in v["processes"]}
+    assert by == {member.host_pid: "usage-file", raw.host_pid: "identity-file"}
+    s = node_.status()
+    assert s["unsliced"] == []
+    (c,) = s["containers"]
+    assert [(p["host_pid"], p["method"]) for p in c["driver_only"]] == [(raw.host_pid, "identity-file")]
+
+
+def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_reported(node_, boxes, agents, cgroup):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    box = boxes(_slice_mounts(node_, "a", identity=False), cgroup=cgroup)   # an older container: no identity file
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    assert member.call(alloc=GiB // 2) == 0
+    raw = box.run(inner_env(node_))
+    assert raw.call(alloc=GiB) == 0
+    outside = Tenant(node_.env)                    # the same program outside the container: not the slice's
+    try:
+        assert outside.call(alloc=GiB) == 0
+        agent = agents(node_)
+        v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+        assert (v["container"], v["offenders"]) == ("a", [raw.host_pid])
+        assert {p["host_pid"]: p["method"] for p in v["processes"]} == {member.host_pid: "usage-file",
+                                                                         raw.host_pid: "cgroup"}
+        assert [u["host_pid"] for u in node_.status()["unsliced"]] == [outside.host_pid]
+    finally:
+        outside.kill()
+
+
+def test_a_process_in_a_slice_s_pid_namespace_is_attributed_by_it(node_, boxes, agents):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    box = boxes(_slice_mounts(node_, "a", identity=False), pid_ns=True)
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    assert member.call(alloc=GiB // 2) == 0
+    raw = box.run(inner_env(node_))
+    assert raw.call(alloc=GiB) == 0
+    assert member.pid != member.host_pid           # in its own pid namespace; NVML lists host pids
+    agent = agents(node_)
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+    assert {p["host_pid"]: p["method"] for p in v["processes"]} == {member.host_pid: "usage-file",
+                                                                     raw.host_pid: "pid-namespace"}
+    (c,) = node_.status()["containers"]
+    (p,) = c["processes"]
+    assert (p["pid"], p["host_pid"]) == (member.pid, member.host_pid)
+
+
+def test_a_process_claimed_by_two_slices_is_ambiguous_and_never_acted_on(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "1Gi")
+    node_.ctl("create", "b", "--memory", "1Gi")
+    two = spawn(node_.env)
+    assert two.call(mmap=[str(node_.dir / "a" / "usage"), str(node_.dir / "b" / "usage")]) == 0
+    assert two.call(alloc=GiB) == 0
+    agent = agents(node_, "--require-slices", "--on-violation", "kill")
+    time.sleep(2.5)
+    assert two.alive() and agent.events("violation") == [] and agent.events("action") == []
+    (u,) = node_.status()["unsliced"]
+    assert (u["state"], u["candidates"]) == ("ambiguous", ["a", "b"])
+
+
+# === compute ===
+
+def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(node_, boxes, agents):
+    node_.ctl("create", "a", "--memory", "2Gi", "--sm", "30%")
+    box = boxes(_slice_mounts(node_, "a"))
+    hog = box.run(inner_env(node_))               # in the slice's container, simgpu directly: never paced
+    agent = agents(node_, "--compute-window", "3s", "--on-violation", "compute=stop")
+    t0 = time.time()
+    hog.call(hog=2000)                            # 2 ms kernels, back to back
+    before = referee.start([hog.host_pid], [[0.5, 2.5]], t0, node_.env)
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "compute", 15)
+    assert (v["container"], v["sm_max"], v["offenders"]) == ("a", 3000, [hog.host_pid])
+    assert v["sm_nvml"] > 8000 and v["sm_charged"] < 1000    # the GPU time went past the shim
+    act = agent.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 5)
+    assert act["pid"] == hog.host_pid
+    out, err = before.communicate(timeout=30)
+    (share_before,), = json.loads(out)
+    assert share_before > 80                      # unheld, it takes what the GPU has
+    t1 = time.time()
+    held = referee.start([hog.host_pid], [[4, 10]], t1, node_.env)     # after the controller settles
+    out, err = held.communicate(timeout=60)
+    (share,), = json.loads(out)
+    print(f"compute hog: {share_before:.1f}% unheld, {share:.1f}% held (target 30%)")
+    assert abs(share - 30) <= 3, f"held at {share:.1f}% (target 30%)"
+    assert hog.alive()
+    agent.stop()                                  # leaving, the agent lets it go
+    after = referee.start([hog.host_pid], [[0.5, 2]], time.time(), node_.env)
+    out, _ = after.communicate(timeout=30)
+    (share_after,), = json.loads(out)
+    assert share_after > 80
+
+
+def test_a_paced_slice_is_no_compute_violation(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "2Gi", "--sm", "30%")
+    t = spawn(node_.shim_env("a"))
+    agent = agents(node_, "--compute-window", "2s")
+    t.call(hog=2000)                              # through the shim: paced to 30%
+    time.sleep(5)
+    assert agent.events("violation") == []
+
+
+# === orphans ===
+
+def test_an_orphaned_run_slice_is_removed_once_its_processes_are_gone(node_, agents):
+    node_.ctl("create", "kept", "--memory", "1Gi")            # not temporary, no process: stays
+    agent = agents(node_)
+    run = subprocess.Popen([CTL, "run", "--dir", str(node_.dir), "--memory", "1Gi", "--", sys.executable, TENANT],
+                           env=node_.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    hello = json.loads(run.stdout.readline())
+    (name,) = [n for n in slices.list_names(node_.dir) if n != "kept"]
+    assert slices.read_quota(node_.dir, name).temporary.pid == run.pid
+    run.send_signal(signal.SIGKILL)               # the owner dies; its command runs on
+    run.wait(10)
+    time.sleep(2 * node.ORPHAN_S + 1)
+    assert name in slices.list_names(node_.dir)   # still in use
+    os.kill(hello["pid"], signal.SIGTERM)
+    e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node.ORPHAN_S + 5)
+    assert (e["container"], e["owner_pid"]) == (name, run.pid)
+    assert slices.list_names(node_.dir) == ["kept"]
+
+
+# === bad input ===
+
+def test_without_nvml_the_agent_says_so_and_judges_nothing(node_, spawn, agents):
+    node_.ctl("create", "a", "--memory", "1Gi")
+    liar = spawn(node_.shim_env("a"))
+    assert liar.call(alloc=GiB // 2) == 0
+    liar.call(hide=0, usage=str(node_.dir / "a" / "usage"))
+    blind = {k: v for k, v in node_.env.items() if k != "LD_LIBRARY_PATH"}
+    agent = agents(node_, "--on-violation", "kill", "--require-slices", env=blind)
+    e = agent.wait_for(lambda e: e.get("event") == "nvml", 5)
+    assert e["available"] is False and "nothing acted on" in e["effect"]
+    time.sleep(2)
+    assert liar.alive() and agent.events("violation") == [] and agent.events("action") == []
+    s = json.loads(node_.ctl("status", "--json", env=blind).stdout)
+    assert s["containers"][0]["devices"][0]["memory_driver"] is None
+
+
+def test_pids_the_agent_cannot_see_are_unknown_and_never_acted_on(node_, spawn, agents, tmp_path):
+    if not namespaces_work(tmp_path / "probe"):
+        pytest.skip("needs root and namespaces")
+    loose = spawn(node_.env)
+    assert loose.call(alloc=GiB) == 0
+    # the agent in a pid namespace of its own, with its own /proc: NVML's host pids mean nothing there
+    agent = agents(node_, "--require-slices", "--on-violation", "kill", "--metrics-port", 0,
+                   "--metrics-address", "127.0.0.1",
+                   prefix=["unshare", "--pid", "--fork", "--mount-proc"])
+    time.sleep(2.5)
+    assert loose.alive() and agent.events("violation") == [] and agent.events("action") == []
+    m = agent.metrics()
+    assert m[("vgpu_unknown_processes", (("device", "0"),))] == 1
+    assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 0
+
+
+class FakeNvml:
+    """NVML as vgpu.nvml presents it, with answers chosen by the test."""
+
+    def __init__(self, procs=None, fail=None):
+        self.procs, self.fail = procs or {}, fail
+
+    def available(self):
+        return True, None
+
+    def device_count(self):
+        return 1
+
+    def running_processes(self, d):
+        if self.fail:
+            raise node.nvml.DeviceError(f"device {d}: {self.fail}")
+        return dict(self.procs)
+
+    def process_utilization(self, d, window_s=1.0):
+        return {}
+
+
+def test_an_nvml_that_fails_leaves_the_driver_figure_unknown_and_acts_on_nothing(node_, spawn):
+    node_.ctl("create", "a", "--memory", "1Gi")
+    victim = spawn(node_.env)                    # in no slice: with slices required, a kill if NVML named it
+    lines = []
+    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+                       nvml_module=FakeNvml(fail="Unknown Error"), log=lines.append)
+    snap = agent.tick()
+    agent.tick()
+    assert snap.device_errors == {0: "device 0: Unknown Error"}
+    assert snap.slices[("a", 0)].driver is None and snap.processes == []
+    assert [json.loads(x)["event"] for x in lines if "violation" in x or "action" in x] == []
+    assert victim.alive()
+
+    # and named, but with a pid nobody here has: unknown, not unsliced
+    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+                       nvml_module=FakeNvml({4_000_000: GiB}), log=lines.append)
+    snap = agent.tick()
+    agent.tick()
+    (p,) = snap.processes
+    assert (p.host_pid, p.attribution.state) == (4_000_000, "unknown")
+    assert [json.loads(x)["event"] for x in lines if '"violation"' in x or '"action"' in x] == []
+
+    # the control: the same agent, NVML naming the victim: killed
+    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+                       nvml_module=FakeNvml({victim.host_pid: GiB}), log=lines.append)
+    agent.tick()
+    agent.tick()
+    assert wait_until(lambda: not victim.alive(), 5)
+
+
+# === settings ===
+
+def test_tolerance_is_the_larger_of_64mib_and_2_percent_plus_per_process_overhead():
+    s = node.Settings()
+    assert s.tolerance_for(GiB) == 64 * MiB
+    assert s.tolerance_for(10 * GiB) == int(10 * GiB * 0.02)
+    assert s.tolerance_for(node.UNLIMITED) == 64 * MiB
+    assert node.Settings(process_overhead=300 * MiB).tolerance_for(GiB, 3) == 64 * MiB + 900 * MiB
+
+
+def test_on_violation_takes_an_action_or_kind_equals_action():
+    assert node.parse_actions(["kill"]) == {"over-cap": "kill", "gap": "kill", "unsliced": "kill", "compute": "kill"}
+    assert node.parse_actions(["stop"]) == {"compute": "stop"}
+    assert node.parse_actions(["report", "gap=kill", "compute=stop"]) == \
+        {"over-cap": "report", "gap": "kill", "unsliced": "report", "compute": "stop"}
+    for bad in ("gap=stop", "nope=kill", "explode"):
+        with pytest.raises(ValueError):
+            node.parse_actions([bad])
+
+
+def test_agent_option_errors_are_one_line_with_a_hint(node_):
+    r = node_.ctl("agent", "--on-violation", "gap=stop", ok=False)
+    assert r.returncode == 2 and "'stop' is not an action for gap" in r.stderr and "Traceback" not in r.stderr
