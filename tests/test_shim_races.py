@@ -98,6 +98,7 @@ def test_kill_storm_leaves_nothing_charged_and_nothing_on_the_device(node, lifec
             time.sleep(rng.random() * 0.002)
             procs[i].send_signal(signal.SIGKILL)
             procs[i].wait()
+            procs[i].stdout.close()   # a thousand of them: no descriptor left behind
             procs[i] = start(width + k)
             if k % 250 == 249:   # mid-storm: what the file says stays within the cap
                 assert settled(node) <= cap
@@ -105,6 +106,7 @@ def test_kill_storm_leaves_nothing_charged_and_nothing_on_the_device(node, lifec
         for p in procs:
             p.kill()
             p.wait()
+            p.stdout.close()
     seen = sampler_summary(sampler)
     assert seen["max_used"] <= cap, f"the device held {seen['max_used'] - cap} bytes over the cap"
     usage = node.usage()
@@ -148,6 +150,7 @@ def test_a_process_refused_a_slot_gets_one_when_slots_free(node, lifecycle, spaw
         for h in holders:
             h.kill()
             h.wait()
+            h.stdout.close()
 
 
 # === many processes starting at once ===
