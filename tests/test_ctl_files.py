@@ -41,7 +41,7 @@ def test_create_writes_the_layout_the_shim_reads(tmp_path):
     assert (len(usage), u.magic, u.abi_version, u.size) == (USAGE_SIZE, lib.VGPU_USAGE_MAGIC,
                                                              lib.VGPU_ABI_VERSION, USAGE_SIZE)
     assert usage[16:] == b"\0" * (USAGE_SIZE - 16)
-    assert sorted(os.listdir(tmp_path / "c1")) == ["quota", "usage"]     # no temporary file left
+    assert sorted(os.listdir(tmp_path / "c1")) == ["identity", "quota", "usage"]     # no temporary file left
 
 
 def test_files_are_created_with_their_documented_modes_whatever_the_umask(tmp_path):
@@ -106,7 +106,7 @@ def test_a_symlinked_slice_directory_is_refused(tmp_path):
     # and create does not write through it
     r = CliRunner().invoke(main, ["create", "c1", "--memory", "1Gi", "--overcommit", "--dir", str(node)])
     assert r.exit_code == 1 and "symbolic link" in r.stderr
-    assert sorted(os.listdir(tmp_path / "elsewhere" / "real")) == ["quota", "usage"]
+    assert sorted(os.listdir(tmp_path / "elsewhere" / "real")) == ["identity", "quota", "usage"]
 
 
 def test_a_hard_linked_quota_is_refused(tmp_path):
