@@ -50,6 +50,8 @@ out = {
   "reasons": q(n.nvmlDeviceGetCurrentClocksEventReasons), "vbios": q(n.nvmlDeviceGetVbiosVersion),
   "brand": q(n.nvmlDeviceGetBrand), "serial": q(n.nvmlDeviceGetSerial), "arch": q(n.nvmlDeviceGetArchitecture),
   "cores": q(n.nvmlDeviceGetNumGpuCores), "remapped": list(q(n.nvmlDeviceGetRemappedRows)),
+  "gsp": [list(q(n.nvmlDeviceGetGspFirmwareMode)), (lambda v: v.decode() if isinstance(v, bytes) else v)(q(n.nvmlDeviceGetGspFirmwareVersion))],
+  "gom": q(n.nvmlDeviceGetGpuOperationMode),
 }
 print(json.dumps(out))
 """
@@ -74,6 +76,7 @@ def test_an_idle_board_reports_its_specification(tmp_path, profile):
     assert r["reasons"] == 1   # GPU idle
     assert r["vbios"] == "NOT_SUPPORTED" and r["brand"] == 14 and len(r["serial"]) == 13
     assert r["arch"] == (9 if profile.startswith("h") else 7) and r["cores"] > 6000
+    assert r["gsp"] == [[1, 1], "580.65.06"] and r["gom"] == "NOT_SUPPORTED"
 
 
 def test_a_busy_board_clocks_up_warms_up_and_draws_power(tmp_path):

@@ -653,6 +653,26 @@ NO_FIRMWARE(nvmlDeviceGetRetiredPages_v2, int cause, unsigned int *pageCount, un
             unsigned long long *timestamps)
 NO_FIRMWARE(nvmlDeviceGetRetiredPagesPendingStatus, int *isPending)   /* Ampere on: row remapping instead */
 NO_FIRMWARE(nvmlDeviceGetConfComputeMemSizeInfo, void *memInfo)       /* confidential computing: off */
+NO_FIRMWARE(nvmlDeviceGetGpuOperationMode, int *current, int *pending)   /* GOM: GeForce Titan / Tesla K only */
+
+/* The GPU System Processor runs the driver's firmware on these boards (the R580 default):
+ * its version is the driver's. */
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetGspFirmwareMode(nvmlDevice_t device, unsigned int *isEnabled,
+                                                        unsigned int *defaultMode)
+{
+    DEVICE_OR_RETURN(device, d);
+    (void)d;
+    OUT_OR_RETURN(isEnabled && defaultMode);
+    *isEnabled = *defaultMode = 1;
+    return NVML_SUCCESS;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetGspFirmwareVersion(nvmlDevice_t device, char *version)
+{
+    DEVICE_OR_RETURN(device, d);
+    (void)d;
+    return put_str(version, 64, DRIVER_VERSION);   /* NVML_GSP_FIRMWARE_VERSION_BUF_SIZE */
+}
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetNumFans(nvmlDevice_t device, unsigned int *numFans)
 {
