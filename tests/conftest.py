@@ -25,7 +25,8 @@ CUDART13_REQUESTS = Path(__file__).resolve().parent / "fixtures" / "cudart13-get
 def make_sim_env(state_dir, profile="a10", devices=1, **extra):
     env = dict(os.environ)
     for k in list(env):
-        if k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_")):
+        # CUDA_VISIBLE_DEVICES: simgpu's libcuda honours it, and a host's value names its real GPUs
+        if k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_")) or k == "CUDA_VISIBLE_DEVICES":
             del env[k]
     lib = str(simgpu_dir())
     env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
