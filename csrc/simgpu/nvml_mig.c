@@ -332,15 +332,23 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_
 
 /* === GPU instances === */
 
-static nvmlReturn_t create_gi(nvmlDevice_t device, unsigned int profileId, int start, int size,
-                              nvmlGpuInstance_t *gpuInstance)
+/* placed: the caller gives a placement (which must then be a valid pointer). */
+static nvmlReturn_t create_gi(nvmlDevice_t device, unsigned int profileId, int placed,
+                              const nvmlGpuInstancePlacement_t *placement, nvmlGpuInstance_t *gpuInstance)
 {
     int d;
     nvmlReturn_t r = parent(device, &d);
     if (r)
         return r;
-    if (!gpuInstance)
+    if (!simgpu_mig_supported())
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (!gpuInstance || (placed && !placement))
         return NVML_ERROR_INVALID_ARGUMENT;
+    int start = -1, size = -1;
+    if (placed) {   /* anything out of range is an invalid placement for every profile */
+        start = placement->start < SIMGPU_MIG_MEM_SLICES ? (int)placement->start : SIMGPU_MIG_MEM_SLICES;
+        size = placement->size <= SIMGPU_MIG_MEM_SLICES ? (int)placement->size : 0;
+    }
     unsigned g;
     r = (nvmlReturn_t)simgpu_mig_gi_create(d, profileId, start, size, &g);
     if (r)
@@ -354,21 +362,14 @@ static nvmlReturn_t create_gi(nvmlDevice_t device, unsigned int profileId, int s
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstance(nvmlDevice_t device, unsigned int profileId,
                                                        nvmlGpuInstance_t *gpuInstance)
 {
-    return create_gi(device, profileId, -1, -1, gpuInstance);
+    return create_gi(device, profileId, 0, NULL, gpuInstance);
 }
 
 SIMGPU_EXPORT nvmlReturn_t nvmlDeviceCreateGpuInstanceWithPlacement(nvmlDevice_t device, unsigned int profileId,
                                                                     const nvmlGpuInstancePlacement_t *placement,
                                                                     nvmlGpuInstance_t *gpuInstance)
 {
-    if (!placement) {
-        int d;
-        nvmlReturn_t r = parent(device, &d);
-        return r ? r : NVML_ERROR_INVALID_ARGUMENT;
-    }
-    if (placement->start > SIMGPU_MIG_MEM_SLICES || placement->size > SIMGPU_MIG_MEM_SLICES)
-        return create_gi(device, profileId, SIMGPU_MIG_MEM_SLICES, 0, gpuInstance);   /* invalid */
-    return create_gi(device, profileId, (int)placement->start, (int)placement->size, gpuInstance);
+    return create_gi(device, profileId, 1, placement, gpuInstance);
 }
 
 SIMGPU_EXPORT nvmlReturn_t nvmlGpuInstanceDestroy(nvmlGpuInstance_t gpuInstance)
@@ -551,8 +552,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstancePossiblePlacements(
 
 /* === compute instances === */
 
-static nvmlReturn_t create_ci(nvmlGpuInstance_t gpuInstance, unsigned int profileId, int start, int size,
-                              nvmlComputeInstance_t *computeInstance)
+static nvmlReturn_t create_ci(nvmlGpuInstance_t gpuInstance, unsigned int profileId, int placed,
+                              const nvmlComputeInstancePlacement_t *placement, nvmlComputeInstance_t *computeInstance)
 {
     struct simgpu_mig_gi gis[SIMGPU_MIG_MAX_GI];
     int d;
@@ -560,8 +561,13 @@ static nvmlReturn_t create_ci(nvmlGpuInstance_t gpuInstance, unsigned int profil
     nvmlReturn_t r = gi_of(gpuInstance, gis, &d, &g);
     if (r)
         return r;
-    if (!computeInstance)
+    if (!computeInstance || (placed && !placement))
         return NVML_ERROR_INVALID_ARGUMENT;
+    int start = -1, size = -1;
+    if (placed) {
+        start = placement->start < SIMGPU_MIG_COMPUTE_SLICES ? (int)placement->start : SIMGPU_MIG_COMPUTE_SLICES;
+        size = placement->size <= SIMGPU_MIG_COMPUTE_SLICES ? (int)placement->size : 0;
+    }
     r = (nvmlReturn_t)simgpu_mig_ci_create(d, g, gis[g].generation, profileId, start, size, &c);
     if (r)
         return r;
@@ -573,16 +579,14 @@ static nvmlReturn_t create_ci(nvmlGpuInstance_t gpuInstance, unsigned int profil
 SIMGPU_EXPORT nvmlReturn_t nvmlGpuInstanceCreateComputeInstance(nvmlGpuInstance_t gpuInstance, unsigned int profileId,
                                                                 nvmlComputeInstance_t *computeInstance)
 {
-    return create_ci(gpuInstance, profileId, -1, -1, computeInstance);
+    return create_ci(gpuInstance, profileId, 0, NULL, computeInstance);
 }
 
 SIMGPU_EXPORT nvmlReturn_t nvmlGpuInstanceCreateComputeInstanceWithPlacement(
     nvmlGpuInstance_t gpuInstance, unsigned int profileId, const nvmlComputeInstancePlacement_t *placement,
     nvmlComputeInstance_t *computeInstance)
 {
-    if (!placement || placement->start > SIMGPU_MIG_COMPUTE_SLICES || placement->size > SIMGPU_MIG_COMPUTE_SLICES)
-        return create_ci(gpuInstance, profileId, SIMGPU_MIG_COMPUTE_SLICES, 0, computeInstance);   /* invalid */
-    return create_ci(gpuInstance, profileId, (int)placement->start, (int)placement->size, computeInstance);
+    return create_ci(gpuInstance, profileId, 1, placement, computeInstance);
 }
 
 SIMGPU_EXPORT nvmlReturn_t nvmlComputeInstanceDestroy(nvmlComputeInstance_t computeInstance)
