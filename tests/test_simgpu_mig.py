@@ -542,8 +542,10 @@ v2.version = n.nvmlMemory_v2
 assert n._nvmlGetFunctionPointer("nvmlDeviceGetMemoryInfo_v2")(m, ctypes.byref(v2)) == 0
 out["memory_v2"] = [v2.total, v2.reserved, v2.used, v2.free]
 by_uuid = n.nvmlDeviceGetHandleByUUID(uuid)
+legacy = n.nvmlDeviceGetHandleByUUID("MIG-" + n.nvmlDeviceGetUUID(h) + "/2/0")
 out["by_uuid"] = [n.nvmlDeviceGetGpuInstanceId(by_uuid), n.nvmlDeviceGetComputeInstanceId(by_uuid),
-                  n.nvmlDeviceGetHandleByUUID(uuid.upper()) is not None]
+                  n.nvmlDeviceGetHandleByUUID(uuid.upper()) is not None, n.nvmlDeviceGetUUID(legacy) == uuid,
+                  rc(n.nvmlDeviceGetHandleByUUID, "MIG-" + n.nvmlDeviceGetUUID(h) + "/2/1")]
 out["indices"] = [rc(n.nvmlDeviceGetMigDeviceHandleByIndex, h, 1), rc(n.nvmlDeviceGetMigDeviceHandleByIndex, h, 7),
                   rc(n.nvmlDeviceGetHandleByUUID, "MIG-00000000-0000-4000-8000-000000000000")]
 out["uuid"] = uuid
@@ -558,7 +560,7 @@ print(json.dumps(out))
     assert r["parent"] == [True, 0, 0, NOT_SUPPORTED, NOT_SUPPORTED, INVALID_ARGUMENT, NOT_SUPPORTED,
                            NOT_SUPPORTED, INVALID_ARGUMENT]
     assert r["memory_v2"] == [20096 * MiB, 0, 0, 20096 * MiB]
-    assert r["by_uuid"] == [2, 0, True]
+    assert r["by_uuid"] == [2, 0, True, True, NOT_FOUND]   # also MIG-<GPU UUID>/<GI>/<CI>, as before R470
     assert r["indices"] == [NOT_FOUND, INVALID_ARGUMENT, NOT_FOUND]
     # another process sees the same instance with the same UUID (state in the node file)
     seen = nvml("""
@@ -604,9 +606,12 @@ print(json.dumps([used, rc(n.nvmlComputeInstanceDestroy, ci), rc(n.nvmlGpuInstan
 
 def test_cuda_sees_a_mig_device_as_device_0_with_its_memory_and_sms(node):
     env = node("h200")
-    uuid = nvml("enable()\nmig_device(19)\nprint(json.dumps(mig_device(9)))", env)
+    uuid, gpu_uuid = nvml("enable()\nmig_device(19)\nprint(json.dumps([mig_device(9), n.nvmlDeviceGetUUID(h)]))", env)
     r = cuda("""
+import ctypes
 ok(cu.cuInit(0))
+legacy = ctypes.create_string_buffer(16)   # the unversioned export: the CUDA 9.2 ABI
+assert ctypes.CDLL("libcuda.so.1").cuDeviceGetUuid(legacy, 0) == 0
 d = ok(cu.cuDeviceGet(0))
 attr = lambda a: ok(cu.cuDeviceGetAttribute(a, d))
 A = cu.CUdevice_attribute
@@ -617,11 +622,13 @@ sms = attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
 print(json.dumps([ok(cu.cuDeviceGetCount()), ok(cu.cuDeviceGetName(96, d)).split(b"\\0")[0].decode(),
                   int(ok(cu.cuDeviceTotalMem(d))), sms, bytes(ok(cu.cuDeviceGetUuid(d)).bytes).hex(),
                   [int(free), int(total)], round(timed(fn, sms)), round(timed(fn, sms + 1)),
-                  rc(cu.cuDeviceGet(1))]))
+                  rc(cu.cuDeviceGet(1)), legacy.raw.hex()]))
 """, dict(env, CUDA_VISIBLE_DEVICES=uuid))
     hex_uuid = uuid[4:].replace("-", "")
-    # one wave is as many blocks as the instance has SMs (60 for 3g.71gb)
-    assert r == [1, "NVIDIA H200 MIG 3g.71gb", 71424 * MiB, 60, hex_uuid, [71424 * MiB] * 2, 10, 20, 101]
+    # one wave is as many blocks as the instance has SMs (60 for 3g.71gb); cuDeviceGetUuid_v2
+    # (what cuda-bindings calls) gives the MIG UUID, the CUDA 9.2 ABI its GPU's
+    assert r == [1, "NVIDIA H200 MIG 3g.71gb", 71424 * MiB, 60, hex_uuid, [71424 * MiB] * 2, 10, 20, 101,
+                 gpu_uuid[4:].replace("-", "")]
 
 
 def test_cuda_visible_devices_selects_gpus_and_mig_devices_as_cuda_does(node):
@@ -630,7 +637,7 @@ def test_cuda_visible_devices_selects_gpus_and_mig_devices_as_cuda_does(node):
 enable()
 first = mig_device(9, 4)     # GI 1 at 4:4
 second = mig_device(19, 0)   # GI 11 at 0:1
-print(json.dumps([first, second, n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(1))]))
+print(json.dumps([first, second, n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(1)), n.nvmlDeviceGetUUID(h)]))
 """, env)
     names = """
 ok(cu.cuInit(0))
@@ -640,7 +647,7 @@ print(json.dumps([ok(cu.cuDeviceGetName(96, ok(cu.cuDeviceGet(i)))).split(b"\\0"
     seen = {}
     for label, visible in {"unset": None, "gpu_index": "0", "gpu_uuid": uuids[2],
                            "mig_uuids": f"{uuids[1]},{uuids[0]}", "stops_at_a_bad_entry": f"{uuids[0]},7,1",
-                           "mig_prefix": uuids[1][:10]}.items():
+                           "mig_prefix": uuids[1][:10], "before_r470": f"MIG-{uuids[3]}/11/0"}.items():
         e = dict(env)
         if visible is not None:
             e["CUDA_VISIBLE_DEVICES"] = visible
@@ -652,6 +659,7 @@ print(json.dumps([ok(cu.cuDeviceGetName(96, ok(cu.cuDeviceGet(i)))).split(b"\\0"
     assert seen["mig_uuids"] == ["MIG 1g.5gb", "MIG 3g.20gb"]
     assert seen["stops_at_a_bad_entry"] == ["MIG 3g.20gb"]
     assert seen["mig_prefix"] == ["MIG 1g.5gb"]
+    assert seen["before_r470"] == ["MIG 1g.5gb"]   # MIG-<GPU UUID>/<GI>/<CI>
     nothing = [cuda("print(json.dumps(rc(cu.cuInit(0))))", dict(env, CUDA_VISIBLE_DEVICES=v)) for v in ("", "-1", "MIG-zz")]
     assert nothing == [100, 100, 100]   # CUDA_ERROR_NO_DEVICE
 

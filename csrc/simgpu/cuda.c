@@ -390,13 +390,21 @@ SIMGPU_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     if (!dev_ok(dev))
         return CUDA_ERROR_INVALID_DEVICE;
-    simgpu_view_uuid(dev, uuid->bytes);   /* a MIG device's own UUID */
+    memcpy(uuid->bytes, simgpu_node()->devices[simgpu_view_gpu(dev)].uuid, 16);   /* a MIG device: its GPU's */
     return CUDA_SUCCESS;
 }
 
+/* _v2 (CUDA 11.4) is the one that tells MIG devices apart: "If the device is in MIG mode,
+ * returns its MIG UUID which uniquely identifies the subscribed MIG compute instance." */
 SIMGPU_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
 {
-    return cuDeviceGetUuid(uuid, dev);
+    REQUIRE_INIT();
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    simgpu_view_uuid(dev, uuid->bytes);
+    return CUDA_SUCCESS;
 }
 
 SIMGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)

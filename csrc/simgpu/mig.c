@@ -223,6 +223,36 @@ void simgpu_mig_format_uuid(const unsigned char u[16], char out[41])
              u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
 }
 
+/* "MIG-GPU-<GPU UUID>/<GI ID>/<CI ID>", the MIG device names before R470, which
+ * nvmlDeviceGetHandleByUUID still accepts (NVML change log) and CUDA_VISIBLE_DEVICES too. */
+int simgpu_mig_parse_legacy(const char *s, int *dev, unsigned *gi, unsigned *ci)
+{
+    const size_t gpu_len = 40;   /* "GPU-" + 36 */
+    if (strncasecmp(s, "MIG-GPU-", 8) || strlen(s) < 4 + gpu_len || s[4 + gpu_len] != '/')
+        return -1;
+    unsigned g, c;
+    int end = 0;
+    if (sscanf(s + 4 + gpu_len, "/%u/%u%n", &g, &c, &end) != 2 || s[4 + gpu_len + end] ||
+        g >= SIMGPU_MIG_MAX_GI || c >= SIMGPU_MIG_MAX_CI)
+        return -1;
+    for (unsigned d = 0; d < simgpu_node()->device_count; d++) {
+        char u[41];
+        simgpu_mig_format_uuid(simgpu_node()->devices[d].uuid, u);
+        memcpy(u, "GPU", 3);
+        if (strncasecmp(u, s + 4, gpu_len) || !simgpu_mig_enabled((int)d))
+            continue;
+        struct simgpu_mig_gi gis[SIMGPU_MIG_MAX_GI];
+        simgpu_mig_snapshot((int)d, gis);
+        if (!gis[g].live || !gis[g].ci[c].live)
+            return -1;
+        *dev = (int)d;
+        *gi = g;
+        *ci = c;
+        return 0;
+    }
+    return -1;
+}
+
 void simgpu_mig_device_name(const struct simgpu_mig_gi *gi, const struct simgpu_mig_ci *ci, char *out,
                             unsigned len)
 {
@@ -639,6 +669,14 @@ static int find_gpu(const char *tok)
 /* "MIG-<uuid or a prefix of it>": add the CI it names; 0 when it names none. */
 static int add_mig(const char *tok)
 {
+    int ld;
+    unsigned lg, lc;
+    if (!simgpu_mig_parse_legacy(tok, &ld, &lg, &lc)) {
+        struct simgpu_mig_gi gis[SIMGPU_MIG_MAX_GI];
+        simgpu_mig_snapshot(ld, gis);
+        view_add_ci(ld, gis, (int)lg, (int)lc);
+        return 1;
+    }
     for (unsigned d = 0; d < simgpu_node()->device_count; d++) {
         if (!simgpu_mig_enabled((int)d))
             continue;

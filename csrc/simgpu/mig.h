@@ -116,6 +116,8 @@ uint64_t simgpu_mig_gi_used(int dev, unsigned gi, int slot);
 void simgpu_mig_device_name(const struct simgpu_mig_gi *gi, const struct simgpu_mig_ci *ci, char *out,
                             unsigned len);
 void simgpu_mig_format_uuid(const unsigned char uuid[16], char out[41]);   /* "MIG-…" */
+/* "MIG-GPU-<uuid>/<GI>/<CI>" (before R470): 0 with the live CI it names, else -1. */
+int simgpu_mig_parse_legacy(const char *s, int *dev, unsigned *gi, unsigned *ci);
 
 /* === the process's device view (libcuda) ===
  * CUDA ordinals are built once, at cuInit, from CUDA_VISIBLE_DEVICES: GPU indices, GPU-

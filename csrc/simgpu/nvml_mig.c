@@ -948,6 +948,14 @@ nvmlReturn_t simgpu_nvml_mig_by_uuid(const char *uuid, nvmlDevice_t *device)
         return r;
     if (!uuid || !device)
         return NVML_ERROR_INVALID_ARGUMENT;
+    int ld;
+    unsigned lg, lc;
+    if (!simgpu_mig_parse_legacy(uuid, &ld, &lg, &lc)) {
+        struct simgpu_mig_gi gis[SIMGPU_MIG_MAX_GI];
+        simgpu_mig_snapshot(ld, gis);
+        *device = mig_handle(ld, lg, lc, gis[lg].ci[lc].generation);
+        return NVML_SUCCESS;
+    }
     char s[41];
     for (unsigned d = 0; d < simgpu_node()->device_count; d++) {
         if (!simgpu_mig_enabled((int)d))
