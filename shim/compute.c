@@ -318,7 +318,7 @@ static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64
     nvmlDevice_t h;
     nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
     unsigned int n = VGPU_MAX_PROCS * 2;
-    if (real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS)
+    if (nvml_handle(dev, &h))
         return -1;
     nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
     if (r == NVML_ERROR_NOT_FOUND)

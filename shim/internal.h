@@ -56,9 +56,12 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))            \
     X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
     X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))                 \
-    X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))
+    X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))        \
+    X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))
 #define VGPU_NVML_CALLED(X)                                                                    \
     X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
+    X(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t, char *, unsigned int))                   \
+    X(nvmlDeviceGetHandleByUUID, nvmlReturn_t, (const char *, nvmlDevice_t *))                 \
     X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
     X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))             \
     X(nvmlDeviceGetProcessUtilization, nvmlReturn_t,                                           \
@@ -143,7 +146,8 @@ int memory_map_table(void);           /* 0, or -1 when the allocation table cann
 void memory_atfork_child(void);
 int current_device(void);
 int stream_device(CUstream stream);
-int nvml_index(nvmlDevice_t device);
+int nvml_index(nvmlDevice_t device);  /* the CUDA device an NVML handle is; -1: none of them */
+int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
 void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */

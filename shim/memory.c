@@ -8,8 +8,10 @@
 
 #include <errno.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -91,8 +93,7 @@ static uint64_t measure_overhead(int dev)
     nvmlDevice_t h;
     unsigned int n = VGPU_MAX_PROCS * 4;
     nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];
-    if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS || !real_nvmlDeviceGetHandleByIndex_v2 ||
-        real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, &h) != NVML_SUCCESS ||
+    if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS || nvml_handle(dev, &h) ||
         !real_nvmlDeviceGetComputeRunningProcesses_v3 ||
         real_nvmlDeviceGetComputeRunningProcesses_v3(h, &n, infos) != NVML_SUCCESS)
         return 0;
@@ -1134,15 +1135,81 @@ SHIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     return r;
 }
 
+/* === NVML view ===
+ * Which CUDA device an NVML handle is: the one with the same UUID.  CUDA numbers the
+ * devices it sees (CUDA_VISIBLE_DEVICES reorders and hides them; a MIG instance is a
+ * device of its own), NVML numbers the node's GPUs, and the slice's devices are CUDA's.
+ * Before the process has initialised CUDA (NVML-only tools: nvidia-smi, gpustat), or
+ * where a UUID cannot be read, NVML's index stands in (the two agree without
+ * CUDA_VISIBLE_DEVICES and MIG).  A handle no CUDA device matches (a GPU CUDA was not
+ * given, or the parent of a MIG instance) shows the driver's figures. */
 
-/* === NVML view === */
+static pthread_mutex_t nvml_map_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { nvmlDevice_t handle; int dev; } nvml_map[4 * VGPU_MAX_DEVICES];
+static int nvml_mapped;
 
-int nvml_index(nvmlDevice_t device)
+static int cuda_uuid(int dev, char out[40])   /* "8-4-4-4-12" hex, as after NVML's prefix */
 {
+    CUuuid u;
+    if (!real_cuDeviceGetUuid_v2 || real_cuDeviceGetUuid_v2(&u, dev) != CUDA_SUCCESS)
+        return -1;
+    const unsigned char *b = (const unsigned char *)u.bytes;
+    snprintf(out, 40, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    return 0;
+}
+
+static int nvml_index_of(nvmlDevice_t device, int *cacheable)
+{
+    char s[96];
+    int count;
+    *cacheable = 1;
+    if (real_nvmlDeviceGetUUID && real_nvmlDeviceGetUUID(device, s, sizeof s) == NVML_SUCCESS && real_cuDeviceGetCount &&
+        real_cuDeviceGetCount(&count) == CUDA_SUCCESS) {
+        const char *hex = strchr(s, '-');
+        hex = hex ? hex + 1 : s;
+        char u[40];
+        for (int d = 0; d < count && d < VGPU_MAX_DEVICES; d++)
+            if (cuda_uuid(d, u) == 0 && !strcasecmp(u, hex))
+                return d;
+        if (cuda_uuid(0, u) == 0)
+            return -1;   /* CUDA's devices are known, and this is none of them */
+    }
+    *cacheable = 0;   /* CUDA not initialised yet: ask again once it is */
     unsigned int i;
     if (!real_nvmlDeviceGetIndex || real_nvmlDeviceGetIndex(device, &i) != NVML_SUCCESS || i >= VGPU_MAX_DEVICES)
         return -1;
     return (int)i;
+}
+
+int nvml_index(nvmlDevice_t device)
+{
+    pthread_mutex_lock(&nvml_map_lock);
+    for (int i = 0; i < nvml_mapped; i++)
+        if (nvml_map[i].handle == device) {
+            int dev = nvml_map[i].dev;
+            pthread_mutex_unlock(&nvml_map_lock);
+            return dev;
+        }
+    int cacheable, dev = nvml_index_of(device, &cacheable);
+    if (cacheable && nvml_mapped < (int)(sizeof nvml_map / sizeof nvml_map[0]))
+        nvml_map[nvml_mapped++] = (typeof(nvml_map[0])){device, dev};
+    pthread_mutex_unlock(&nvml_map_lock);
+    return dev;
+}
+
+/* The NVML handle of CUDA device dev (the reverse). */
+int nvml_handle(int dev, nvmlDevice_t *handle)
+{
+    char u[40], s[48];
+    if (real_nvmlDeviceGetHandleByUUID && cuda_uuid(dev, u) == 0)
+        for (int k = 0; k < 2; k++) {
+            snprintf(s, sizeof s, "%s-%s", k ? "MIG" : "GPU", u);
+            if (real_nvmlDeviceGetHandleByUUID(s, handle) == NVML_SUCCESS)
+                return 0;
+        }
+    return real_nvmlDeviceGetHandleByIndex_v2 && real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, handle) == NVML_SUCCESS
+               ? 0 : -1;
 }
 
 
