@@ -2451,13 +2451,13 @@ SIMGPU_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size
 static int device_cc(void) { return simgpu_profile()->cc_major * 10 + simgpu_profile()->cc_minor; }
 
 /* N if `name` is sim_<N>us, or holds sim_<N>us as one length-prefixed identifier of an
- * Itanium-mangled name (…<len>sim_<N>us…); else 0. */
+ * Itanium-mangled name (…<len>sim_<N>us…); else SIMGPU_DEFAULT_KERNEL_US. */
 static uint64_t sim_us_of(const char *name)
 {
     unsigned long long us;
     int end = 0;
     if (sscanf(name, "sim_%lluus%n", &us, &end) == 1 && end && !name[end])
-        return us;
+        return us;   /* sim_0us: no time at all */
     for (const char *p = strstr(name, "sim_"); p; p = strstr(p + 1, "sim_")) {
         const char *d = p;
         while (d > name && d[-1] >= '0' && d[-1] <= '9')
@@ -2467,7 +2467,7 @@ static uint64_t sim_us_of(const char *name)
         if (strtoul(d, NULL, 10) == (unsigned long)end)   /* the identifier is exactly sim_<N>us */
             return us;
     }
-    return 0;
+    return SIMGPU_DEFAULT_KERNEL_US;
 }
 
 /* The module's function `name`: NULL with *err set when the image has no such kernel. */
@@ -2493,8 +2493,7 @@ static struct vgpu_function *function_get(struct vgpu_module *m, const char *nam
     f->info.name = NULL;
     f->carveout = -1;
     f->module = m;
-    uint64_t us = sim_us_of(name);
-    f->us_per_wave = us ? us : SIMGPU_DEFAULT_KERNEL_US;
+    f->us_per_wave = sim_us_of(name);
     f->next = m->functions;
     m->functions = f;
     return f;
