@@ -41,6 +41,7 @@ class FakeNvml:
         monkeypatch.setattr(nvml, "process_utilization", lambda d, window_s=1.0: {})
         monkeypatch.setattr(nvml, "running_processes", lambda d: (self._check(), {})[1])   # nothing on the GPU
         monkeypatch.setattr(nvml, "driver_version", lambda: "fake")
+        monkeypatch.setattr(nvml, "mig_mode", lambda d: None)      # no MIG on a fake A10
         return self
 
 

@@ -382,6 +382,74 @@ def sim_env(profile, devices, state_dir, as_json):
     click.echo(json.dumps(env, indent=2) if as_json else simgpu.shell_exports(env), nl=as_json)
 
 
+@main.group("mig")
+def mig_group():
+    """MIG (Multi-Instance GPU): the profiles a GPU offers for `create --mig`.
+
+    \b
+    Example:
+      vgpu-ctl mig profiles --device 0
+      vgpu-ctl create tenant-a --mig 3g.40gb --device 0
+    """
+
+
+@mig_group.command("profiles")
+@click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), default=0, show_default=True,
+              help="The GPU (NVML index).")
+@dir_option
+@json_option
+def mig_profiles(device, directory, as_json):
+    """The GPU instance profiles of a GPU, as `nvidia-smi mig -lgip` lists them.
+
+    Per profile: its ID, instances free (while MIG mode is on) and in all, memory, SMs,
+    copy engines, decoders/encoders/JPEG/OFA, P2P, and the placements (starts, in
+    memory slices, : their size, as `nvidia-smi mig -lgipp`).  Then the GPU instances
+    there are, and which slice holds each.
+
+    \b
+    Example:
+      vgpu-ctl mig profiles --device 1
+      vgpu-ctl mig profiles --json
+    """
+    from . import mig
+    check_sim_state()
+    table = mig.profiles(device)
+    owners = {}
+    for n in slices.list_names(directory) if os.path.isdir(slices.node_dir(directory)) else []:
+        try:
+            rec = slices.read_mig(directory, n)
+        except slices.VgpuError:
+            continue
+        if rec and rec.get("gpu_uuid") == table["uuid"]:
+            owners[rec["gpu_instance"]] = n
+    for gi in table["instances"]:
+        gi["slice"] = owners.get(gi["id"])
+    if as_json:
+        _emit_json(table)
+        return
+    on = table["mig_mode"][0] == 1
+    rows = []
+    for p in table["profiles"]:
+        starts = ",".join(str(s) for s, _ in p["placements"])
+        rows.append([device, f"MIG {p['name']}", p["id"], f"{'-' if p['free'] is None else p['free']}/{p['instances']}",
+                     f"{p['memory_mib'] / 1024:.2f}GiB", p["multiprocessors"], p["copy_engines"], p["decoders"],
+                     p["encoders"], p["jpeg"], p["ofa"], "Yes" if p["p2p"] else "No",
+                     f"{{{starts}}}:{p['placements'][0][1]}" if p["placements"] else "-"])
+    click.echo(f"GPU {device}: {table['name']}, MIG mode {'on' if on else 'off'}"
+               + (f" (pending {'on' if table['mig_mode'][1] else 'off'})" if table['mig_mode'][1] != table['mig_mode'][0]
+                  else ""))
+    click.echo(status_mod.table(["GPU", "NAME", "ID", "FREE/TOTAL", "MEMORY", "SM", "CE", "DEC", "ENC", "JPEG", "OFA",
+                                 "P2P", "PLACEMENTS"], rows))
+    if table["instances"]:
+        click.echo("")
+        click.echo(status_mod.table(["GPU-INSTANCE", "PROFILE", "PLACEMENT", "SLICE"],
+                                    [[g["id"], g["profile"], f"{g['start']}:{g['size']}", g["slice"] or "- (not vgpu's)"]
+                                     for g in table["instances"]]))
+    if not on:
+        click.echo(f"\nnote: MIG mode is off on device {device}: FREE is known once it is on (`vgpu-ctl create --mig "
+                   "PROFILE` turns it on)")
+
+
 @main.command("shim-path")
 def shim_path_cmd():
     """Print the path of the shim library (for LD_PRELOAD).
@@ -416,11 +484,16 @@ def _describe_device(q: dict) -> str:
               help="Device index the slice holds (repeat for several) [default: 0]; other devices are denied.")
 @click.option("--user", "owner", type=Owner(),
               help="Make the usage file 0600 and owned by this user (the container's uid) instead of 0666.")
+@click.option("--mig", "mig_profile", metavar="PROFILE",
+              help="A MIG slice: a GPU instance of this profile (e.g. 3g.40gb; `vgpu-ctl mig profiles`) and a "
+                   "compute instance over it, MIG mode turned on if off; --memory/--sm then cap within it.")
+@click.option("--placement", type=click.IntRange(0), metavar="START",
+              help="With --mig: the GPU instance's placement start (memory slice) [default: the driver's choice].")
 @click.option("--parents", is_flag=True, help="Also create the node directory's missing parents.")
 @dir_option
 @json_option
-def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, parents, directory,
-           as_json):
+def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, mig_profile, placement,
+           parents, directory, as_json):
     """Create a slice: its quota and usage files under the node directory.
 
     The slice holds --device (default 0) with the given caps; in its quota every other
@@ -430,12 +503,22 @@ def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     the whole path).  SM shares may add up to more than 100% on a device: they are
     ceilings, not guarantees, and a warning says so.
 
+    With --mig the slice is a MIG instance of its own (hardware isolation,
+    docs/mig.md): its programs see only it, as device 0; --memory and --sm are then a
+    software slice inside it.  MIG mode is turned on if it is off (refused while
+    processes run on the GPU).
+
     \b
     Example:
       vgpu-ctl create train --memory 8Gi --sm 50%
       vgpu-ctl create infer --memory 4Gi --request 2Gi --limit 6Gi --device 1
+      vgpu-ctl create tenant-a --mig 3g.40gb --device 1
     """
     _node_dir_for_create(directory, parents)
+    if mig_profile is not None or placement is not None:
+        return _create_mig(name, mig_profile, placement, device, memory, sm, request, limit, sm_request, sm_limit,
+                           overcommit, owner, directory, as_json)
+    _refuse_mig_mode(device or (0,))
     quota = slices.create(directory, name, _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit),
                           overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint)
     if sm is not None:   # without --sm a slice has no SM cap: nothing to warn about by itself
@@ -450,18 +533,84 @@ def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     click.echo(f"  quota {files['quota']}\n  usage {files['usage']}")
 
 
+def _refuse_mig_mode(devices):
+    """A software slice on a GPU in MIG mode would get whichever MIG device CUDA lists
+    first, not the GPU: refused."""
+    check_sim_state()
+    for d in devices:
+        if nvml.mig_mode(d):
+            raise click.ClickException(
+                f"device {d} is in MIG mode: a software slice there would not get the GPU, only a MIG device "
+                "of it; hint: make it inside an instance of its own (--mig PROFILE --memory ...), or pick another "
+                "--device")
+
+
+def _create_mig(name, profile, placement, device, memory, sm, request, limit, sm_request, sm_limit, overcommit,
+                owner, directory, as_json):
+    from . import mig
+    if profile is None:
+        raise click.UsageError("--placement needs --mig PROFILE")
+    if len(device) > 1:
+        raise click.UsageError(f"a MIG slice is one instance on one GPU: pass one --device, not {len(device)}")
+    check_sim_state()
+    index = device[0] if device else 0
+    quota = _devices_arg((0,), memory, sm, request, limit, sm_request, sm_limit)[0]
+    made = mig.create_slice(directory, name, index, profile, quota, placement=placement, overcommit=overcommit,
+                            owner=owner, software_on=lambda d: _software_slices_on(directory, d))
+    record, files = made["mig"], slices.paths(directory, name)
+    if as_json:
+        _emit_json({**made["quota"].to_json(), "mig": record, "quota": files["quota"], "usage": files["usage"]})
+        return
+    click.echo(f"created {name}")
+    if record["enabled_mig_mode"]:
+        click.echo(f"  device {index}: MIG mode turned on")
+    click.echo(f"  device {index}: {_describe_mig(record)}")
+    click.echo(f"  in the instance: {_describe_device(made['quota'].to_json()['devices'][0])}")
+    click.echo(f"  quota {files['quota']}\n  usage {files['usage']}")
+
+
+def _describe_mig(record) -> str:
+    where = f"{record['placement']['start']}:{record['placement']['size']}"
+    return (f"MIG {record['profile']} at {where} (GPU instance {record['gpu_instance']}, compute instance "
+            f"{record['compute_instance']}), {format_memory(record['memory_total'])}, "
+            f"{record['multiprocessors']} SMs, {record['uuid']}")
+
+
+def _software_slices_on(directory, d) -> list:
+    """The node's software slices holding device d."""
+    out = []
+    for n in slices.list_names(directory):
+        try:
+            if not slices.has_mig(directory, n) and d in slices.read_quota(directory, n).held():
+                out.append(n)
+        except slices.VgpuError:
+            continue
+    return out
+
+
 @main.command()
 @click.argument("name", type=NAME)
 @click.option("--force", is_flag=True, help="Delete even while processes use the slice.")
+@click.option("--disable-mig", is_flag=True,
+              help="A MIG slice: also turn MIG mode off on its GPU when no other GPU instance is left there.")
 @dir_option
 @json_option
-def delete(name, force, directory, as_json):
+def delete(name, force, disable_mig, directory, as_json):
     """Delete a slice (refused while its processes run, unless --force).
+
+    A MIG slice's compute and GPU instance are destroyed first; MIG mode stays on
+    unless --disable-mig.
 
     \b
     Example:
       vgpu-ctl delete train
+      vgpu-ctl delete tenant-a --disable-mig
     """
+    if slices.has_mig(directory, name):
+        return _delete_mig(name, force, disable_mig, directory, as_json)
+    if disable_mig:
+        slices.read_quota(directory, name)   # it must exist
+        raise UsageFailure(f"--disable-mig is for MIG slices, and {name} is a software slice; hint: leave it out")
     result = slices.delete(directory, name, force=force)
     if result["live_processes"]:
         _warn(f"{name} still had {len(result['live_processes'])} live process(es); they keep their last limits")
@@ -469,6 +618,26 @@ def delete(name, force, directory, as_json):
         _emit_json(result)
     else:
         click.echo(f"deleted {name}")
+
+
+def _delete_mig(name, force, disable_mig, directory, as_json):
+    from . import mig
+    check_sim_state()
+    result = mig.delete_slice(directory, name, force=force, disable_mig=disable_mig)
+    if result["live_processes"]:
+        _warn(f"{name} still had {len(result['live_processes'])} live process(es); they keep their last limits")
+    for w in result["warnings"]:
+        _warn(w)
+    if as_json:
+        _emit_json(result)
+        return
+    click.echo(f"deleted {name}")
+    record = result["mig"]
+    if result["destroyed"]:
+        click.echo(f"  destroyed MIG {record['profile']} at {record['placement']['start']}:"
+                   f"{record['placement']['size']} (GPU instance {record['gpu_instance']}) on device {record['device']}")
+    if result["mig_mode_off"]:
+        click.echo(f"  device {record['device']}: MIG mode turned off")
 
 
 @main.command("list")
@@ -487,6 +656,11 @@ def list_cmd(directory, as_json):
         out.append({"name": name, "problem": problem,
                     **({} if quota is None else quota.to_json()),
                     "processes": sum(1 for p in usage.procs if p.alive) if usage else 0})
+        if slices.has_mig(directory, name):   # a MIG slice: its instance (its device 0 is the instance)
+            try:
+                out[-1]["mig"] = slices.read_mig(directory, name)
+            except slices.VgpuError as e:
+                out[-1]["problem"] = out[-1]["problem"] or str(e)
     if as_json:
         _emit_json(out)
         return
@@ -494,15 +668,21 @@ def list_cmd(directory, as_json):
         click.echo(f"no containers in {slices.node_dir(directory)}")
         return
     rows = []
+    migs = any("mig" in c for c in out)   # a MIG column only where there are MIG slices
     for c in out:
         if c["problem"]:
-            rows.append([c["name"], "-", "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
+            rows.append([c["name"], *(["-"] if migs else []), "-", "-", "-", "-", "-", "-", "-",
+                         f"error: {c['problem']}"])
             continue
         for d in c["devices"]:
             m = [("max" if v is None else format_memory(v)) for v in
                  (d["memory_max"], d["memory_request"], d["memory_limit"])]
-            rows.append([c["name"], d["index"], *m, format_share(d["sm_max"]), c["processes"], c["generation"]])
-    click.echo(status_mod.table(["NAME", "DEVICE", "MEMORY", "REQUEST", "LIMIT", "SM", "PROCESSES", "GEN"], rows))
+            rec = c.get("mig")
+            where = [rec["device"], f"{rec['profile']} at {rec['placement']['start']}:{rec['placement']['size']}"] \
+                if rec else [d["index"], *(["-"] if migs else [])]
+            rows.append([c["name"], *where, *m, format_share(d["sm_max"]), c["processes"], c["generation"]])
+    click.echo(status_mod.table(["NAME", "DEVICE", *(["MIG"] if migs else []), "MEMORY", "REQUEST", "LIMIT", "SM",
+                                 "PROCESSES", "GEN"], rows))
 
 
 @main.command()
@@ -526,9 +706,13 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     if all(v is None for v in (memory, sm, request, limit, sm_request, sm_limit)):
         raise click.UsageError("nothing to change: pass --memory, --sm, --request, --limit, --sm-request "
                                "or --sm-limit")
+    capacity = nvml_capacity
+    if slices.has_mig(directory, name):   # a software slice inside a MIG instance: the instance is its device
+        device, overcommit = _mig_resize_check(directory, name, device, memory, sm, request, limit, sm_request,
+                                               sm_limit, overcommit)
     result = slices.resize(directory, name, devices=device or None, memory=memory, sm=sm, request=request,
                            limit=limit, sm_request=sm_request, sm_limit=sm_limit, overcommit=overcommit,
-                           capacity=nvml_capacity)
+                           capacity=capacity)
     for w in result["warnings"]:
         _warn(w)
     if sm is not None:
@@ -540,6 +724,23 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     for dev in result["devices"]:
         click.echo(f"{name} device {dev['index']}: " + (_changes(dev["old"], dev["new"], arrow) or "unchanged"))
     click.echo(f"generation {result['generation']}")
+
+
+def _mig_resize_check(directory, name, device, memory, sm, request, limit, sm_request, sm_limit, overcommit):
+    """A MIG slice's quota device 0 is its instance: what it guarantees is checked against
+    the instance's memory, not the GPU's (other slices are not in it).  Returns the
+    (devices, overcommit) to resize with."""
+    record = slices.read_mig(directory, name)
+    if device and set(device) != {record["device"]}:
+        raise UsageFailure(f"{name} is a MIG slice on device {record['device']}; hint: leave --device out")
+    old = slices.read_quota(directory, name).devices[0]
+    new = slices._resized(old, memory, sm, request, limit, sm_request, sm_limit)
+    if not overcommit and new.guaranteed_memory > max(old.guaranteed_memory, record["memory_total"]):
+        raise click.ClickException(
+            f"{name}'s MIG instance ({record['profile']}) holds {format_memory(record['memory_total'])}: guaranteeing "
+            f"{format_memory(new.guaranteed_memory)} in it would overcommit it; hint: ask for less, or pass "
+            "--overcommit")
+    return (), True
 
 
 def _changes(old, new, arrow) -> str:
@@ -687,6 +888,8 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
         raise click.UsageError(f"--json is --format json, not --format {fmt}: pass one of them")
     fmt = "json" if as_json else (fmt or "shell")
     slices.read_quota(directory, name)   # it must exist (and be sound)
+    record = slices.read_mig(directory, name)
+    visible = record["uuid"] if record else None    # a MIG slice: its MIG device alone
     files = slices.paths(directory, name)
     if fmt != "shell":   # containers mount the identity file: a slice made before it had none gets one
         try:
@@ -697,19 +900,19 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
                                            f"`vgpu-ctl env {name}` once as root (it makes the file)") from None
     shim, preload = _installed_shim(shim_dir, ld_so_preload, fmt)
     if fmt == "shell":
-        click.echo(runtime.shell(name, files, shim), nl=False)
+        click.echo(runtime.shell(name, files, shim, visible), nl=False)
     elif fmt == "docker":
-        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim, preload)))
+        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim, preload, visible)))
     elif fmt == "k8s":
-        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload),
+        gpu = ("give the pod runtimeClassName: nvidia (NVIDIA_VISIBLE_DEVICES here names its MIG device)" if visible
+               else "give the pod runtimeClassName: nvidia and NVIDIA_VISIBLE_DEVICES=all (or use the DRA driver)")
+        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload, visible),
                                    comment=f"vgpu slice {name}: env and volumeMounts go in the container, "
-                                           "volumes in the pod spec; the GPU itself is not here: give the pod "
-                                           "runtimeClassName: nvidia and NVIDIA_VISIBLE_DEVICES=all (or use the "
-                                           "DRA driver)"), nl=False)
+                                           f"volumes in the pod spec; the GPU itself is not here: {gpu}"), nl=False)
     else:
-        _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim),
-                    "docker": runtime.docker(name, files, shim, preload),
-                    "k8s": runtime.k8s(name, files, shim, preload)})
+        _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim, visible),
+                    "docker": runtime.docker(name, files, shim, preload, visible),
+                    "k8s": runtime.k8s(name, files, shim, preload, visible)})
 
 
 def _installed_shim(shim_dir, ld_so_preload, fmt):
@@ -805,7 +1008,9 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
                       count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint,
                       temporary=_run_owner() if temporary else None)
     try:
-        env = runtime.child_environment(base, name, slices.node_dir(directory), shim)
+        record = None if temporary else slices.read_mig(directory, name)   # a MIG slice: its MIG device alone
+        env = runtime.child_environment(base, name, slices.node_dir(directory), shim,
+                                        record["uuid"] if record else None)
         try:
             rc = runtime.run_child(list(command), env)
         except FileNotFoundError:

@@ -259,6 +259,8 @@ def _current(directory) -> dict:
     """name -> (Quota or None, problem or None, live process count)."""
     out = {}
     for name in slices.list_names(directory):
+        if slices.has_mig(directory, name):   # MIG slices are made and deleted by create/delete --mig only
+            continue
         try:
             quota = slices.read_quota(directory, name)
         except slices.VgpuError as e:
@@ -277,6 +279,11 @@ def plan(directory, wanted: dict, prune=False, capacity=None, overcommit=False) 
     """The changes that make the node match `wanted`, checked as a whole (names, live
     processes, device capacity) before anything is done.  Raises VgpuError."""
     current = _current(directory)
+    for name in wanted:
+        if slices.has_mig(directory, name):
+            raise slices.InvalidRequest(f"{name} is a MIG slice: slices files do not describe MIG slices, and apply "
+                                        "leaves them alone", f"leave {name} out of the file (vgpu-ctl create --mig / "
+                                                             "delete manage it)")
     changes = []
     for name in sorted(set(current) | set(wanted)):
         want = wanted.get(name)
@@ -449,6 +456,10 @@ def export(directory) -> tuple:
     problems = []
     names = slices.list_names(directory)
     for name in names:
+        if slices.has_mig(directory, name):
+            lines.append(f"  # {name}: a MIG slice, left out (apply leaves MIG slices alone; vgpu-ctl create --mig "
+                         "makes one)")
+            continue
         try:
             quota = slices.read_quota(directory, name)
         except slices.VgpuError as e:
@@ -474,8 +485,8 @@ def export(directory) -> tuple:
             body.append(f'    user: "{owner[0]}:{owner[1]}"')
         lines.append(f"  {_key(name)}:" + ("" if body else " {}"))
         lines += body
-    if not names:
-        lines[-1] = "slices: {}"
+    if not any(line.startswith("  ") and not line.startswith("  #") for line in lines):
+        lines[2] = "slices: {}"   # none written (comments only, or no slices)
     return "\n".join(lines) + "\n", problems
 
 

@@ -158,3 +158,13 @@ def driver_version():
         return _text(_nvml().nvmlSystemGetDriverVersion())
     except Exception:
         return None
+
+
+def mig_mode(index: int):
+    """Device `index`'s current MIG mode (True: on), None where NVML, the device or MIG
+    is not there to say."""
+    try:
+        n = _nvml()
+        return bool(n.nvmlDeviceGetMigMode(n.nvmlDeviceGetHandleByIndex(index))[0])
+    except Exception:   # NvmlUnavailable, NOT_SUPPORTED (no MIG), INVALID_ARGUMENT (no such device)
+        return None

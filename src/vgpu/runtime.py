@@ -9,6 +9,10 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID makes the container's CUDA device ordinals follow N
 (PCI) order, so device N in the quota is the device the controller and NVML call N.  The
 snippets assume the container sees the node's GPUs in host order (docker: --gpus all); a
 slice's other devices are denied by its quota.
+
+A MIG slice is given its MIG device alone (`visible`: its MIG UUID, as
+CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES): CUDA's device 0 is then the instance,
+which is the quota's device 0.
 """
 import hashlib
 import json
@@ -37,23 +41,26 @@ def add_preload(existing, shim) -> str:
     return ":".join([str(shim)] + entries)
 
 
-def variables(name, directory, shim) -> dict:
-    return {"LD_PRELOAD": str(shim), "VGPU_DIR": str(directory), "VGPU_CONTAINER": name,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+def variables(name, directory, shim, visible=None) -> dict:
+    v = {"LD_PRELOAD": str(shim), "VGPU_DIR": str(directory), "VGPU_CONTAINER": name,
+         "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if visible:
+        v.update({"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible})
+    return v
 
 
-def child_environment(base, name, directory, shim) -> dict:
+def child_environment(base, name, directory, shim, visible=None) -> dict:
     env = {k: v for k, v in base.items() if not _STANDALONE.fullmatch(k)}
-    env.update(variables(name, directory, shim))
+    env.update(variables(name, directory, shim, visible))
     env["LD_PRELOAD"] = add_preload(base.get("LD_PRELOAD"), shim)
     return env
 
 
 # === formats ===
 
-def shell(name, paths, shim) -> str:
+def shell(name, paths, shim, visible=None) -> str:
     """Exports for a shell on this host (the shim goes in front of any LD_PRELOAD)."""
-    v = variables(name, os.path.dirname(paths["dir"]), shim)
+    v = variables(name, os.path.dirname(paths["dir"]), shim, visible)
     lines = [f'export LD_PRELOAD={shlex.quote(v.pop("LD_PRELOAD"))}"${{LD_PRELOAD:+:$LD_PRELOAD}}"']
     lines += [f"export {k}={shlex.quote(val)}" for k, val in v.items()]
     return "\n".join(lines) + "\n"
@@ -71,21 +78,22 @@ def mounts(name, paths, shim, preload_file=None) -> list:
         ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
-def container_variables(name, preload_file) -> dict:
+def container_variables(name, preload_file, visible=None) -> dict:
     """The variables inside a container whose files are mounted as `mounts` says."""
-    v = variables(name, CONTAINER_DIR, CONTAINER_SHIM)
+    v = variables(name, CONTAINER_DIR, CONTAINER_SHIM, visible)
     if preload_file:   # the loader loads the shim; the image's own LD_PRELOAD stays as it is
         del v["LD_PRELOAD"]
     return v
 
 
-def docker(name, paths, shim, preload_file=None) -> list:
+def docker(name, paths, shim, preload_file=None, visible=None) -> list:
     """`docker run` arguments.  -e LD_PRELOAD replaces an image's own LD_PRELOAD: if the
-    image sets one, add CONTAINER_SHIM to it instead (or use preload_file)."""
-    args = ["--gpus", "all"]
+    image sets one, add CONTAINER_SHIM to it instead (or use preload_file).  A MIG slice:
+    --gpus device=<its MIG UUID>."""
+    args = ["--gpus", f"device={visible}" if visible else "all"]
     for host, inside, ro in mounts(name, paths, shim, preload_file):
         args += ["-v", f"{host}:{inside}:{'ro' if ro else 'rw'}"]
-    for k, v in container_variables(name, preload_file).items():
+    for k, v in container_variables(name, preload_file, visible).items():
         args += ["-e", f"{k}={v}"]
     return args
 
@@ -100,7 +108,7 @@ def volume_tag(name) -> str:
     return tag
 
 
-def k8s(name, paths, shim, preload_file=None) -> dict:
+def k8s(name, paths, shim, preload_file=None, visible=None) -> dict:
     """env and volumeMounts for the container, volumes for the pod (hostPath).  The shim's
     volumes are the same for every slice; the quota's and usage's carry the slice's name,
     so containers of one pod in different slices can be merged into one pod spec."""
@@ -108,7 +116,7 @@ def k8s(name, paths, shim, preload_file=None) -> dict:
     names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", f"vgpu-{tag}-slice", "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
-        "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file).items()],
+        "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file, visible).items()],
         "volumeMounts": [{"name": n, "mountPath": inside, "readOnly": ro}
                          for n, (_, inside, ro) in zip(names, ms)],
         "volumes": [{"name": n, "hostPath": {"path": host, "type": "File"}} for n, (host, _, _) in zip(names, ms)],

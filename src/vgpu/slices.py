@@ -23,6 +23,7 @@ Safety rules, all enforced here:
 import contextlib
 import errno
 import fcntl
+import json
 import mmap
 import os
 import re
@@ -43,6 +44,9 @@ QUOTA, USAGE = "quota", "usage"
 # that has it to the slice.
 IDENTITY = "identity"
 LABELS = "labels.json"      # who a DRA-made slice serves (vgpu.podlabels)
+# A MIG slice's GPU and compute instance (vgpu.mig), placed once at create before the
+# quota; the shim never reads it (its quota's device 0 is the instance, CUDA's ordinal 0)
+MIG = "mig.json"
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
 USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
@@ -480,6 +484,39 @@ def _read_slice_usage(cfd, directory, name):
         return _read_usage_fd(fd, shown)
 
 
+def has_mig(directory, name) -> bool:
+    """Is `name` a MIG slice (its directory holds a MIG record)?"""
+    try:
+        os.stat(os.path.join(node_dir(directory), check_name(name), MIG), follow_symlinks=False)
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def read_mig(directory, name):
+    """A MIG slice's record (vgpu.mig writes it), or None for a software slice."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        shown = os.path.join(node_dir(directory), name, MIG)
+        try:
+            fd = _open_in(cfd, MIG, _RO, shown)
+        except FileNotFoundError:
+            return None
+        with _fd(fd):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > 65536:
+                raise BadFile(f"{shown} is not a plain file with one link of a MIG record; refusing it",
+                              "remove it by hand; the MIG instance it named is left (nvidia-smi mig -lgi)")
+            data = os.pread(fd, st.st_size, 0)
+    try:
+        record = json.loads(data)
+        if not isinstance(record, dict) or not isinstance(record.get("uuid"), str):
+            raise ValueError("not a MIG record")
+    except ValueError as e:
+        raise BadFile(f"{shown} is not a MIG record ({e})",
+                      "remove it by hand; the MIG instance it named is left (nvidia-smi mig -lgi)") from None
+    return record
+
+
 def list_names(directory) -> list:
     """Names of the slices in the node directory (sorted); none if it does not exist."""
     try:
@@ -519,7 +556,7 @@ def _guaranteed_by_others(directory, exclude) -> dict:
     """device -> bytes guaranteed by every other slice (unreadable ones count as 0)."""
     total = {}
     for name in list_names(directory):
-        if name == exclude:
+        if name == exclude or has_mig(directory, name):   # a MIG slice's device 0 is its instance
             continue
         try:
             q = read_quota(directory, name)
@@ -589,14 +626,15 @@ def device_quota(memory=UNLIMITED, sm=SHARE_FULL, request=None, limit=None, sm_r
 # === create / delete ===
 
 def create(directory, name, devices: dict, overcommit=False, capacity=None, owner=None,
-           count_hint=lambda: "", temporary: Owner = None) -> Quota:
+           count_hint=lambda: "", temporary: Owner = None, extra_files=None) -> Quota:
     """Create slice `name` holding `devices` (index -> DeviceQuota).
 
     Files: <dir>/<name>/ 0755, quota 0644 (only the controller writes it), usage 0666 so
     a container process of any uid can map it read-write -- or, with owner=(uid, gid),
     0600 owned by that user; identity 0644 (the name, mounted into containers).
     temporary: the Owner of a slice made for one command (the node agent removes it once
-    the owner and the slice's processes are gone)."""
+    the owner and the slice's processes are gone).  extra_files: {name: bytes} placed
+    (0644) before the quota, so the slice never appears without them (a MIG slice's MIG)."""
     check_name(name)
     if not devices:
         raise InvalidRequest("a container needs at least one device", "pass --device")
@@ -634,6 +672,10 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
             except FileExistsError:
                 _read_slice_usage(cfd, directory, name)   # a valid left-over is kept; anything else refused
             _ensure_identity(cfd, name, os.path.join(shown, IDENTITY))
+            for extra, data in (extra_files or {}).items():
+                with contextlib.suppress(FileNotFoundError):   # left by a create that died before its quota
+                    os.unlink(extra, dir_fd=cfd)
+                _place(cfd, extra, data, 0o644, os.path.join(shown, extra))
             try:
                 _place(cfd, QUOTA, quota_bytes(name, devices, temporary), 0o644, os.path.join(shown, QUOTA))
             except FileExistsError:
@@ -692,7 +734,7 @@ def delete(directory, name, force=False) -> dict:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(IDENTITY, dir_fd=cfd)
             for entry in os.scandir(cfd):
-                if entry.name in (QUOTA, USAGE, LABELS) or \
+                if entry.name in (QUOTA, USAGE, LABELS, MIG) or \
                         (entry.name.startswith(".") and entry.name.endswith(".tmp")):
                     try:
                         os.unlink(entry.name, dir_fd=cfd)

@@ -11,7 +11,7 @@ import time
 
 from . import nvml, podlabels
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
-from .slices import MAX_DEVICES, NotFound, VgpuError, list_names, node_dir, read_all, read_quota
+from .slices import MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 
 SM_FULL = 10000      # 100% in the quota's unit
 
@@ -119,6 +119,9 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
         containers.append(entry)
         if quota is None:
             continue
+        mig = _mig_entry(directory, cname) if has_mig(directory, cname) else None
+        if mig is not None:
+            entry["mig"] = mig
         hosts = host_pids(usage) if usage else {}
         procs = usage.procs if usage else []
         shown = _shown_devices(quota, usage, nvml_count)
@@ -134,11 +137,12 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
                 if counters["gpu_time_ns"]:
                     sm_used = round(max(counters["gpu_time_ns"] - g0, 0) / ((now - t0) * 1e9) * 10000)
                     source = "usage"
-            if sm_used is None and ok:
+            if sm_used is None and ok and mig is None:   # NVML has no utilization on a MIG-enabled GPU
                 pids = [hosts.get(p.pid) for p in procs if p.alive]
                 sm_used = sum(proc_util(d).get(h, 0) for h in pids if h is not None) * 100
                 source = "nvml"
-            entry["devices"].append({"index": d, **q.to_json(), **counters,
+            gpu = {"gpu": mig["device"]} if mig and mig.get("device") is not None else {}
+            entry["devices"].append({"index": d, **gpu, **q.to_json(), **counters,
                                      "sm_used": sm_used, "sm_used_source": source,
                                      "throttled_ns_per_s": throttled_rate})
         for p in procs:
@@ -148,12 +152,14 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
                 "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host else None})
 
     # per device: what is promised against what there is
-    indices = sorted({cd["index"] for c in containers for cd in c["devices"]}
+    # (a MIG slice's device 0 is its instance: counted apart, on its GPU)
+    indices = sorted({cd["index"] for c in containers for cd in c["devices"] if "mig" not in c}
+                     | {c["mig"]["device"] for c in containers if c.get("mig", {}).get("device") is not None}
                      | ({d["index"] for d in nv_devices} if nv_devices else set()))
     devices = []
     for d in indices:
         nd = nv_devices[d] if nv_devices and d < len(nv_devices) else {}
-        rows = [cd for c in containers for cd in c["devices"] if cd["index"] == d]
+        rows = [cd for c in containers for cd in c["devices"] if cd["index"] == d and "mig" not in c]
         devices.append({
             "index": d, "name": nd.get("name"), "uuid": nd.get("uuid"),
             "memory_total": nd.get("memory_total"), "memory_used": nd.get("memory_used"),
@@ -165,13 +171,36 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             "sm_allocated": sum(r["sm_max"] for r in rows),
             "sm_ceilings": sum(r["sm_max"] for r in rows) > SM_FULL,
             "containers": len(rows)})
+        migs = sum(1 for c in containers if c.get("mig", {}).get("device") == d)
+        if migs:   # MIG slices on the GPU (their instances, not in the figures above)
+            devices[-1]["mig_slices"] = migs
     if name is not None:
         containers = [c for c in containers if c["name"] == name]
     driver = nvml.driver_version() if ok else None
     data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
     from . import node   # the driver's view: who holds what, slices or not, and the agent's verdicts
-    return node.annotate(data, use_nvml=ok)
+    data = node.annotate(data, use_nvml=ok)
+    for c in data["containers"]:   # a MIG slice's driver figure: what its instance holds
+        if "mig" in c and c["mig"]["present"]:
+            for cd in c["devices"]:
+                cd["memory_driver"] = c["mig"]["memory_used"]
+    return data
+
+
+def _mig_entry(directory, name):
+    """A MIG slice's record and its instance as NVML sees it (memory, processes)."""
+    from . import mig
+    try:
+        record = read_mig(directory, name)
+    except VgpuError as e:
+        return {"problem": str(e), "device": None, "present": False}
+    try:
+        seen = mig.view(record)
+    except (KeyError, TypeError) as e:   # a record without the fields vgpu.mig writes
+        return {"problem": f"{name}'s MIG record lacks {e}", "device": None, "present": False}
+    return {**record, **seen, "processes": [{"host_pid": pid, "memory": mem} for pid, mem in
+                                            sorted(seen["processes"].items())]}
 
 
 def sm_shares(directory) -> dict:
@@ -182,6 +211,8 @@ def sm_shares(directory) -> dict:
         try:
             quota = read_quota(directory, name)
         except VgpuError:
+            continue
+        if has_mig(directory, name):   # its share is of its MIG instance, not of the GPU
             continue
         for d in quota.held():
             out.setdefault(d, {})[name] = quota.devices[d].sm_max
@@ -244,7 +275,8 @@ def render(data: dict, wide=True) -> str:
             rate = cd.get("throttled_ns_per_s")
             throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
             driver = "-" if cd.get("memory_driver") is None else format_memory(cd["memory_driver"])
-            rows.append([c["name"], *pod, cd["index"], gpu_mem, driver, util, throttled, cd["oom_refusals"], procs,
+            where = f"{cd['gpu']}:{c['mig'].get('profile', 'MIG')}" if "gpu" in cd else cd["index"]
+            rows.append([c["name"], *pod, where, gpu_mem, driver, util, throttled, cd["oom_refusals"], procs,
                          c["generation"]])
     if rows:
         out.append(table(["CONTAINER", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL",
@@ -289,11 +321,29 @@ def render(data: dict, wide=True) -> str:
                      format_memory(d["memory_guaranteed"]),
                      f"{format_memory(d['memory_used'])}/{format_memory(total)}" if total else "-",
                      format_share(d["sm_allocated"]) + (" (ceilings)" if d["sm_allocated"] > SM_FULL else ""),
-                     _percent(d["gpu_util"]), d["containers"]])
+                     _percent(d["gpu_util"]),
+                     str(d["containers"]) + (f" + {d['mig_slices']} MIG" if d.get("mig_slices") else "")])
     if drow:
         out.append("")
         out.append(table(["DEVICE", "NAME", "MEMORY-ALLOCATED", "GUARANTEED", "MEMORY-USED", "SM-ALLOCATED",
                            "GPU-UTIL", "CONTAINERS"], drow))
+    mrows = []
+    for c in data["containers"]:
+        m = c.get("mig")
+        if not m:
+            continue
+        if m.get("problem"):
+            mrows.append([c["name"], "-", "-", "-", "-", "-", f"error: {m['problem']}", "-", "-"])
+            continue
+        used = (f"{format_memory(m['memory_used'])}/{format_memory(m['memory_total'])}" if m["present"]
+                and m["memory_used"] is not None else "instance not found" if not m["present"] else "-")
+        mrows.append([c["name"], m["device"], m["profile"], f"{m['placement']['start']}:{m['placement']['size']}",
+                      m["gpu_instance"], m["compute_instance"], used, len(m["processes"]) if m["present"] else "-",
+                      m["uuid"]])
+    if mrows:
+        out.append("")
+        out.append(table(["MIG-SLICE", "DEVICE", "PROFILE", "PLACEMENT", "GI", "CI", "MEMORY-USED", "PROCESSES",
+                          "UUID"], mrows))
     vrows = [[v["kind"], v.get("container") or "-", v.get("device", "-"), _describe_violation(v)]
              for v in data.get("violations") or []]
     if vrows:

@@ -1,0 +1,511 @@
+"""MIG slices: a GPU instance and a compute instance over all of it, made through NVML
+for one slice, and recorded beside its quota.
+
+A MIG slice is a slice (quota, usage, identity) whose directory also holds `mig.json`
+(slices.MIG): the GPU, the GPU instance (profile, placement, ID), the compute instance
+and the MIG device's UUID.  Its program is given only that MIG device
+(CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES = the MIG UUID), so CUDA's ordinal 0 in it
+is the instance and the quota's device 0 is the software slice inside the instance (a
+memory cap and an SM share within it; none by default).  The shim reads nothing new.
+
+The NVML calls and their documented behaviour (nvml.h's Multi Instance GPU Management
+group; ../shared/reference/nvml-mig.md):
+  - nvmlDeviceGetMigMode: NOT_SUPPORTED on a GPU without MIG;
+  - nvmlDeviceSetMigMode(ENABLE): activationStatus IN_USE when the GPU is not idle (the
+    request then stays pending: it is withdrawn here); on some GPUs (A100) the new mode
+    is pending until a GPU reset, which this module does not do;
+  - profiles by enum index from 0 until INVALID_ARGUMENT (NOT_SUPPORTED: one this GPU
+    lacks), placements with nvmlDeviceGetGpuInstancePossiblePlacements_v2, remaining
+    capacity (NOT_SUPPORTED while MIG is off);
+  - nvmlDeviceCreateGpuInstance(WithPlacement): INSUFFICIENT_RESOURCES when no room
+    (an occupied placement too), then a compute instance of the profile whose slice
+    count is the GPU instance's (the CI profile enum 1,2,3,4,7 slices -> 0..4), its ID
+    from nvmlGpuInstanceGetComputeInstanceProfileInfo;
+  - the MIG device: nvmlDeviceGetMigDeviceHandleByIndex up to GetMaxMigDeviceCount,
+    matching GPU and compute instance IDs (NOT_FOUND: an empty index); its UUID;
+  - destroy: GetGpuInstanceById -> GetComputeInstanceById -> destroy both (IN_USE while
+    a process is on it); NOT_SUPPORTED (MIG off) or NOT_FOUND: already gone;
+  - utilization is NOT_SUPPORTED on a MIG-enabled GPU: a MIG slice's use is its MIG
+    device's memory and processes.
+"""
+import ctypes
+import json
+import time
+
+from . import nvml
+from . import slices
+from .quantities import format_memory
+from .slices import Busy, InvalidRequest, NotFound, Overcommitted, VgpuError
+
+MiB = 1 << 20
+RECORD_VERSION = 1
+# the compute instance profile (enum index) over a whole GPU instance of n compute slices
+FULL_CI_PROFILE = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}
+_PROFILE_SCAN = 64    # enumeration ends at INVALID_ARGUMENT; a bound in case a driver never says it
+NO_MIG_HINT = ("MIG needs an A30, A100, H100, H200 or a later data-center GPU; a software slice "
+               "(--memory/--sm, no --mig) works on any GPU")
+
+
+class NoMig(VgpuError):
+    """The GPU has no MIG (a runtime failure: the node, not the arguments)."""
+
+
+class NoRoom(VgpuError):
+    """No placement of the profile is free on the GPU."""
+
+
+def _n():
+    try:
+        return nvml._nvml()
+    except nvml.NvmlUnavailable as e:
+        raise VgpuError(f"MIG needs NVML: {e}", "run on a node with NVIDIA's driver (or on simgpu: "
+                        "eval \"$(vgpu-ctl sim env --profile h100-80g)\")") from None
+
+
+def _code(e) -> int:
+    return getattr(e, "value", None)
+
+
+def _text(v):
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def short_name(name) -> str:
+    """`MIG 3g.40gb` -> `3g.40gb` (the name nvidia-smi and --mig use)."""
+    name = _text(name).strip()
+    return name[4:] if name.lower().startswith("mig ") else name
+
+
+def _device(n, index):
+    count = n.nvmlDeviceGetCount()
+    if not 0 <= index < count:
+        raise InvalidRequest(f"device {index} does not exist (this node has {count})", "pass a --device the node has")
+    return n.nvmlDeviceGetHandleByIndex(index)
+
+
+def _gpu_name(n, h):
+    try:
+        return _text(n.nvmlDeviceGetName(h))
+    except n.NVMLError:
+        return "?"
+
+
+def mig_mode(n, h, index):
+    """[current, pending]; NoMig on a GPU without MIG."""
+    try:
+        return list(n.nvmlDeviceGetMigMode(h))
+    except n.NVMLError as e:
+        if _code(e) == n.NVML_ERROR_NOT_SUPPORTED:
+            raise NoMig(f"device {index} ({_gpu_name(n, h)}) does not support MIG", NO_MIG_HINT) from None
+        raise VgpuError(f"device {index}: cannot read its MIG mode: {e}", "check the driver (nvidia-smi -q)") from None
+
+
+# === profiles ===
+
+def _placements(n, h, profile_id):
+    count = ctypes.c_uint()
+    n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, ctypes.byref(count))
+    arr = (n.c_nvmlGpuInstancePlacement_t * count.value)()
+    if count.value:
+        n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, ctypes.byref(count))
+    return [[arr[i].start, arr[i].size] for i in range(count.value)]
+
+
+def _profiles(n, h, enabled):
+    out = []
+    for index in range(_PROFILE_SCAN):
+        try:
+            info = n.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+        except n.NVMLError as e:
+            if _code(e) == n.NVML_ERROR_NOT_SUPPORTED:
+                continue
+            if _code(e) == n.NVML_ERROR_INVALID_ARGUMENT:
+                break
+            raise
+        free = None
+        if enabled:
+            try:
+                free = n.nvmlDeviceGetGpuInstanceRemainingCapacity(h, info.id)
+            except n.NVMLError:
+                free = None
+        out.append({"name": short_name(info.name), "index": index, "id": info.id, "slices": info.sliceCount,
+                    "instances": info.instanceCount, "free": free, "memory_mib": info.memorySizeMB,
+                    "multiprocessors": info.multiprocessorCount, "copy_engines": info.copyEngineCount,
+                    "decoders": info.decoderCount, "encoders": info.encoderCount, "jpeg": info.jpegCount,
+                    "ofa": info.ofaCount, "p2p": bool(info.isP2pSupported),
+                    "placements": _placements(n, h, info.id)})
+    out.sort(key=lambda p: (p["slices"], p["memory_mib"], p["name"]))
+    return out
+
+
+def profiles(index=0) -> dict:
+    """Device `index`'s GPU instance profiles, as `nvidia-smi mig -lgip` and -lgipp list
+    them (free: remaining capacity, None while MIG mode is off)."""
+    n = _n()
+    h = _device(n, index)
+    mode = mig_mode(n, h, index)
+    return {"device": index, "name": _gpu_name(n, h), "uuid": _text(n.nvmlDeviceGetUUID(h)), "mig_mode": mode,
+            "profiles": _profiles(n, h, mode[0] == 1), "instances": _instances(n, h) if mode[0] == 1 else []}
+
+
+def _instances(n, h):
+    """The GPU instances on a MIG-enabled GPU: [{id, profile_id, start, size}]."""
+    out = []
+    for index in range(_PROFILE_SCAN):
+        try:
+            info = n.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+        except n.NVMLError as e:
+            if _code(e) == n.NVML_ERROR_INVALID_ARGUMENT:
+                break
+            continue
+        arr = (n.c_nvmlGpuInstance_t * max(info.instanceCount, 1))()
+        count = ctypes.c_uint()
+        try:
+            n.nvmlDeviceGetGpuInstances(h, info.id, arr, ctypes.byref(count))
+        except n.NVMLError:
+            continue
+        for i in range(count.value):
+            gi = n.nvmlGpuInstanceGetInfo(arr[i])
+            out.append({"id": gi.id, "profile_id": gi.profileId, "profile": short_name(info.name),
+                        "start": gi.placement.start, "size": gi.placement.size})
+    return sorted(out, key=lambda g: (g["start"], g["id"]))
+
+
+def find_profile(table: dict, wanted: str) -> dict:
+    want = short_name(wanted).lower()
+    for p in table["profiles"]:
+        if p["name"].lower() == want:
+            return p
+    names = ", ".join(p["name"] for p in table["profiles"])
+    raise InvalidRequest(f"device {table['device']} ({table['name']}) has no MIG profile {short_name(wanted)!r} "
+                         f"(it has {names})", f"pick one of them; vgpu-ctl mig profiles --device {table['device']} "
+                                             "shows their memory and placements")
+
+
+def _placements_text(placements) -> str:
+    starts = ",".join(str(s) for s, _ in placements)
+    return f"{{{starts}}}:{placements[0][1]}" if placements else "{}"
+
+
+def _taken_text(instances) -> str:
+    return ", ".join(f"GPU instance {g['id']} ({g['profile']}) at {g['start']}:{g['size']}" for g in instances) \
+        or "none"
+
+
+# === create ===
+
+def _processes(n, h):
+    try:
+        return sorted({p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)} |
+                      {p.pid for p in n.nvmlDeviceGetGraphicsRunningProcesses(h)})
+    except n.NVMLError:
+        return []
+
+
+def _enable(n, h, index):
+    """Turn MIG mode on, or say why not (and leave no request pending)."""
+    pids = _processes(n, h)
+    busy_hint = ("stop them (MIG mode changes only on an idle GPU), or pick another --device; "
+                 "vgpu-ctl status shows who they are")
+    if pids:
+        raise Busy(f"device {index} has {len(pids)} process(es) on it (pid {', '.join(map(str, pids))}): MIG mode "
+                   "can only be turned on while the GPU is idle", busy_hint)
+    try:
+        status = n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_ENABLE)
+    except n.NVMLError as e:
+        hint = "run as root" if _code(e) == n.NVML_ERROR_NO_PERMISSION else "check the driver (nvidia-smi -q)"
+        raise VgpuError(f"cannot turn MIG mode on on device {index}: {e}", hint) from None
+    if status != n.NVML_SUCCESS:
+        _withdraw(n, h)
+        if status == n.NVML_ERROR_IN_USE:
+            raise Busy(f"device {index} is in use: MIG mode can only be turned on while the GPU is idle", busy_hint)
+        raise VgpuError(f"device {index} did not turn MIG mode on (activation status {status}: "
+                        f"{n.nvmlErrorString(status)})", "check the driver (nvidia-smi -q); a GPU passed through "
+                                                         "to a VM may need a reset")
+    current, pending = n.nvmlDeviceGetMigMode(h)
+    if current != 1:
+        raise VgpuError(f"MIG mode is pending on device {index}: this GPU enters it after a reset",
+                        f"reset the GPU while it is idle (nvidia-smi -r -i {index}), then create the slice again")
+
+
+def _withdraw(n, h):
+    """A refused SetMigMode(ENABLE) leaves the request pending: ask for the mode it has."""
+    try:
+        if n.nvmlDeviceGetMigMode(h)[0] == 0:
+            n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_DISABLE)
+    except n.NVMLError:
+        pass
+
+
+def _disable(n, h, index):
+    """Turn MIG mode off; returns a warning, or None when it is off."""
+    try:
+        status = n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_DISABLE)
+        current, pending = n.nvmlDeviceGetMigMode(h)
+    except n.NVMLError as e:
+        return f"MIG mode left on on device {index}: {e}"
+    if status != n.NVML_SUCCESS:
+        if current == 1 and pending == 0:   # withdraw the refused request: a later reset must not drop the mode
+            try:
+                n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_ENABLE)
+            except n.NVMLError:
+                pass
+        return f"MIG mode left on on device {index} ({n.nvmlErrorString(status)}: processes still on the GPU?)"
+    if current != 0:
+        return f"MIG mode on device {index} turns off at the GPU's next reset (nvidia-smi -r -i {index})"
+    return None
+
+
+def _mig_device(n, h, gi_id, ci_id):
+    """The MIG device handle of compute instance ci_id of GPU instance gi_id, or None."""
+    for i in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+        except n.NVMLError:
+            continue   # NOT_FOUND: nothing at that index
+        try:
+            if n.nvmlDeviceGetGpuInstanceId(m) == gi_id and n.nvmlDeviceGetComputeInstanceId(m) == ci_id:
+                return m
+        except n.NVMLError:
+            continue
+    return None
+
+
+def check_profile(index, profile, placement=None) -> dict:
+    """The profile `profile` of device `index` (and that `placement` is one of its
+    starts): its table row, with the device's table.  Changes nothing."""
+    table = profiles(index)
+    p = find_profile(table, profile)
+    if placement is not None and placement not in [s for s, _ in p["placements"]]:
+        raise InvalidRequest(f"placement {placement} is not one of {p['name']}'s on device {index} "
+                             f"({_placements_text(p['placements'])}: starts in memory slices)",
+                             "pass one of those starts, or leave --placement out")
+    return {"table": table, "profile": p}
+
+
+def create_instance(index, profile, placement=None, checked=None) -> dict:
+    """Make a GPU instance of `profile` (at `placement`, else the driver's choice) and a
+    compute instance over all of it on device `index`, turning MIG mode on if it is off.
+    Returns the record that mig.json holds.  Everything made is undone on failure."""
+    checked = checked or check_profile(index, profile, placement)
+    p = checked["profile"]
+    n = _n()
+    h = _device(n, index)
+    enabled_here = False
+    if mig_mode(n, h, index)[0] != 1:
+        _enable(n, h, index)
+        enabled_here = True
+    gi = ci = None
+    try:
+        try:
+            if placement is None:
+                gi = n.nvmlDeviceCreateGpuInstance(h, p["id"])
+            else:
+                size = dict(p["placements"])[placement]
+                gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(
+                    h, p["id"], ctypes.byref(n.c_nvmlGpuInstancePlacement_t(placement, size)))
+        except n.NVMLError as e:
+            if _code(e) != n.NVML_ERROR_INSUFFICIENT_RESOURCES:
+                raise VgpuError(f"cannot create a {p['name']} GPU instance on device {index}: {e}",
+                                "check the driver (nvidia-smi mig -lgi)") from None
+            taken = _taken_text(_instances(n, h))
+            where = f"at placement {placement}" if placement is not None else "at any placement"
+            raise NoRoom(f"no room for {p['name']} on device {index} {where} (placements "
+                         f"{_placements_text(p['placements'])}; taken: {taken})",
+                         "delete a MIG slice there (vgpu-ctl list), pick another placement or --device, or a "
+                         "smaller profile (vgpu-ctl mig profiles)") from None
+        gi_info = n.nvmlGpuInstanceGetInfo(gi)
+        try:
+            ci_profile = n.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                gi, FULL_CI_PROFILE[p["slices"]], n.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            ci = n.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile.id)
+        except (n.NVMLError, KeyError) as e:
+            raise VgpuError(f"cannot create the compute instance of {p['name']} on device {index}: {e}",
+                            "check the driver (nvidia-smi mig -lcip)") from None
+        ci_info = n.nvmlComputeInstanceGetInfo(ci)
+        m = _mig_device(n, h, gi_info.id, ci_info.id)
+        if m is None:
+            raise VgpuError(f"device {index}: the new MIG device (GPU instance {gi_info.id}, compute instance "
+                            f"{ci_info.id}) is not listed by NVML", "check the driver (nvidia-smi -L)")
+        mem = n.nvmlDeviceGetMemoryInfo(m)
+        return {"version": RECORD_VERSION, "device": index, "gpu_uuid": _text(n.nvmlDeviceGetUUID(h)),
+                "gpu_name": _gpu_name(n, h), "profile": p["name"], "profile_id": gi_info.profileId,
+                "placement": {"start": gi_info.placement.start, "size": gi_info.placement.size},
+                "gpu_instance": gi_info.id, "compute_instance": ci_info.id,
+                "compute_profile_id": ci_info.profileId, "uuid": _text(n.nvmlDeviceGetUUID(m)),
+                "name": _gpu_name(n, m), "memory_total": mem.total,
+                "multiprocessors": ci_profile.multiprocessorCount, "enabled_mig_mode": enabled_here,
+                "created": time.time()}
+    except BaseException:
+        for obj, destroy in ((ci, n.nvmlComputeInstanceDestroy), (gi, n.nvmlGpuInstanceDestroy)):
+            if obj is not None:
+                try:
+                    destroy(obj)
+                except n.NVMLError:
+                    pass
+        if enabled_here:
+            _disable(n, h, index)
+        raise
+
+
+# === look-up and destroy ===
+
+def _parent(n, record):
+    """The record's GPU: by UUID (indices may change across boots), else by index."""
+    try:
+        return n.nvmlDeviceGetHandleByUUID(record["gpu_uuid"])
+    except (n.NVMLError, KeyError):
+        try:
+            return n.nvmlDeviceGetHandleByIndex(record["device"])
+        except n.NVMLError:
+            return None
+
+
+def _ours(n, h, record):
+    """(GPU instance, compute instance) handles when they are still the record's, else None
+    (MIG off, or the IDs now name other instances)."""
+    try:
+        gi = n.nvmlDeviceGetGpuInstanceById(h, record["gpu_instance"])
+        info = n.nvmlGpuInstanceGetInfo(gi)
+    except n.NVMLError:
+        return None, None
+    if (info.profileId, info.placement.start) != (record["profile_id"], record["placement"]["start"]):
+        return None, None
+    try:
+        ci = n.nvmlGpuInstanceGetComputeInstanceById(gi, record["compute_instance"])
+    except n.NVMLError:
+        ci = None
+    return gi, ci
+
+
+def view(record) -> dict:
+    """A MIG slice's instance as NVML sees it now: present, memory total/used (bytes) and
+    its processes {host pid: bytes or None}."""
+    out = {"present": False, "memory_total": None, "memory_used": None, "processes": {}}
+    try:
+        n = nvml._nvml()
+    except nvml.NvmlUnavailable as e:
+        return out | {"note": str(e)}
+    try:
+        m = n.nvmlDeviceGetHandleByUUID(record["uuid"])
+        if (n.nvmlDeviceGetGpuInstanceId(m), n.nvmlDeviceGetComputeInstanceId(m)) != \
+                (record["gpu_instance"], record["compute_instance"]):
+            return out | {"note": "its UUID names another instance now"}
+    except n.NVMLError as e:
+        return out | {"note": f"not found ({e})"}
+    out["present"] = True
+    try:
+        mem = n.nvmlDeviceGetMemoryInfo(m)
+        out["memory_total"], out["memory_used"] = mem.total, mem.used
+    except n.NVMLError:
+        pass
+    try:
+        out["processes"] = {p.pid: p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningProcesses(m)}
+    except n.NVMLError:
+        pass
+    return out
+
+
+def destroy_instance(record, disable_mig=False) -> dict:
+    """Destroy the record's compute and GPU instance.  Busy while a process is on it.
+    Returns {"destroyed": bool, "warnings": [...]} (not destroyed: it was gone already)."""
+    n = _n()
+    index = record.get("device")
+    h = _parent(n, record)
+    warnings = []
+    if h is None:
+        return {"destroyed": False, "warnings": [f"device {index} ({record.get('gpu_uuid')}) is not on this node: "
+                                                 "nothing to destroy"]}
+    gi, ci = _ours(n, h, record)
+    where = (f"GPU instance {record['gpu_instance']} ({record['profile']} at {record['placement']['start']}:"
+             f"{record['placement']['size']}) on device {index}")
+    if gi is None:
+        warnings.append(f"{where} is gone already")
+    else:
+        for obj, destroy, what in ((ci, n.nvmlComputeInstanceDestroy, "compute instance"),
+                                   (gi, n.nvmlGpuInstanceDestroy, "GPU instance")):
+            if obj is None:
+                continue
+            try:
+                destroy(obj)
+            except n.NVMLError as e:
+                if _code(e) == n.NVML_ERROR_IN_USE:
+                    pids = sorted(view(record)["processes"])
+                    raise Busy(f"{where} is in use" + (f" (pid {', '.join(map(str, pids))})" if pids else ""),
+                               "stop its processes first") from None
+                raise VgpuError(f"cannot destroy the {what} of {where}: {e}", "check the driver "
+                                "(nvidia-smi mig -lgi)") from None
+    turned_off = False
+    if disable_mig and mig_mode(n, h, index)[0] == 1:
+        left = _instances(n, h)
+        if left:
+            warnings.append(f"MIG mode left on on device {index}: {len(left)} other GPU instance(s) remain "
+                            f"({_taken_text(left)})")
+        else:
+            w = _disable(n, h, index)
+            warnings += [w] if w else []
+            turned_off = w is None
+    return {"destroyed": gi is not None, "mig_mode_off": turned_off, "warnings": warnings}
+
+
+# === MIG slices ===
+
+def create_slice(directory, name, index, profile, quota, placement=None, overcommit=False, owner=None,
+                 software_on=lambda d: []) -> dict:
+    """A MIG slice: the instance, then the slice's files with its record (quota device 0 =
+    the instance, holding `quota`).  `software_on(d)`: names of software slices on device
+    d (MIG mode must not be turned on under them).  Undoes the instance on failure."""
+    slices.check_name(name)
+    if name in slices.list_names(directory):
+        raise slices.Exists(f"container {name} already exists in {slices.node_dir(directory)}",
+                            f"delete it first (vgpu-ctl delete {name})")
+    slices._check_order(0, quota)
+    checked = check_profile(index, profile, placement)
+    p, table = checked["profile"], checked["table"]
+    size = p["memory_mib"] * MiB
+    if not overcommit and quota.guaranteed_memory > size:
+        raise Overcommitted(f"{p['name']} holds {format_memory(size)}: guaranteeing {name} "
+                            f"{format_memory(quota.guaranteed_memory)} in it would overcommit it",
+                            "ask for less (--memory / --request), a bigger profile, or pass --overcommit")
+    if table["mig_mode"][0] != 1:
+        others = software_on(index)
+        if others:
+            raise Busy(f"device {index} holds software slices ({', '.join(others)}): turning MIG mode on would "
+                       "take the whole GPU from them", "delete them, or pick another --device")
+    record = create_instance(index, profile, placement, checked)
+    try:
+        made = slices.create(directory, name, {0: quota}, overcommit=True, owner=owner,
+                             extra_files={slices.MIG: (json.dumps(record, indent=2) + "\n").encode()})
+    except BaseException:
+        try:
+            destroy_instance(record, disable_mig=record["enabled_mig_mode"])
+        except VgpuError:
+            pass    # the slice's own error says more
+        raise
+    return {"quota": made, "mig": record}
+
+
+def delete_slice(directory, name, force=False, disable_mig=False) -> dict:
+    """Destroy a MIG slice's instance, then its files.  Refused while its processes run
+    (--force: the files go, and the instance stays while a process is on it)."""
+    record = slices.read_mig(directory, name)
+    if record is None:
+        raise NotFound(f"container {name} is not a MIG slice", f"vgpu-ctl delete {name}")
+    usage = slices.read_usage(directory, name)
+    live = [p.pid for p in usage.procs if p.alive] if usage else []
+    if live and not force:
+        raise Busy(f"container {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
+                   "stop them first, or pass --force")
+    warnings, result = [], {"destroyed": False, "mig_mode_off": False}
+    try:
+        result = destroy_instance(record, disable_mig=disable_mig)
+        warnings += result["warnings"]
+    except VgpuError as e:   # in use, or no NVML to destroy it with
+        if not force:
+            raise
+        warnings.append(f"{e}: the instance is left in place; destroy it by hand (nvidia-smi mig -dci -ci "
+                        f"{record['compute_instance']} -gi {record['gpu_instance']} -i {record['device']}; "
+                        f"nvidia-smi mig -dgi -gi {record['gpu_instance']} -i {record['device']})")
+    deleted = slices.delete(directory, name, force=force)
+    return {**deleted, "mig": record, "destroyed": result["destroyed"], "mig_mode_off": result["mig_mode_off"],
+            "warnings": warnings}
