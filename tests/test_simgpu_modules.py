@@ -5,6 +5,7 @@ Images are real: PTX written here, compiled to cubins by NVIDIA's ptxas (the one
 wheel ships, a test dependency) and packed into fatbins by the toolkit's fatbinary where
 the CUDA toolkit is installed.
 """
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -14,12 +15,10 @@ import pytest
 
 from conftest import make_sim_env, run_python
 
-PTXAS_CANDIDATES = [Path(p) for p in ("/usr/local/cuda/bin/ptxas",)]
-try:
-    import triton  # noqa: F401 (only its bundled ptxas is used)
-    PTXAS_CANDIDATES.insert(0, Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
-except ImportError:
-    pass
+PTXAS_CANDIDATES = [Path("/usr/local/cuda/bin/ptxas")]
+_triton = importlib.util.find_spec("triton")   # found, not imported: only its bundled ptxas is used
+if _triton and _triton.origin:
+    PTXAS_CANDIDATES.insert(0, Path(_triton.origin).parent / "backends" / "nvidia" / "bin" / "ptxas")
 PTXAS = next((p for p in PTXAS_CANDIDATES if p.exists()), None)
 FATBINARY = shutil.which("fatbinary") or ("/usr/local/cuda/bin/fatbinary"
                                           if Path("/usr/local/cuda/bin/fatbinary").exists() else None)
@@ -27,8 +26,6 @@ needs_ptxas = pytest.mark.skipif(PTXAS is None, reason="no ptxas (triton's wheel
 
 SUCCESS, INVALID_VALUE, INVALID_IMAGE, NO_BINARY_FOR_GPU, INVALID_PTX = 0, 1, 200, 209, 218
 UNSUPPORTED_PTX_VERSION, NOT_FOUND = 222, 500
-# CUjitInputType
-CUBIN, PTX, FATBIN = 0, 1, 2
 
 PTX_SRC = """//
 // two kernels: one that says how long it runs, one with a thread limit
@@ -316,7 +313,6 @@ print(json.dumps(out))
 
 def test_pointer_attributes_of_an_unknown_address_are_defaults_not_errors(tmp_path):
     """cuPointerGetAttributes, as documented, never fails on a pointer it does not know."""
-    from conftest import CSRC  # noqa: F401 (same environment as the others)
     env = make_sim_env(tmp_path / "node")
     got = run_python("""
 import ctypes
