@@ -340,6 +340,7 @@ def test_a_software_slice_inside_an_instance_is_capped_within_it(node, workloads
     (d,) = c["devices"]
     assert (d["index"], d["gpu"], d["memory_max"], d["memory_current"], d["memory_driver"], d["sm_used"]) == \
         (0, 0, 4 * GiB, 3 * GiB, 3 * GiB, None)   # no utilization on a MIG GPU
+    assert [(p["host_pid"], p["sm_util"]) for p in c["processes"]] == [(w.pid, None)]
     # resized live, within the instance
     assert "would overcommit it" in n.fails(1, "resize", "t", "--memory", "25Gi")
     n.ctl("resize", "t", "--memory", "8Gi")

@@ -149,7 +149,8 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             host = hosts.get(p.pid) if p.alive else None
             entry["processes"].append({
                 **p.to_json(), "host_pid": host, "command": _command(host, p.comm) if p.alive else p.comm,
-                "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host else None})
+                "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host and mig is None
+                else None})
 
     # per device: what is promised against what there is
     # (a MIG slice's device 0 is its instance: counted apart, on its GPU)
