@@ -420,3 +420,85 @@ print(json.dumps(0))
     assert out.stdout == "deleted t\n"
     assert "GPU instance 2 (3g.20gb at 0:4) on device 0 is gone already" in out.stderr
     assert n.nvml_view()["gis"] == [[2, 5, 0, 4, []]]     # the other instance is left as it is
+
+
+def test_a_create_that_fails_after_the_instance_was_made_destroys_it_and_puts_mig_mode_back(node):
+    n = node("h200")
+    n.dir.mkdir()
+    (n.dir / "t").symlink_to(n.dir.parent)     # the slice's files cannot be made there
+    line = n.fails(1, "create", "t", "--mig", "1g.18gb")
+    assert "symbolic link" in line
+    assert n.nvml_view() == {"mode": [0, 0], "gis": [], "uuids": []}
+
+
+# === what simgpu does not model: a GPU that enters MIG mode only after a reset ===
+
+class PendingGpu:
+    """The NVML calls `create --mig` makes before it would create anything, answered as
+    an A100 does when MIG mode needs a reset: SetMigMode succeeds, the mode stays pending
+    (nvml.h: the mode is "pending" until the next activation trigger)."""
+    NVML_SUCCESS, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT = 0, 3, 2
+    NVML_ERROR_IN_USE, NVML_ERROR_NO_PERMISSION, NVML_DEVICE_MIG_ENABLE, NVML_DEVICE_MIG_DISABLE = 19, 4, 1, 0
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            self.value = value
+
+    class c_nvmlGpuInstancePlacement_t:
+        def __init__(self):
+            self.start, self.size = 0, 0
+
+    def __init__(self):
+        self.mode, self.calls = [0, 0], []
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return "gpu0"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return "gpu0"
+
+    def nvmlDeviceGetName(self, h):
+        return "NVIDIA A100-SXM4-40GB"
+
+    def nvmlDeviceGetUUID(self, h):
+        return "GPU-0"
+
+    def nvmlDeviceGetMigMode(self, h):
+        return list(self.mode)
+
+    def nvmlDeviceSetMigMode(self, h, mode):
+        self.calls.append(("SetMigMode", mode))
+        self.mode[1] = mode
+        return self.NVML_SUCCESS
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h, index):
+        if index:
+            raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
+        from types import SimpleNamespace
+        return SimpleNamespace(name="MIG 1g.5gb", id=19, sliceCount=1, instanceCount=7, memorySizeMB=4864,
+                               multiprocessorCount=14, copyEngineCount=1, decoderCount=0, encoderCount=0,
+                               jpegCount=0, ofaCount=0, isP2pSupported=0)
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(self, h, pid, placements, count):
+        raise self.NVMLError(self.NVML_ERROR_NO_PERMISSION)   # privileged: the table shows none
+
+    def __getattr__(self, name):   # anything else would be creating an instance
+        raise AssertionError(f"{name} called on a GPU whose MIG mode is pending")
+
+
+def test_a_gpu_that_needs_a_reset_is_left_pending_and_nothing_is_created(monkeypatch, tmp_path):
+    from vgpu import mig, nvml as vnvml, slices
+    fake = PendingGpu()
+    monkeypatch.setattr(vnvml, "_nvml", lambda: fake)
+    monkeypatch.setattr(vnvml, "running_processes", lambda index: {})
+    with pytest.raises(slices.VgpuError) as e:
+        mig.create_slice(tmp_path, "t", 0, "1g.5gb", slices.device_quota())
+    assert str(e.value) == "MIG mode is pending on device 0: this GPU enters it after a reset"
+    assert e.value.hint == "reset the GPU while it is idle (nvidia-smi -r -i 0), then create the slice again"
+    assert fake.calls == [("SetMigMode", 1)] and fake.mode == [0, 1]
+    assert slices.list_names(tmp_path) == []
+    with pytest.raises(slices.VgpuError, match="does not say where 1g.5gb can go"):
+        mig.check_profile(0, "1g.5gb", placement=0)

@@ -430,7 +430,7 @@ def mig_profiles(device, directory, as_json):
     on = table["mig_mode"][0] == 1
     rows = []
     for p in table["profiles"]:
-        starts = ",".join(str(s) for s, _ in p["placements"])
+        starts = ",".join(str(s) for s, _ in p["placements"] or [])
         rows.append([device, f"MIG {p['name']}", p["id"], f"{'-' if p['free'] is None else p['free']}/{p['instances']}",
                      f"{p['memory_mib'] / 1024:.2f}GiB", p["multiprocessors"], p["copy_engines"], p["decoders"],
                      p["encoders"], p["jpeg"], p["ofa"], "Yes" if p["p2p"] else "No",
@@ -1003,6 +1003,8 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
         _same_quota_or_fail(directory, name, memory, sm, device)
     if not exists:
         _node_dir_for_create(directory)
+        if not sim:   # (with --sim, the node is the child's, not this process's NVML)
+            _refuse_mig_mode(device or (0,))
         slices.create(directory, name, _devices_arg(device, memory, sm, None, None, None, None),
                       overcommit=overcommit, capacity=capacity,
                       count_hint=(lambda: f" on the simulated node ({ndev})") if sim else nvml_count_hint,

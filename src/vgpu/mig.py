@@ -103,6 +103,14 @@ def mig_mode(n, h, index):
 # === profiles ===
 
 def _placements(n, h, profile_id):
+    """[[start, size]] (nvml.h marks the call privileged: None where it is refused)."""
+    try:
+        return _possible_placements(n, h, profile_id)
+    except n.NVMLError:
+        return None
+
+
+def _possible_placements(n, h, profile_id):
     count = ctypes.c_uint()
     n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, ctypes.byref(count))
     arr = (n.c_nvmlGpuInstancePlacement_t * count.value)()
@@ -144,6 +152,15 @@ def profiles(index=0) -> dict:
     n = _n()
     h = _device(n, index)
     mode = mig_mode(n, h, index)
+    try:
+        return _table(n, h, index, mode)
+    except n.NVMLError as e:
+        raise VgpuError(f"device {index}: cannot read its MIG profiles: {e}",
+                        "run as root" if _code(e) == n.NVML_ERROR_NO_PERMISSION else "check the driver "
+                        "(nvidia-smi mig -lgip)") from None
+
+
+def _table(n, h, index, mode):
     return {"device": index, "name": _gpu_name(n, h), "uuid": _text(n.nvmlDeviceGetUUID(h)), "mig_mode": mode,
             "profiles": _profiles(n, h, mode[0] == 1), "instances": _instances(n, h) if mode[0] == 1 else []}
 
@@ -183,6 +200,8 @@ def find_profile(table: dict, wanted: str) -> dict:
 
 
 def _placements_text(placements) -> str:
+    if placements is None:
+        return "{?}"
     starts = ",".join(str(s) for s, _ in placements)
     return f"{{{starts}}}:{placements[0][1]}" if placements else "{}"
 
@@ -194,17 +213,14 @@ def _taken_text(instances) -> str:
 
 # === create ===
 
-def _processes(n, h):
-    try:
-        return sorted({p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)} |
-                      {p.pid for p in n.nvmlDeviceGetGraphicsRunningProcesses(h)})
-    except n.NVMLError:
-        return []
-
-
 def _enable(n, h, index):
-    """Turn MIG mode on, or say why not (and leave no request pending)."""
-    pids = _processes(n, h)
+    """Turn MIG mode on, or say why not (and leave no request pending).  Returns the
+    GPU's handle, asked again: "this API may unbind or reset the device" (nvml.h)."""
+    uuid = _text(n.nvmlDeviceGetUUID(h))
+    try:
+        pids = sorted(nvml.running_processes(index))
+    except nvml.DeviceError:
+        pids = []   # the driver's activation status still says IN_USE
     busy_hint = ("stop them (MIG mode changes only on an idle GPU), or pick another --device; "
                  "vgpu-ctl status shows who they are")
     if pids:
@@ -222,10 +238,12 @@ def _enable(n, h, index):
         raise VgpuError(f"device {index} did not turn MIG mode on (activation status {status}: "
                         f"{n.nvmlErrorString(status)})", "check the driver (nvidia-smi -q); a GPU passed through "
                                                          "to a VM may need a reset")
+    h = n.nvmlDeviceGetHandleByUUID(uuid)
     current, pending = n.nvmlDeviceGetMigMode(h)
     if current != 1:
         raise VgpuError(f"MIG mode is pending on device {index}: this GPU enters it after a reset",
                         f"reset the GPU while it is idle (nvidia-smi -r -i {index}), then create the slice again")
+    return h
 
 
 def _withdraw(n, h):
@@ -276,6 +294,9 @@ def check_profile(index, profile, placement=None) -> dict:
     starts): its table row, with the device's table.  Changes nothing."""
     table = profiles(index)
     p = find_profile(table, profile)
+    if placement is not None and p["placements"] is None:
+        raise VgpuError(f"device {index}: the driver does not say where {p['name']} can go", "run as root, or "
+                        "leave --placement out")
     if placement is not None and placement not in [s for s, _ in p["placements"]]:
         raise InvalidRequest(f"placement {placement} is not one of {p['name']}'s on device {index} "
                              f"({_placements_text(p['placements'])}: starts in memory slices)",
@@ -293,7 +314,7 @@ def create_instance(index, profile, placement=None, checked=None) -> dict:
     h = _device(n, index)
     enabled_here = False
     if mig_mode(n, h, index)[0] != 1:
-        _enable(n, h, index)
+        h = _enable(n, h, index)
         enabled_here = True
     gi = ci = None
     try:
@@ -336,16 +357,24 @@ def create_instance(index, profile, placement=None, checked=None) -> dict:
                 "name": _gpu_name(n, m), "memory_total": mem.total,
                 "multiprocessors": ci_profile.multiprocessorCount, "enabled_mig_mode": enabled_here,
                 "created": time.time()}
+    except n.NVMLError as e:
+        _undo(n, h, index, ci, gi, enabled_here)
+        raise VgpuError(f"device {index}: making the {p['name']} instance failed: {e}",
+                        "check the driver (nvidia-smi mig -lgi)") from None
     except BaseException:
-        for obj, destroy in ((ci, n.nvmlComputeInstanceDestroy), (gi, n.nvmlGpuInstanceDestroy)):
-            if obj is not None:
-                try:
-                    destroy(obj)
-                except n.NVMLError:
-                    pass
-        if enabled_here:
-            _disable(n, h, index)
+        _undo(n, h, index, ci, gi, enabled_here)
         raise
+
+
+def _undo(n, h, index, ci, gi, enabled_here):
+    for obj, destroy in ((ci, n.nvmlComputeInstanceDestroy), (gi, n.nvmlGpuInstanceDestroy)):
+        if obj is not None:
+            try:
+                destroy(obj)
+            except n.NVMLError:
+                pass
+    if enabled_here:
+        _disable(n, h, index)
 
 
 # === look-up and destroy ===
