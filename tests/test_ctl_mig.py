@@ -469,10 +469,12 @@ class PendingGpu:
     def nvmlDeviceGetMigMode(self, h):
         return list(self.mode)
 
+    busy = False      # a process came between the check of the GPU's processes and the call
+
     def nvmlDeviceSetMigMode(self, h, mode):
         self.calls.append(("SetMigMode", mode))
         self.mode[1] = mode
-        return self.NVML_SUCCESS
+        return self.NVML_ERROR_IN_USE if self.busy else self.NVML_SUCCESS
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, h, index):
         if index:
@@ -502,3 +504,14 @@ def test_a_gpu_that_needs_a_reset_is_left_pending_and_nothing_is_created(monkeyp
     assert slices.list_names(tmp_path) == []
     with pytest.raises(slices.VgpuError, match="does not say where 1g.5gb can go"):
         mig.check_profile(0, "1g.5gb", placement=0)
+
+
+def test_an_in_use_activation_status_is_refused_and_the_request_withdrawn(monkeypatch, tmp_path):
+    from vgpu import mig, nvml as vnvml, slices
+    fake = PendingGpu()
+    fake.busy = True
+    monkeypatch.setattr(vnvml, "_nvml", lambda: fake)
+    monkeypatch.setattr(vnvml, "running_processes", lambda index: {})
+    with pytest.raises(slices.Busy, match="device 0 is in use: MIG mode can only be turned on while the GPU is idle"):
+        mig.create_slice(tmp_path, "t", 0, "1g.5gb", slices.device_quota())
+    assert fake.calls == [("SetMigMode", 1), ("SetMigMode", 0)] and fake.mode == [0, 0]   # nothing left pending
