@@ -1249,7 +1249,7 @@ enum proc_abi { PROC_V1, PROC_V2 };
 static nvmlReturn_t own_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum proc_abi abi)
 {
     int dev = nvml_index(device);
-    if (!infoCount || dev < 0)
+    if (!infoCount)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (S.mode == MODE_ENFORCE)
         maybe_reap();
@@ -1275,6 +1275,8 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t devic
                                                               nvmlProcessInfo_v1_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
+        return real_nvmlDeviceGetComputeRunningProcesses(device, infoCount, infos);
     return own_processes(device, infoCount, infos, PROC_V1);
 }
 
@@ -1282,6 +1284,8 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t de
                                                                  nvmlProcessInfo_v2_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v2, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
+        return real_nvmlDeviceGetComputeRunningProcesses_v2(device, infoCount, infos);
     return own_processes(device, infoCount, infos, PROC_V2);
 }
 
@@ -1289,6 +1293,8 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t de
                                                                  nvmlProcessInfo_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v3, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
+        return real_nvmlDeviceGetComputeRunningProcesses_v3(device, infoCount, infos);
     return own_processes(device, infoCount, infos, PROC_V2);
 }
 

@@ -25,7 +25,8 @@ uuid = "-".join([bytes(cu.cuDeviceGetUuid(d)[1].bytes).hex()[i:j] for i, j in ((
 out = {"cuda": [int(x) for x in cu.cuMemGetInfo()[1:]], "gpus": []}
 for i in range(n.nvmlDeviceGetCount()):
     h = n.nvmlDeviceGetHandleByIndex(i)
-    out["gpus"].append([n.nvmlDeviceGetUUID(h), n.nvmlDeviceGetMemoryInfo(h).total])
+    out["gpus"].append([n.nvmlDeviceGetUUID(h), n.nvmlDeviceGetMemoryInfo(h).total,
+                        len(n.nvmlDeviceGetComputeRunningProcesses(h))])
 for prefix in ("GPU-", "MIG-"):
     try:
         h = n.nvmlDeviceGetHandleByUUID(prefix + uuid)
@@ -48,9 +49,10 @@ def test_cuda_visible_devices_1_caps_nvml_s_second_gpu_not_its_first(tmp_path):
     env = make_sim_env(tmp_path / "node", profile="a10", devices=2)
     r = json.loads(run_python(VIEW, shim_env(env, tmp_path, CUDA_VISIBLE_DEVICES="1")).stdout.strip().splitlines()[-1])
     assert r["cuda"] == [GiB - 256 * MiB, GiB]
-    (first, first_total), (second, second_total) = r["gpus"]
+    (first, first_total, first_procs), (second, second_total, _) = r["gpus"]
     assert r["mine"] == [second, GiB, 256 * MiB, [256 * MiB]]   # NVML's index 1 is the slice
     assert (first_total, second_total) == (24 * GiB, GiB)        # index 0 as the driver has it
+    assert first_procs == 0                                      # and its process list too
 
 
 def test_a_slice_inside_a_mig_instance_is_shown_on_the_instance_s_handle(tmp_path):
@@ -61,5 +63,6 @@ def test_a_slice_inside_a_mig_instance_is_shown_on_the_instance_s_handle(tmp_pat
     r = json.loads(run_python(VIEW, shim_env(env, tmp_path, CUDA_VISIBLE_DEVICES=uuid)).stdout.strip().splitlines()[-1])
     assert r["cuda"] == [GiB - 256 * MiB, GiB]
     assert r["mine"] == [uuid, GiB, 256 * MiB, [256 * MiB]]
-    ((parent, total),) = r["gpus"]
+    ((parent, total, procs),) = r["gpus"]
     assert total > 100 * GiB                               # the H200 itself, as the driver has it
+    assert procs == 1                                      # its list, as the driver gives it
