@@ -179,8 +179,78 @@ def _validate_slice_spec(spec) -> list:
             if not isinstance(value, str) or not _QUANTITY.match(value):
                 out.append(f"spec.devices[{i}].capacity[{cap}].value: Invalid value: {value!r}: "
                            "not a quantity")
-    if len(spec.get("devices") or []) > 128:
-        out.append("spec.devices: Too many: must have at most 128 items")
+    devices = spec.get("devices") or []
+    advanced = any((d or {}).get("consumesCounters") or (d or {}).get("taints") for d in devices)
+    limit = 64 if advanced else 128     # ResourceSliceMaxDevicesWithAdvancedFeatures / ResourceSliceMaxDevices
+    if len(devices) > limit:
+        out.append(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
+    out += _validate_counters(spec, devices)
+    return out
+
+
+def _validate_counters(spec, devices) -> list:
+    """KEP-4815's rules as resource.k8s.io/v1 has them from 1.35 (types.go and the
+    validation of ResourceSliceSpec): devices and sharedCounters never in one slice, at
+    most 8 counter sets (unique DNS-label names) of at most 32 counters (DNS labels,
+    quantities); per device at most 2 consumptions, one per counter set, of at most 32
+    counters, and at most 32 attributes and capacities together.  That a consumption names
+    a counter set of the pool is not checked here: the API server sees one slice at a
+    time (the scheduler checks the pool)."""
+    out = []
+    shared = spec.get("sharedCounters") or []
+    if shared and devices:
+        out.append("spec: Invalid value: only one of `devices` and `sharedCounters` may be set")
+    if len(shared) > 8:
+        out.append(f"spec.sharedCounters: Too many: {len(shared)}: must have at most 8 items")
+    names = set()
+    for i, cs in enumerate(shared):
+        where = f"spec.sharedCounters[{i}]"
+        name = (cs or {}).get("name")
+        if not name or not _DNS_LABEL.match(name):
+            out.append(f"{where}.name: Invalid value: {name!r}: must be a DNS label")
+        elif name in names:
+            out.append(f"{where}.name: Duplicate value: {name!r}")
+        names.add(name)
+        counters = (cs or {}).get("counters") or {}
+        if not counters:
+            out.append(f"{where}.counters: Required value")
+        if len(counters) > 32:
+            out.append(f"{where}.counters: Too many: {len(counters)}: must have at most 32 items")
+        out += _check_counter_map(counters, f"{where}.counters")
+    for i, dev in enumerate(devices):
+        where = f"spec.devices[{i}]"
+        dev = dev or {}
+        if len(dev.get("attributes") or {}) + len(dev.get("capacity") or {}) > 32:
+            out.append(f"{where}: Too many: attributes and capacities must have at most 32 items together")
+        uses = dev.get("consumesCounters") or []
+        if len(uses) > 2:
+            out.append(f"{where}.consumesCounters: Too many: {len(uses)}: must have at most 2 items")
+        sets = set()
+        for j, use in enumerate(uses):
+            cs = (use or {}).get("counterSet")
+            if not cs or not _DNS_LABEL.match(cs):
+                out.append(f"{where}.consumesCounters[{j}].counterSet: Invalid value: {cs!r}: must be a DNS label")
+            elif cs in sets:
+                out.append(f"{where}.consumesCounters[{j}].counterSet: Duplicate value: {cs!r}")
+            sets.add(cs)
+            counters = (use or {}).get("counters") or {}
+            if not counters:
+                out.append(f"{where}.consumesCounters[{j}].counters: Required value")
+            if len(counters) > 32:
+                out.append(f"{where}.consumesCounters[{j}].counters: Too many: {len(counters)}: must have at most "
+                           "32 items")
+            out += _check_counter_map(counters, f"{where}.consumesCounters[{j}].counters")
+    return out
+
+
+def _check_counter_map(counters, where) -> list:
+    out = []
+    for name, c in counters.items():
+        if not _DNS_LABEL.match(name):
+            out.append(f"{where}[{name}]: Invalid value: {name!r}: must be a DNS label")
+        value = (c or {}).get("value")
+        if not isinstance(value, str) or not _QUANTITY.match(value):
+            out.append(f"{where}[{name}].value: Invalid value: {value!r}: not a quantity")
     return out
 
 
@@ -279,11 +349,15 @@ class FakeApiServer:
     and a later start() serves the same store on the same port (an API server restart).
     """
 
-    def __init__(self, port=0, token=None, consumable_capacity=True):
+    def __init__(self, port=0, token=None, consumable_capacity=True, partitionable_devices=True):
         """consumable_capacity=False: the DRAConsumableCapacity feature gate is off, and
-        ResourceSlices are stored without allowMultipleAllocations and requestPolicy."""
+        ResourceSlices are stored without allowMultipleAllocations and requestPolicy.
+        partitionable_devices=False: DRAPartitionableDevices is off (1.35 by default), and
+        they are stored without sharedCounters and consumesCounters (the strategy drops
+        fields of a disabled gate, as for any new object)."""
         self.token = token or secrets.token_hex(16)
         self.consumable_capacity = consumable_capacity
+        self.partitionable_devices = partitionable_devices
         self.requests = []          # (method, path, query dict), every request, in order
         self._port = port
         self._lock = threading.RLock()
@@ -965,6 +1039,10 @@ class FakeApiServer:
             problems.append(str(e))
         if problems:
             raise invalid("; ".join(problems))
+        if not self.partitionable_devices:   # the DRAPartitionableDevices gate off: dropped, no error
+            (body.get("spec") or {}).pop("sharedCounters", None)
+            for device in (body.get("spec") or {}).get("devices") or []:
+                device.pop("consumesCounters", None)
         if not self.consumable_capacity:   # as an API server with the feature gate off: dropped, no error
             for device in (body.get("spec") or {}).get("devices") or []:
                 device.pop("allowMultipleAllocations", None)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DRA = ROOT / "deploy" / "dra"
 NODE_AGENT = ROOT / "deploy" / "daemonset.yaml"
 FILES = ("daemonset.yaml", "deviceclass.yaml", "rbac.yaml", "webhook.yaml", "example-pod.yaml", "example-pod-limits.yaml",
-         "kustomization.yaml")
+         "example-pod-mig.yaml", "kustomization.yaml")
 NODE = "gpu-node-1"      # what the downward API's spec.nodeName gives the pod in these tests
 GiB = 1 << 30
 
@@ -127,7 +127,7 @@ MUTATIONS = {
     "misspelled-securityContext-field": ("DaemonSet", lambda d: _rename(
         container("plugin", d["spec"]["template"]["spec"])["securityContext"],
         "readOnlyRootFilesystem", "readOnlyRootFileSystem"), "readOnlyRootFileSystem"),
-    "misspelled-capacity": ("ResourceClaimTemplate", lambda d: _rename(
+    "misspelled-capacity": (("ResourceClaimTemplate", "example-pod.yaml"), lambda d: _rename(
         d["spec"]["spec"]["devices"]["requests"][0]["exactly"], "capacity", "capacities"), "capacities"),
     "containerPort-as-a-name": ("DaemonSet", lambda d: container("autoscale", d["spec"]["template"]["spec"])
                                 ["ports"][0].__setitem__("containerPort", "metrics"), "containerPort"),
@@ -236,23 +236,32 @@ def test_dra_daemonset_runs_where_the_node_agent_does_with_nvml():
 
 # === DeviceClass, claim template and pod ===
 
+def device_class(name=None):
+    """The class of software slices, named as the driver (or the class `name`)."""
+    name = name or option("k8s-plugin", "driver_name").default
+    [cls] = [d for f, _, d in DOCS if d.get("kind") == "DeviceClass" and d["metadata"]["name"] == name]
+    return cls
+
+
 def test_deviceclass_selects_the_driver_name_k8s_plugin_defaults_to():
     default = option("k8s-plugin", "driver_name").default
     assert parse(container("plugin"))[1]["driver_name"] == default      # the plugin publishes under it
-    cls = one("DeviceClass")
-    expressions = [s["cel"]["expression"] for s in cls["spec"]["selectors"]]
-    drivers = [m for e in expressions for m in re.findall(r'device\.driver\s*==\s*["\']([^"\']*)["\']', e)]
-    assert drivers == [default], expressions
-    assert cls["metadata"]["name"] == default
+    classes = [d for f, _, d in DOCS if d.get("kind") == "DeviceClass"]
+    assert sorted(c["metadata"]["name"] for c in classes) == sorted([default, f"gpu.{default}", f"mig.{default}"])
+    for cls in classes:
+        expressions = [s["cel"]["expression"] for s in cls["spec"]["selectors"]]
+        drivers = [m for e in expressions for m in re.findall(r'device\.driver\s*==\s*["\']([^"\']*)["\']', e)]
+        domains = [m for e in expressions for m in re.findall(r'device\.attributes\["([^"]*)"\]', e)]
+        assert drivers == [default] and domains == [default], expressions
 
 
 def test_claim_template_asks_4Gi_memory_and_50_sm_of_the_vgpu_class():
-    template = one("ResourceClaimTemplate")
+    template = one("ResourceClaimTemplate", "example-pod.yaml")
     assert template["metadata"]["name"] == "half-gpu"
     (request,) = template["spec"]["spec"]["devices"]["requests"]
     assert request["name"] == "gpu"
     exactly = request["exactly"]
-    assert exactly["deviceClassName"] == one("DeviceClass")["metadata"]["name"]
+    assert exactly["deviceClassName"] == device_class()["metadata"]["name"]
     requests = exactly["capacity"]["requests"]
     assert set(requests) == {"memory", "sm"}
     assert parse_quantity(requests["memory"]) == 4 * GiB
@@ -260,7 +269,7 @@ def test_claim_template_asks_4Gi_memory_and_50_sm_of_the_vgpu_class():
 
 
 def test_pod_references_the_template_and_its_container_the_claim():
-    template, pod = one("ResourceClaimTemplate"), one("Pod", "example-pod.yaml")
+    template, pod = one("ResourceClaimTemplate", "example-pod.yaml"), one("Pod", "example-pod.yaml")
     assert pod["metadata"]["name"] == "cuda-half-gpu"
     assert pod["metadata"].get("namespace") == template["metadata"].get("namespace")
     claims = {c["name"]: c for c in pod["spec"]["resourceClaims"]}
@@ -268,6 +277,16 @@ def test_pod_references_the_template_and_its_container_the_claim():
     assert len(uses) == 1
     (cuda,) = pod["spec"]["containers"]
     assert [c["name"] for c in cuda["resources"]["claims"]] == uses
+
+
+def test_the_mig_example_asks_the_mig_class_for_a_profile_its_selector_and_the_published_devices_agree_on():
+    template, pod = one("ResourceClaimTemplate", "example-pod-mig.yaml"), one("Pod", "example-pod-mig.yaml")
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == device_class("mig.vgpu.dev")["metadata"]["name"]
+    [selector] = request["exactly"]["selectors"]
+    assert selector["cel"]["expression"] == 'device.attributes["vgpu.dev"].profile == "3g.40gb"'
+    assert pod["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": template["metadata"]["name"]}]
+    assert pod["spec"]["containers"][0]["resources"]["claims"] == [{"name": "gpu"}]
 
 
 # === RBAC, admission and privileges ===

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,34 @@ def test_the_agent_publishes_prepares_and_republishes_with_the_lowest_allowed_cl
         failed = [e for e in agent.events() if e["event"].endswith("_failed")]
         assert not failed, failed
         assert [e["event"] for e in agent.events()].count("resourceslice_created") == 2
+
+
+def test_the_lowest_allowed_client_keeps_counters_and_mig_devices_and_prepares_a_mig_claim(tmp_path):
+    """The 34 models know sharedCounters and consumesCounters (and a slice without
+    devices): the agent reads back what it wrote, so it sees no field dropped and keeps
+    publishing MIG devices, and a MIG claim read with the old client is prepared."""
+    view = overlay(lowest_client(), tmp_path / "kubernetes-client")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(view), os.environ.get("PYTHONPATH")]))}
+    with FakeApiServer() as api:
+        node = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="h100-80g"))
+        agent = node.start("--rescan", "60s", env=env)
+        try:
+            deadline = time.monotonic() + 10
+            while len(api.slices()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            slices = {s["metadata"]["name"]: s for s in api.slices()}
+            assert sorted(slices) == ["node-a-vgpu.dev-counters-0", "node-a-vgpu.dev-gpu-0"]
+            devices = slices["node-a-vgpu.dev-gpu-0"]["spec"]["devices"]
+            assert len(devices) == 26 and all(d["consumesCounters"] for d in devices)
+            kubelet = node.kubelet(wipe=False)
+            claim = node.claim("old-mig", results=[{"device": "gpu-0-mig-3g40gb-0", "share_id": None,
+                                                    "memory": None, "sm": None}])
+            answer = kubelet.prepare(claim)[claim[1]]
+            assert answer.error == "" and kubelet.cdi_devices(claim[1]) == [f"vgpu.dev/mig={claim[1]}"]
+            assert kubelet.unprepare(claim)[claim[1]].error == ""
+            kubelet.close()
+        finally:
+            assert agent.stop() == 0
+        events = agent.events()
+        assert not [e for e in events if e["event"].endswith("_failed") or e["event"] == "resourceslice_fields_dropped"]
+        assert [e["event"] for e in events].count("resourceslice_created") == 2

@@ -176,10 +176,13 @@ def test_every_rendered_object_round_trips_through_the_client_models(name):
 @pytest.mark.parametrize("name", RENDERINGS)
 def test_the_driver_name_agrees_everywhere(name):
     docs = rendered(name)
-    cls = the(docs, "DeviceClass")
-    driver = cls["metadata"]["name"]
-    drivers = re.findall(r'device\.driver\s*==\s*"([^"]*)"', cls["spec"]["selectors"][0]["cel"]["expression"])
-    assert drivers == [driver]
+    classes = [d for d in docs if d["kind"] == "DeviceClass"]
+    driver = min((c["metadata"]["name"] for c in classes), key=len)     # the software slices' class
+    assert sorted(c["metadata"]["name"] for c in classes) == sorted([driver, f"gpu.{driver}", f"mig.{driver}"])
+    for cls in classes:
+        expression = cls["spec"]["selectors"][0]["cel"]["expression"]
+        assert re.findall(r'device\.driver\s*==\s*"([^"]*)"', expression) == [driver]
+        assert re.findall(r'device\.attributes\["([^"]*)"\]', expression) == [driver]
     spec = the(docs, "DaemonSet")["spec"]["template"]["spec"]
     plugin = container(spec, "plugin")
     _, p = parse(plugin)
@@ -288,7 +291,8 @@ def test_quota_examples_round_trip_through_the_client_models(doc):
 
 def test_the_resource_quota_counts_devices_of_the_vgpu_class():
     quota = next(d for _, d in QUOTA_DOCS if d["kind"] == "ResourceQuota")
-    cls = next(d for d in yaml.safe_load_all((DEPLOY / "dra" / "deviceclass.yaml").read_text()) if d)
+    cls = next(d for d in yaml.safe_load_all((DEPLOY / "dra" / "deviceclass.yaml").read_text())
+               if d and d["metadata"]["name"] == "vgpu.dev")
     assert f"{cls['metadata']['name']}.deviceclass.resource.k8s.io/devices" in quota["spec"]["hard"]
     assert "count/resourceclaims.resource.k8s.io" in quota["spec"]["hard"]
     limits = next(d for _, d in QUOTA_DOCS if d["kind"] == "ConfigMap")

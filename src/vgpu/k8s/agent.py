@@ -110,9 +110,9 @@ def _shim_files(config):
     return shim, preload
 
 
-def _gpus():
+def _gpus(ours=frozenset()):
     try:
-        return resourceslice.inventory()
+        return resourceslice.inventory(ours)
     except Exception as e:   # NvmlUnavailable, or an NVMLError from a driver in trouble
         raise AgentError(f"cannot list this node's GPUs: {e}",
                          "run on a GPU node with the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES=all)") from None
@@ -143,16 +143,17 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     from .driver import Driver
     emit = _logger(log)
     shim, preload = _shim_files(config)
-    gpus = _gpus()
-    if not gpus:
-        raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
     api = api or api_client(config.kubeconfig)
+    gpus = []     # the driver reads the same list; its MIG instances (checkpoint) are not taken for hand-made ones
     try:
         driver = Driver(config.driver_name, config.node_name, config.plugin_dir, config.cdi_dir, config.slice_dir,
                         shim, preload, claim_reader(api), lambda: gpus, gpu_cdi_devices=config.gpu_cdi_devices,
                         lend_memory=config.lend_memory, cdi_version=config.cdi_version, log=emit)
     except checkpoint.CheckpointError as e:
         raise AgentError(str(e), e.hint) from None
+    gpus[:] = _gpus(driver.mig_instances())
+    if not gpus:
+        raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
     publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT)
     kick = threading.Event()     # publish now: set by the watch, a registration, or stop
     threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
@@ -165,7 +166,8 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)
     emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
           "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,
-          "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims)})
+          "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims),
+          "mig": {g.name: "static" if g.mig_instances else "dynamic" for g in gpus if g.mig_profiles}})
     watcher, rescanned = None, time.monotonic()
     try:
         while not stop.is_set():
@@ -182,8 +184,9 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                 break
             if time.monotonic() - rescanned >= config.rescan:
                 rescanned = time.monotonic()
-                try:
-                    gpus[:] = _gpus()    # GPUs that appeared or vanished (the driver reads the same list)
+                try:   # GPUs that appeared or vanished, MIG instances made or destroyed by hand; under the
+                    with driver.lock:   # driver's lock, so an instance being made is already in its checkpoint
+                        gpus[:] = _gpus(driver.mig_instances())
                 except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
                     emit({"event": "rescan_failed", "error": str(e)})
     finally:

@@ -77,6 +77,47 @@ def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, vers
     env = [f"{k}={v}" for k, v in runtime.container_variables(name, preload_file).items()]
     out = {"cdiVersion": None, "kind": kind(driver),
            "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}]}
+    return _versioned(out, name, version)
+
+
+MIG_CLASS = "mig"
+
+
+def mig_device_id(driver: str, name: str) -> str:
+    return f"{driver}/{MIG_CLASS}={name}"
+
+
+def mig_spec(driver: str, name: str, uuids: list, device_nodes=(), version=CDI_VERSION) -> dict:
+    """A CDI spec with one device, `name`, giving a container the MIG devices `uuids`
+    (MIG-<uuid>) and nothing else: NVIDIA_VISIBLE_DEVICES for the NVIDIA Container
+    Toolkit, which takes MIG UUIDs there, and CUDA_VISIBLE_DEVICES for CUDA itself (so
+    the instance is CUDA's device 0 even where the toolkit's CDI device gives every GPU);
+    device_nodes: the instances' /dev/nvidia-caps nodes (mig_device_nodes)."""
+    visible = ",".join(uuids)
+    edits = {"env": [f"NVIDIA_VISIBLE_DEVICES={visible}", f"CUDA_VISIBLE_DEVICES={visible}"]}
+    if device_nodes:
+        edits["deviceNodes"] = [{"path": p} for p in device_nodes]
+    out = {"cdiVersion": None, "kind": f"{driver}/{MIG_CLASS}", "devices": [{"name": name, "containerEdits": edits}]}
+    return _versioned(out, name, version)
+
+
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+
+
+def mig_device_nodes(gpu_minor: int, gpu_instance: int, compute_instance: int, minors_file=MIG_MINORS) -> list:
+    """The capability device nodes a process needs to use one MIG device, from the
+    driver's table of lines `gpu<minor>/gi<id>/access <n>` and `gpu<minor>/gi<id>/ci<id>/access
+    <n>` (device /dev/nvidia-caps/nvidia-cap<n>); [] where the file is absent (simgpu)."""
+    try:
+        with open(minors_file) as f:
+            table = dict(line.split() for line in f if len(line.split()) == 2)
+    except OSError:
+        return []
+    keys = [f"gpu{gpu_minor}/gi{gpu_instance}/access", f"gpu{gpu_minor}/gi{gpu_instance}/ci{compute_instance}/access"]
+    return [f"/dev/nvidia-caps/nvidia-cap{table[k]}" for k in keys if k in table]
+
+
+def _versioned(out: dict, name: str, version) -> dict:
     needed = min_version(out)
     if version != AUTO and _key(version) < _key(needed):
         raise VersionTooLow(f"CDI spec for {name} needs cdiVersion {needed} or later, not {version} "

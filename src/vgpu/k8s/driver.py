@@ -32,9 +32,9 @@ import os
 import threading
 import time
 
-from .. import podlabels, slices
+from .. import mig, podlabels, slices
 from ..quantities import SHARE_FULL, format_memory
-from . import CONTAINER_ANNOTATION, cdi, checkpoint
+from . import CONTAINER_ANNOTATION, cdi, checkpoint, resourceslice
 
 
 class ClaimError(Exception):
@@ -188,6 +188,12 @@ class Driver:
         if any(r.get("adminAccess") for r in results):
             raise ClaimError(f"claim {shown} asks for admin access, which vgpu does not support yet "
                              "(a slice would hold the GPU's capacity that admin access must not consume)")
+        migs = [r for r in results if (resourceslice.parse_device(r.get("device", "")) or ("",))[0] == "mig"]
+        if migs:
+            if len(migs) != len(results):
+                raise ClaimError(f"claim {shown} asks for MIG devices and whole GPUs together: vgpu gives a "
+                                 "container one or the other (use two claims)")
+            return self._prepare_mig(namespace, uid, name, shown, migs)
         quota = self._quota(shown, results)
         slice_name = results[0].get("shareID") or f"claim-{uid}"
         if not slices.valid_name(slice_name):
@@ -259,6 +265,9 @@ class Driver:
             if gpu is None:
                 raise ClaimError(f"claim {shown}: device {r.get('device')} is not on this node "
                                  f"(it has {', '.join(sorted(gpus)) or 'no GPUs'})")
+            if gpu.mig_profiles and _mig_mode_on(gpu.index):
+                raise ClaimError(f"claim {shown}: device {gpu.name} is in MIG mode (a MIG instance is on it, or "
+                                 "turning MIG mode off waits for a GPU reset): a software slice needs the whole GPU")
             consumed = r.get("consumedCapacity") or {}
             mem = int(_quantity(consumed["memory"], "memory", shown)) if "memory" in consumed else gpu.memory
             share = int(_quantity(consumed["sm"], "sm", shown) * 100) if "sm" in consumed else SHARE_FULL
@@ -299,6 +308,9 @@ class Driver:
                 self.log({"event": "give_back_failed", "slice": name, "error": str(e)})
 
     def _files_present(self, entry) -> bool:
+        if "mig" in entry:   # the spec, and every instance (a reboot takes them all)
+            return os.path.isfile(entry["cdi_spec"]) and \
+                all(r.get("static") or mig.view(r)["present"] for r in entry["mig"])
         return os.path.isfile(entry["cdi_spec"]) and \
             os.path.isfile(slices.paths(self.slice_dir, entry["slice"])["quota"])
 
@@ -315,8 +327,176 @@ class Driver:
                   "slice": entry["slice"]})
 
     def _remove_files(self, entry):
+        if "mig" in entry:
+            return self._remove_mig(entry)
         cdi.remove(entry["cdi_spec"])
         try:   # the pod is gone when the kubelet unprepares; a straggler keeps its unlinked files
             slices.delete(self.slice_dir, entry["slice"], force=True)
         except slices.NotFound:
             pass
+
+    # === MIG claims ===
+
+    def mig_instances(self) -> frozenset:
+        """{(GPU UUID, GI profile ID, placement start)} of the instances this driver made or
+        is making (the checkpoint): the inventory does not take them for instances made by hand."""
+        return frozenset((i["gpu_uuid"], i["profile_id"], i["start"])
+                         for e in self.claims.values() for i in e.get("mig_intent") or [])
+
+    def _mig_target(self, shown, r, gpus):
+        """(Gpu, MigProfile, start) for a dynamic MIG device, (Gpu, MigInstance, None) for one
+        made by hand."""
+        if r.get("pool") != self.node:
+            raise ClaimError(f"claim {shown}: device {r.get('device')} was allocated from pool "
+                             f"{r.get('pool')}, not this node's ({self.node})")
+        _, index = resourceslice.parse_device(r["device"])
+        gpu = next((g for g in gpus if g.index == index), None)
+        if gpu is not None:
+            for p in gpu.mig_profiles:
+                for start, _ in p.placements:
+                    if resourceslice.mig_device_name(gpu, p, start) == r["device"] and gpu.partitionable:
+                        return gpu, p, start
+            for g in gpu.mig_instances:
+                if resourceslice.static_device_name(gpu, g) == r["device"]:
+                    return gpu, g, None
+        raise ClaimError(f"claim {shown}: MIG device {r['device']} is not published by this node now "
+                         "(its GPU's instances changed since the scheduler allocated it); the kubelet retries")
+
+    def _prepare_mig(self, namespace, uid, name, shown, results):
+        """Make each allocated MIG device's instance (at the allocated placement; an instance
+        made by hand is used as it is) and a CDI spec exposing exactly those instances."""
+        gpus = self.gpus()
+        targets = [self._mig_target(shown, r, gpus) for r in results]
+        spec_path = cdi.spec_path(self.cdi_dir, self.driver, uid)
+        ids = [cdi.mig_device_id(self.driver, uid)] + self.gpu_cdi_devices
+        answer, seen_requests = [], set()
+        for r in results:
+            request = base_request(r.get("request", ""))
+            device = {"request_names": [request] if request else [], "pool_name": r["pool"],
+                      "device_name": r["device"], "cdi_device_ids": [] if request in seen_requests else ids}
+            if r.get("shareID"):
+                device["share_id"] = r["shareID"]
+            answer.append(device)
+            seen_requests.add(request)
+        intent = [{"gpu_uuid": g.uuid, "device": g.index, "profile_id": p.id, "start": start}
+                  for g, p, start in targets if start is not None]
+        entry = {"namespace": namespace, "name": name, "state": "preparing", "slice": None, "mig": [],
+                 "mig_intent": intent, "cdi_spec": spec_path, "devices": answer}
+        self.claims[uid] = entry
+        checkpoint.save(self.checkpoint_path, self.claims)   # before any instance exists
+        try:
+            for gpu, target, start in targets:
+                if start is None:
+                    entry["mig"].append(_static_record(gpu, target))
+                else:
+                    entry["mig"].append(mig.create_instance(gpu.index, target.name, placement=start))
+                checkpoint.save(self.checkpoint_path, self.claims)
+            nodes = [n for rec in entry["mig"] for n in cdi.mig_device_nodes(
+                _minor(rec["device"]), rec["gpu_instance"], rec["compute_instance"])]
+            cdi.write(spec_path, cdi.mig_spec(self.driver, uid, [rec["uuid"] for rec in entry["mig"]], nodes,
+                                              self.cdi_version))
+        except BaseException as e:
+            try:
+                self._remove_mig(entry)
+            except Exception as undo:   # left in the checkpoint: the next prepare or unprepare retries
+                self.log({"event": "mig_undo_failed", "claim": shown, "error": str(undo)})
+                raise ClaimError(f"claim {shown}: {e}; undoing it failed too: {undo}") from None
+            del self.claims[uid]
+            checkpoint.save(self.checkpoint_path, self.claims)
+            if isinstance(e, (slices.VgpuError, cdi.VersionTooLow)):
+                raise ClaimError(f"claim {shown}: {_describe(e)}") from None
+            raise
+        entry["state"] = "prepared"
+        checkpoint.save(self.checkpoint_path, self.claims)
+        self.log({"event": "prepared", "claim": shown, "uid": uid,
+                  "mig": [{k: rec.get(k) for k in ("device", "profile", "placement", "gpu_instance", "uuid",
+                                                    "static")} for rec in entry["mig"]]})
+        return answer
+
+    def _remove_mig(self, entry):
+        """Destroy the instances the entry made (not those made by hand), also one an agent
+        made but died before recording (found by its intended placement); then the spec.
+        Busy (a process still on an instance) propagates: the kubelet retries."""
+        made = [r for r in entry["mig"] if not r.get("static")]
+        recorded = {(r["gpu_uuid"], r["profile_id"], r["placement"]["start"]) for r in made}
+        for i in entry.get("mig_intent") or []:
+            if (i["gpu_uuid"], i["profile_id"], i["start"]) not in recorded:
+                found = _instance_at(i)
+                if found:
+                    made.append(found)
+        others = {(i["gpu_uuid"]) for e in self.claims.values() if e is not entry
+                  for i in e.get("mig_intent") or []}
+        for record in made:
+            result = mig.destroy_instance(record, disable_mig=record["gpu_uuid"] not in others)
+            self.log({"event": "mig_destroyed", "device": record["device"], "gpu_instance": record["gpu_instance"],
+                      "destroyed": result["destroyed"], "mig_mode_off": result.get("mig_mode_off"),
+                      "warnings": result["warnings"]})
+            entry["mig"] = [r for r in entry["mig"] if r is not record]
+            entry["mig_intent"] = [i for i in entry.get("mig_intent") or []
+                                   if (i["gpu_uuid"], i["profile_id"], i["start"]) !=
+                                   (record["gpu_uuid"], record["profile_id"], record["placement"]["start"])]
+        cdi.remove(entry["cdi_spec"])
+
+
+def _mig_mode_on(index) -> bool:
+    try:
+        n = mig._n()
+        return mig.mig_mode(n, n.nvmlDeviceGetHandleByIndex(index), index)[0] == 1
+    except slices.VgpuError:
+        return False
+
+
+def _minor(index) -> int:
+    """The GPU's minor number (/dev/nvidia<minor>, `gpu<minor>` in mig-minors)."""
+    n = mig._n()
+    try:
+        return n.nvmlDeviceGetMinorNumber(n.nvmlDeviceGetHandleByIndex(index))
+    except n.NVMLError:
+        return index
+
+
+def _mig_devices(n, h):
+    """{GPU instance ID: (compute instance ID, MIG UUID)} of a GPU's MIG devices."""
+    out = {}
+    for i in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+            out.setdefault(n.nvmlDeviceGetGpuInstanceId(m),
+                           (n.nvmlDeviceGetComputeInstanceId(m), mig._text(n.nvmlDeviceGetUUID(m))))
+        except n.NVMLError:
+            continue    # NOT_FOUND: nothing at that index
+    return out
+
+
+def _static_record(gpu, instance) -> dict:
+    """The record of an instance made by hand: its MIG device as it is (never destroyed)."""
+    n = mig._n()
+    h = n.nvmlDeviceGetHandleByIndex(gpu.index)
+    found = _mig_devices(n, h).get(instance.gpu_instance)
+    if found is None:
+        raise ClaimError(f"GPU instance {instance.gpu_instance} on {gpu.name} has no compute instance (no MIG "
+                         "device to give)")
+    return {"static": True, "device": gpu.index, "gpu_uuid": gpu.uuid, "profile": instance.profile,
+            "profile_id": instance.profile_id, "placement": {"start": instance.start, "size": instance.size},
+            "gpu_instance": instance.gpu_instance, "compute_instance": found[0], "uuid": found[1]}
+
+
+def _instance_at(intent):
+    """A record for the instance at an intended placement (made by an agent that died
+    before recording it), or None."""
+    n = mig._n()
+    try:
+        h = n.nvmlDeviceGetHandleByUUID(intent["gpu_uuid"])
+    except n.NVMLError:
+        return None
+    try:
+        table = mig._instances(n, h)
+    except n.NVMLError:
+        return None
+    gi = next((g for g in table if (g["profile_id"], g["start"]) == (intent["profile_id"], intent["start"])), None)
+    if gi is None:
+        return None
+    ci, uuid = _mig_devices(n, h).get(gi["id"], (0, ""))
+    return {"device": intent["device"], "gpu_uuid": intent["gpu_uuid"], "profile": gi["profile"],
+            "profile_id": gi["profile_id"], "placement": {"start": gi["start"], "size": gi["size"]},
+            "gpu_instance": gi["id"], "compute_instance": ci, "uuid": uuid}
