@@ -14,9 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from conftest import make_sim_env  # noqa: E402
 from k8s_fake_api import FakeApiServer  # noqa: E402
 from k8s_node import Node  # noqa: E402
+
+from vgpu.sim import sim_environment  # noqa: E402
 
 ROUNDS = 10
 PLACEMENTS = ("gpu-0-mig-3g40gb-0", "gpu-0-mig-3g40gb-4")
@@ -34,13 +35,22 @@ print(json.dumps(out))
 """
 
 
+def h100_env(state_dir):
+    """A clean environment on a fresh simgpu node with one H100 80GB."""
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_"))
+           and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(sim_environment("h100-80g", 1, str(state_dir), base_env=env))
+    return env
+
+
 def _ms(samples):
     return statistics.median(samples) / 1e6, max(samples) / 1e6
 
 
 def test_mig_claim_prepare_and_unprepare_latency(tmp_path, benchmark):
     with FakeApiServer() as api:
-        node = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="h100-80g"))
+        node = Node(tmp_path, api, h100_env(tmp_path / "simgpu"))
         agent = node.start("--rescan", "5s")
         try:
             kubelet = node.kubelet()

@@ -350,3 +350,43 @@ def test_instances_made_by_hand_are_published_as_they_are_and_never_destroyed(mi
     assert container_env(kubelet, claim[1])["CUDA_VISIBLE_DEVICES"] == inst["uuid"]
     assert kubelet.unprepare(claim)[claim[1]].error == ""
     assert nvml_state(mig_node.env)[0]["instances"] == [inst]     # still there, MIG mode still on
+
+
+def test_an_instance_made_by_an_agent_that_died_before_recording_it_is_destroyed_on_the_retry(mig_node):
+    """The checkpoint names the placement before the instance exists: an agent killed
+    between making it and recording it leaves an entry in state preparing with the
+    placement and no instance (staged here from a prepared claim, as the file would be)."""
+    agent = mig_node.start()
+    pool(mig_node)
+    kubelet = mig_node.kubelet()
+    claim = mig_claim(mig_node, "half-done", "gpu-0-mig-4g40gb-0")
+    assert kubelet.prepare(claim)[claim[1]].error == ""
+    [made] = nvml_state(mig_node.env)[0]["instances"]
+    agent.stop(signal.SIGKILL)
+    data = json.loads(mig_node.checkpoint.read_text())
+    entry = data["claims"][claim[1]]
+    assert entry["mig_intent"] == [{"gpu_uuid": entry["mig"][0]["gpu_uuid"], "device": 0, "profile_id": 5,
+                                    "start": 0}]
+    entry["state"], entry["mig"] = "preparing", []
+    mig_node.checkpoint.write_text(json.dumps(data))
+    mig_node.start()
+    devices = devices_of(pool(mig_node))
+    assert "gpu-0-mig-4g40gb-0" in devices and not any("-gi" in n for n in devices)   # still the driver's
+    again = mig_node.kubelet(wipe=False)
+    assert again.prepare(claim)[claim[1]].error == ""
+    [now] = nvml_state(mig_node.env)[0]["instances"]          # the leftover went, one instance was made
+    assert (now["profile_id"], now["start"]) == (5, 0) and now["uuid"] != made["uuid"]
+    assert again.unprepare(claim)[claim[1]].error == ""
+    assert nvml_state(mig_node.env)[0] == {"mig_mode": 0, "instances": []}
+
+
+def test_a_software_slice_is_refused_on_a_gpu_left_in_mig_mode(mig_node):
+    run_python("import pynvml as n; n.nvmlInit(); "
+               "n.nvmlDeviceSetMigMode(n.nvmlDeviceGetHandleByIndex(0), n.NVML_DEVICE_MIG_ENABLE)", mig_node.env)
+    mig_node.start()
+    assert "gpu-0" in devices_of(pool(mig_node))        # no instance on it: still published whole and partitioned
+    kubelet = mig_node.kubelet()
+    claim = mig_node.claim("soft", results=[{"device": "gpu-0", "memory": "4Gi", "sm": "50"}])
+    error = kubelet.prepare(claim)[claim[1]].error
+    assert "is in MIG mode" in error, error
+    assert mig_node.status() == {}

@@ -240,8 +240,12 @@ def describe_node(cluster, node) -> str:
                 data = (entries.get((r.get("pool"), r.get("device"), r.get("shareID"))) or {}).get("data") or {}
                 on.setdefault(r.get("device"), []).append((claim, r, data))
     lines = [f"Name:               {node}", f"Driver:             {cluster.driver}", "GPUs:"]
+    whole = {(d.get("attributes") or {}).get("uuid", {}).get("string") for d in devices
+             if (d.get("attributes") or {}).get("type", {}).get("string") != "mig"}
     for d in sorted(devices, key=lambda d: (d.get("attributes", {}).get("index", {}).get("int", 0), d["name"])):
         attrs = {k: next(iter(v.values())) for k, v in (d.get("attributes") or {}).items()}
+        if attrs.get("type") == "mig" and attrs.get("parentUUID") in whole:
+            continue      # a placement of a partitionable GPU: listed under it when allocated
         caps = {k: _quantity(v.get("value")) for k, v in (d.get("capacity") or {}).items()}
         held = on.get(d["name"], [])
         mem_out = sum(_quantity((r.get("consumedCapacity") or {}).get("memory")) or 0 for _, r, _ in held)
@@ -258,7 +262,7 @@ def describe_node(cluster, node) -> str:
             used = f"{_pct(sum(sm_used))} used" if sm_used else "use not reported"
             lines.append(f"    SM:               {_pct(float(sm_out))} handed out of {_pct(float(caps['sm']))}, {used}")
         mig = [x for x in devices if (x.get("attributes") or {}).get("parentUUID", {}).get("string") ==
-               attrs.get("uuid")]
+               attrs.get("uuid") and (x["name"] in on or not x.get("consumesCounters"))]   # allocated, or by hand
         lines.append(f"    MIG instances:    {', '.join(x['name'] for x in mig) if mig else '<none>'}")
         lines.append(f"    Claims:           {len(held) if held else '<none>'}")
         if held:
