@@ -198,7 +198,9 @@ class Child:
         self.pid = self.proc.pid
 
     def read(self, timeout=30):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        poller = select.poll()   # (select() cannot wait on a descriptor past 1023)
+        poller.register(self.proc.stdout, select.POLLIN)
+        ready = poller.poll(timeout * 1000)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.proc.kill()
@@ -230,6 +232,9 @@ class Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr, self._stderr):
+            if f is not None and f is not subprocess.PIPE:
+                f.close()   # hundreds of children in a run: no descriptor left behind
 
 
 AGENT = PRELUDE + """
