@@ -390,3 +390,19 @@ def test_a_software_slice_is_refused_on_a_gpu_left_in_mig_mode(mig_node):
     error = kubelet.prepare(claim)[claim[1]].error
     assert "is in MIG mode" in error, error
     assert mig_node.status() == {}
+
+
+def test_the_capability_nodes_of_an_instance_come_from_the_drivers_mig_minors_table(tmp_path):
+    # the table's shape as the MIG user guide's "Device Nodes and Capabilities" shows it
+    table = tmp_path / "mig-minors"
+    table.write_text("config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\ngpu0/gi9/access 66\n"
+                     "gpu0/gi9/ci0/access 67\ngpu1/gi9/access 201\ngpu1/gi9/ci0/access 202\n")
+    from vgpu.k8s import cdi
+    assert cdi.mig_device_nodes(0, 9, 0, table) == ["/dev/nvidia-caps/nvidia-cap66", "/dev/nvidia-caps/nvidia-cap67"]
+    assert cdi.mig_device_nodes(1, 9, 0, table) == ["/dev/nvidia-caps/nvidia-cap201", "/dev/nvidia-caps/nvidia-cap202"]
+    assert cdi.mig_device_nodes(0, 9, 0, tmp_path / "absent") == []       # simgpu: no such file
+    spec = cdi.mig_spec(DRIVER, "0b7e2c1a-claim", ["MIG-abc"], cdi.mig_device_nodes(0, 9, 0, table))
+    assert spec["kind"] == f"{DRIVER}/mig" and spec["cdiVersion"] == "0.5.0"     # a name starting with a digit
+    assert spec["devices"][0]["containerEdits"] == {
+        "env": ["NVIDIA_VISIBLE_DEVICES=MIG-abc", "CUDA_VISIBLE_DEVICES=MIG-abc"],
+        "deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap66"}, {"path": "/dev/nvidia-caps/nvidia-cap67"}]}
