@@ -561,7 +561,7 @@ def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(nod
     assert act["pid"] == hog.host_pid
     out, err = before.communicate(timeout=30)
     (share_before,), = json.loads(out)
-    assert share_before > 80                      # unheld, it takes what the GPU has
+    assert share_before > 60                      # unheld, it takes what the GPU (and a busy CPU) gives it
     t1 = time.time()
     held = referee.start([hog.host_pid], [[4, 10]], t1, node_.env)     # after the controller settles
     out, err = held.communicate(timeout=60)
@@ -573,7 +573,7 @@ def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(nod
     after = referee.start([hog.host_pid], [[0.5, 2]], time.time(), node_.env)
     out, _ = after.communicate(timeout=30)
     (share_after,), = json.loads(out)
-    assert share_after > 80
+    assert share_after > 60
 
 
 def test_a_paced_slice_is_no_compute_violation(node_, spawn, agents):

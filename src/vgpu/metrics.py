@@ -176,7 +176,8 @@ class NodeCollector:
             resizes.add_metric([name], max(0, (v.gen - 2) // 2))
             usage = None
             try:
-                slices.reap_quietly(self.directory, name)
+                if self.agent is None:     # the node agent reaps (at once, as processes end)
+                    slices.reap_quietly(self.directory, name)
                 usage = slices.read_usage(self.directory, name)
             except (slices.VgpuError, OSError):
                 pass

@@ -50,6 +50,7 @@ IDENTITY_PATH = "/run/vgpu/.slice"
 RECHECK_S = 10.0                # a process found in no slice is looked at again this often
 ORPHAN_S = 2.0                  # temporary slices' owners are checked this often
 SLACK_S = 0.005
+SWEEP_LOOKS = 30                # and every slice once in 30 looks (a net under the inotify events)
 
 
 # === settings ===
@@ -122,28 +123,88 @@ class Slot:
     alive: bool
 
 
-def read_slots(fd, devices):
-    """(slots in use, {device: memory.current}, {device: (gpu_time_ns, launches)}) from a
-    usage file descriptor, with one pread.  Raises slices.BadFile for a file cut short or
-    of another kind (the container's doing)."""
-    data = os.pread(fd, slices.USAGE_SIZE, 0)
-    if len(data) != slices.USAGE_SIZE or _HEADER.unpack_from(data) != \
-            (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, slices.USAGE_SIZE):
-        raise slices.BadFile("usage file cut short or not a vgpu usage file")
-    rows = {d: _ROW.unpack_from(data, slices.charge_offset(d, 0)) for d in devices}
-    current = {d: sum(r) & 0xFFFFFFFFFFFFFFFF for d, r in rows.items()}
-    counters = {d: struct.unpack_from("<QQ", data, _DEV_AT + d * _DEV_SIZE + _LAUNCHES_AT) for d in devices}
-    counters = {d: (g, n) for d, (n, g) in counters.items()}   # launches precedes gpu_time_ns
-    pids = _PIDS.unpack_from(data, _PROCS_AT)
+_ZERO_ROW = (0,) * slices.MAX_PROCS
+_QQ = struct.Struct("<QQ")
+
+
+_SLOTS_USED_AT = ffi.offsetof("struct vgpu_usage", "slots_used")
+_CHARGE_AT = slices.CHARGE_OFFSET
+
+
+def _parse_usage(head, procs, devices):
+    """({device: memory.current}, {device: (gpu_time_ns, launches)}, [Slot, alive unset])
+    from the file's start (header, counters, the held devices' charge rows) and the
+    process records of its used slots."""
+    rows = {d: _ROW.unpack_from(head, _CHARGE_AT + d * _ROW.size) for d in devices}
+    current = {d: 0 if r == _ZERO_ROW else sum(r) & 0xFFFFFFFFFFFFFFFF for d, r in rows.items()}
+    counters = {}
+    for d in devices:
+        launches, gpu = _QQ.unpack_from(head, _DEV_AT + d * _DEV_SIZE + _LAUNCHES_AT)
+        counters[d] = (gpu, launches)
+    n = len(procs) // _PROC.size
+    used = {i for i in range(n) if procs[i * _PROC.size:i * _PROC.size + 4] != b"\0\0\0\0"}
+    for r in rows.values():
+        if r != _ZERO_ROW:
+            used.update(i for i, v in enumerate(r) if v)
     out = []
-    for i, pid in enumerate(pids):
-        charges = {d: r[i] for d, r in rows.items() if r[i]}
-        if not pid and not charges:
-            continue
-        pid, _, _, comm, ticks, pns, cg, flags = _PROC.unpack_from(data, _PROCS_AT + i * _PROC.size)
+    for i in sorted(used):
+        if i < n:
+            rec = _PROC.unpack_from(procs, i * _PROC.size)
+        else:                # charged beyond the slots it says are used: a drain cut short
+            rec = (0, 0, 0, b"", 0, 0, 0, 0)
+        pid, _, _, comm, ticks, pns, cg, flags = rec
         out.append(Slot(i, pid, ticks, pns, cg, bool(flags & lib.VGPU_PROC_FROM_FILE),
-                        comm.split(b"\0", 1)[0].decode(errors="replace"), charges, slices.slot_alive(fd, i)))
-    return out, current, counters
+                        comm.split(b"\0", 1)[0].decode(errors="replace"),
+                        {d: r[i] for d, r in rows.items() if r[i]}, False))
+    return current, counters, out
+
+
+class UsageReader:
+    """Reads one slice's usage file: its start (header, counters, the held devices' charge
+    rows) every look, and the records of the slots it says are used when that start
+    changed, when asked (`full`), and every RECHECK_S; parsed again only when a byte
+    changed.  An idle slice costs one read and a compare."""
+    __slots__ = ("head", "procs", "devices", "parsed", "full_at")
+
+    def __init__(self):
+        self.head = self.procs = self.devices = self.parsed = None
+        self.full_at = -1e9
+
+    def read(self, fd, devices, known_alive=None, full=False, now=0.0):
+        """(slots in use, {device: memory.current}, {device: (gpu_time_ns, launches)}).  A
+        slot is alive when its lock is held, or when known_alive(pid, pid_ns,
+        start_ticks) says so (a process the caller watches through a pidfd: no lock
+        query).  Raises slices.BadFile for a file cut short or of another kind (the
+        container's doing)."""
+        devices = tuple(devices)
+        end = _CHARGE_AT + (max(devices) + 1 if devices else 0) * _ROW.size
+        head = os.pread(fd, end, 0)
+        if len(head) != end or _HEADER.unpack_from(head) != \
+                (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, slices.USAGE_SIZE):
+            self.head = None
+            raise slices.BadFile("usage file cut short or not a vgpu usage file")
+        if full or head != self.head or devices != self.devices or now - self.full_at >= RECHECK_S:
+            # (a slot claimed again by a new process may change only its record: `full`
+            # when the caller finds a process of the slice that matches no slot)
+            used = min(struct.unpack_from("<I", head, _SLOTS_USED_AT)[0], slices.MAX_PROCS)
+            procs = os.pread(fd, used * _PROC.size, _PROCS_AT) if used else b""
+            if len(procs) != used * _PROC.size:
+                self.head = None
+                raise slices.BadFile("usage file cut short")
+            self.full_at = now
+            if head != self.head or procs != self.procs or devices != self.devices:
+                self.parsed = _parse_usage(head, procs, devices)
+                self.head, self.procs, self.devices = head, procs, devices
+        current, counters, slots = self.parsed
+        for sl in slots:
+            sl.alive = (known_alive is not None and sl.pid > 0 and known_alive(sl.pid, sl.pid_ns, sl.start_ticks)) \
+                or slices.slot_alive(fd, sl.slot)
+        return list(slots), current, counters
+
+
+def read_slots(fd, devices, known_alive=None):
+    """UsageReader.read without a cache."""
+    return UsageReader().read(fd, devices, known_alive)
 
 
 assert _LAUNCHES_AT + 8 == _GPU_TIME_AT, "usage counters moved"
@@ -155,11 +216,12 @@ class Tracked:
     """A process NVML lists (or a slot's process in our pid namespace), with what the
     kernel says of it, kept for its life (the pidfd says when it ends)."""
     __slots__ = ("pid", "start", "pid_ns", "mnt_ns", "inner", "cgroup", "pidfd", "usage", "usage_at",
-                 "identity", "maps_ok", "comm")
+                 "identity", "maps_ok", "comm", "visible")
 
     def __init__(self, pid):
         self.pid = pid
         self.pidfd = None
+        self.visible = False     # a process this namespace can see (and read): start is not None
         self.start = procfs.start_ticks(pid)
         if self.start is None:
             return
@@ -172,6 +234,7 @@ class Tracked:
             self.close()
             self.start = None
             return
+        self.visible = True
         self.pid_ns = procfs.pid_ns(pid)
         self.mnt_ns = procfs.mnt_ns(pid)
         self.inner = procfs.inner_pid(pid)
@@ -181,10 +244,6 @@ class Tracked:
         self.usage_at = None
         self.identity = None
         self.maps_ok = False
-
-    @property
-    def visible(self):
-        return self.start is not None
 
     def close(self):
         if self.pidfd is not None:
@@ -238,18 +297,27 @@ class ProcRow:
                 "memory_charged": self.charge, "comm": self.comm, **self.attribution.to_json()}
 
 
-@dataclass
 class SliceDevice:
-    name: str
-    device: int
-    memory_max: int
-    memory_current: int      # the shim's figure: the sum of the slots' charges
-    driver: int              # the driver's: the sum of its processes' memory (None: unknown)
-    tolerance: int
-    sm_max: int
-    sm_nvml: int             # NVML's share of its processes (1/100 percent), None without NVML
-    gpu_time_ns: int
-    processes: list = field(default_factory=list)
+    """One slice on one device: the shim's figure (memory.current, the sum of the slots'
+    charges), the driver's (the sum of its processes' memory; None: unknown), the cap."""
+    __slots__ = ("name", "device", "memory_max", "memory_current", "driver", "sm_max", "sm_nvml", "gpu_time_ns",
+                 "settings", "processes", "shared")
+
+    def __init__(self, name, device, memory_max, memory_current, driver, sm_max, sm_nvml, gpu_time_ns, settings,
+                 shared=False):
+        self.name, self.device, self.memory_max, self.memory_current = name, device, memory_max, memory_current
+        self.driver, self.sm_max, self.sm_nvml, self.gpu_time_ns = driver, sm_max, sm_nvml, gpu_time_ns
+        self.settings = settings
+        self.processes = []
+        self.shared = shared     # may be kept for the next look while the slice stays idle: never changed
+
+    def copy(self):
+        return SliceDevice(self.name, self.device, self.memory_max, self.memory_current, self.driver, self.sm_max,
+                           self.sm_nvml, self.gpu_time_ns, self.settings)
+
+    @property
+    def tolerance(self):
+        return self.settings.tolerance_for(self.memory_max, len(self.processes))
 
     def to_json(self):
         return {"container": self.name, "device": self.device, "memory_max": None if self.memory_max == UNLIMITED
@@ -268,6 +336,8 @@ class Snapshot:
     processes: list                       # ProcRow of every process NVML lists, every device
     slots: dict                           # name -> [Slot]
     problems: dict                        # name -> why its files cannot be read
+    dead: list = field(default_factory=list)   # slices with a slot whose process is gone
+    active: dict = field(default_factory=dict)  # the SliceDevices with processes on the GPU
 
     def unsliced(self):
         return [p for p in self.processes if p.attribution.state in ("unsliced", "ambiguous")]
@@ -283,15 +353,91 @@ class Snapshot:
                 "problems": self.problems}
 
 
+# === inotify: a process of a slice opening or closing its usage file ===
+
+IN_OPEN, IN_CLOSE_WRITE, IN_IGNORED, IN_DONT_FOLLOW = 0x20, 0x8, 0x8000, 0x02000000
+_EVENT = struct.Struct("iIII")
+
+
+class Inotify:
+    """Watches usage files for opens (a process joins the slice) and closes after writing
+    (one left it: ended, or exec'd; every shim process opens its usage file read-write),
+    so a dead process's slot is reaped when it goes, whatever pid namespace it lived in.
+    None of this is needed for correctness -- every slice is also looked at every
+    SWEEP_LOOKS looks -- only for speed; without inotify every look reads every slice."""
+
+    def __init__(self):
+        import ctypes
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.names = {}          # watch descriptor -> slice
+        self.wds = {}            # slice -> watch descriptor
+
+    def watch(self, name, path):
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), IN_OPEN | IN_CLOSE_WRITE | IN_DONT_FOLLOW)
+        if wd < 0:
+            return False
+        self.unwatch(name)
+        self.names[wd], self.wds[name] = name, wd
+        return True
+
+    def unwatch(self, name):
+        wd = self.wds.pop(name, None)
+        if wd is not None and self.names.pop(wd, None) is not None:
+            self._libc.inotify_rm_watch(self.fd, wd)
+
+    def events(self):
+        """[(slice, mask)] of what happened since the last call."""
+        out = []
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return out
+            at = 0
+            while at + _EVENT.size <= len(data):
+                wd, mask, _, n = _EVENT.unpack_from(data, at)
+                at += _EVENT.size + n
+                name = self.names.get(wd)
+                if mask & IN_IGNORED:
+                    if name is not None:
+                        del self.names[wd]
+                        self.wds.pop(name, None)
+                elif name is not None:
+                    out.append((name, mask))
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _inotify():
+    try:
+        return Inotify()
+    except (OSError, AttributeError):
+        return None
+
+
 # === the observer ===
 
 class _SliceFiles:
     """A slice's files as the observer keeps them: the usage descriptor (the reader's),
     the usage and identity files' inodes."""
-    __slots__ = ("view", "usage_inode", "identity_inode", "checked")
+    __slots__ = ("view", "usage_inode", "identity_inode", "checked", "reader", "devices", "want_full", "same",
+                 "index", "keys", "rw")
+    made = 0
 
     def __init__(self, view, directory):
         self.view = view
+        self.reader = UsageReader()
+        self.devices = tuple(d for d, _ in view.held)
+        self.want_full = False
+        self.same = None         # (state, slots, table rows, watched): what an unchanged look gives
+        self.keys = ((), ())     # its keys in the observer's table and slot index
+        self.rw = None           # a read-write descriptor for reaping, opened when first needed
+        _SliceFiles.made += 1
+        self.index = _SliceFiles.made   # spreads the sweeps of idle slices over the looks
         self.usage_inode = None
         if view._ufd is not None:
             st = os.fstat(view._ufd)
@@ -299,6 +445,11 @@ class _SliceFiles:
         self.identity_inode = None
         self.checked = None
         self.check_identity(directory)
+
+    def close(self):
+        if self.rw is not None:
+            os.close(self.rw)
+            self.rw = None
 
     def check_identity(self, directory, now=None):
         try:
@@ -328,6 +479,27 @@ class Observer:
         self.my_mnt_ns = procfs.mnt_ns()
         self._prev = {}           # (slice, device) -> (t, gpu_time_ns)
         self.lock = threading.Lock()
+        self._not_slots = {}      # slot pid -> start ticks that named no such process here
+        self.looks = 0
+        self._active = set()      # slices that had processes on the GPU at the last look
+        # what the looks keep between them (only the slices looked at change; see _observe)
+        self._table, self._slot_of, self._slots, self._table_keys = {}, {}, {}, {}
+        self._state, self._dirty_all = None, True
+        self._attention, self._ended = set(), set()
+        self._read_problems = {}
+        self._version = 0         # bumped whenever what _groups reads changes
+        self._files_version = 0   # bumped whenever a slice's files (their inodes) change
+        self._by_inode = None
+        self._maps_index = None
+        self._invisible = set()
+        self._attr_cache = (None, {})
+        self._groups_cache = None
+        self._buckets = [set() for _ in range(SWEEP_LOOKS)]
+        self.poller = select.poll()   # every tracked process's pidfd: readable once it ended
+        self._by_fd = {}
+        self.inotify = _inotify()
+        if self.inotify is not None:
+            self.poller.register(self.inotify.fd, select.POLLIN)
 
     # --- processes ---
 
@@ -335,30 +507,76 @@ class Observer:
         """The Tracked for a host pid (forget_ended has dropped the ones that ended)."""
         t = self.tracked.get(pid)
         if t is None:
+            self._version += 1
             t = self.tracked[pid] = Tracked(pid)
+            if not t.visible:
+                self._invisible.add(pid)     # looked at again next time
+            if t.pidfd is not None:
+                self.poller.register(t.pidfd, select.POLLIN)
+                self._by_fd[t.pidfd] = t
         return t
 
-    def forget_ended(self) -> list:
-        """Drop processes that ended (one poll over their pidfds) and the pids that could
-        not be seen (looked at again next time); returns those that ended."""
-        poller = select.poll()
-        fds = {}
-        for t in self.tracked.values():
-            if t.pidfd is not None:
-                poller.register(t.pidfd, select.POLLIN)
-                fds[t.pidfd] = t
-        ended = [fds[fd] for fd, _ in poller.poll(0)]
-        for t in ended + [t for t in self.tracked.values() if not t.visible]:
-            t.close()
-            self.tracked.pop(t.pid, None)
+    def _drop(self, t):
+        self._version += 1
+        if t.pidfd is not None:
+            self.poller.unregister(t.pidfd)
+            self._by_fd.pop(t.pidfd, None)
+        t.close()
+        if self.tracked.get(t.pid) is t:
+            del self.tracked[t.pid]
+
+    def forget_ended(self, events=None) -> list:
+        """Drop processes that ended (one poll over their pidfds, or the poll's `events`)
+        and the pids that could not be seen (looked at again next time); returns those
+        that ended."""
+        events = self.poller.poll(0) if events is None else events
+        ended = [self._by_fd[fd] for fd, _ in events if fd in self._by_fd]
+        for t in ended:
+            self._ended |= set(t.usage or ())
+        for t in ended + [t for t in (self.tracked.get(pid) for pid in self._invisible) if t is not None]:
+            self._drop(t)
+        self._invisible.clear()
         return ended
 
-    def pidfds(self):
-        return {t.pidfd: t for t in self.tracked.values() if t.pidfd is not None}
+    def reap(self, name) -> list:
+        """Drain the slots of the slice's dead processes through a kept read-write
+        descriptor (opening the file for each reap would itself be an inotify event).
+        Returns what was reclaimed, as slices.reap_slice does."""
+        f = self.files.get(name)
+        if f is None or f.view._ufd is None:
+            return slices.reap_slice(self.directory, name)
+        if f.rw is None:
+            shown = os.path.join(self.directory, name, slices.USAGE)
+            fd = os.open(shown, slices._RW)
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != f.usage_inode:
+                    raise slices.BadFile(f"{shown} was replaced", "the next look reads it again")
+                slices._check_regular(fd, shown, slices.USAGE_SIZE)
+            except BaseException:
+                os.close(fd)
+                raise
+            f.rw = fd
+        ss, _, _ = UsageReader().read(f.rw, f.devices)
+        f.same = None            # the next look reads it again
+        self._ended.add(name)
+        return [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
+                for r in (slices._reap_slot(f.rw, sl) for sl in ss if not sl.alive) if r]
+
+    def alive(self, pid, pid_ns, start_ticks) -> bool:
+        """Is the slot's process one this observer watches, still running?  (Only for
+        processes of our own pid namespace: their slot pid is their pid here.)"""
+        if pid_ns != self.my_pid_ns:
+            return False
+        t = self.tracked.get(pid)
+        return t is not None and t.visible and t.start == start_ticks
 
     def _usage_of(self, t, by_usage, now):
         if t.usage is None or (not t.usage and now - t.usage_at >= RECHECK_S):
-            found = procfs.maps_inodes(t.pid, by_usage)
+            self._version += 1
+            if self._maps_index is None or self._maps_index[0] is not by_usage:
+                self._maps_index = (by_usage, procfs.maps_index(by_usage))
+            found = procfs.maps_inodes(t.pid, self._maps_index[1])
             t.maps_ok = found is not None
             t.usage = frozenset(by_usage[i] for i in found) if found else frozenset()
             t.usage_at = now
@@ -376,30 +594,9 @@ class Observer:
         st = self.settings
         self.forget_ended()
         views = self.reader.refresh(now)
-        for name in set(self.files) - set(views):
-            del self.files[name]
-        for name, v in views.items():
-            f = self.files.get(name)
-            if f is None or f.view is not v:
-                f = self.files[name] = _SliceFiles(v, self.directory)
-            elif f.identity_inode is None and (f.checked is None or now - f.checked >= RECHECK_S):
-                f.check_identity(self.directory, now)
-            v.refresh_quota()
-        problems = dict(self.reader.problems)
+        files, files_gone = self.files, self._table_keys
 
-        # the slices' own figures
-        slots, current, counters = {}, {}, {}
-        for name, v in views.items():
-            if v._ufd is None:
-                slots[name], current[name], counters[name] = [], {}, {}
-                continue
-            try:
-                slots[name], current[name], counters[name] = read_slots(v._ufd, [d for d, _ in v.held])
-            except (slices.BadFile, OSError) as e:
-                problems[name] = str(e)
-                slots[name], current[name], counters[name] = [], {}, {}
-
-        # the driver's
+        # the driver's view first: which slices have processes on the GPU
         ok, note = (self.nvml.available() if self.use_nvml else (False, "NVML not used"))
         per_device, util, errors = {}, {}, {}
         if ok:
@@ -418,9 +615,145 @@ class Observer:
                 except Exception:
                     util[d] = {}
 
+        # the slices' own figures: quota, usage file, a row per device.  Every slice when the
+        # node changed; else those with processes on the GPU (by their maps, now or at the
+        # last look), those with slots no pidfd watches (their locks are asked), those a
+        # watched process of just ended, and every SWEEP_LOOKS-th look the rest
+        problems = dict(self.reader.problems)
+        alive, my_pid_ns, tracked, not_slots = self.alive, self.my_pid_ns, self.tracked, self._not_slots
+        newly, dead = [], []         # slot processes of our pid namespace not watched yet; slices to reap
+        state = (ok, tuple(errors), tuple(per_device))
+        self.looks += 1
+        ptable, pslot_of, pslots = self._table, self._slot_of, self._slots
+        for name in [n for n in pslots if n not in views]:
+            for key in files_gone.pop(name, ()):
+                ptable.pop(key, None)
+            pslots.pop(name, None)
+        if state != self._state or len(pslots) != len(views) or self._dirty_all or self.inotify is None:
+            todo = list(views)
+            self._state, self._dirty_all = state, False
+        else:
+            todo = set(self._active) | self._attention | self._ended | self._buckets[self.looks % SWEEP_LOOKS]
+            for procs in per_device.values():
+                for pid in procs:
+                    t = tracked.get(pid)
+                    if t is not None and t.usage:
+                        todo |= t.usage
+            todo = [n for n in todo if n in views]
+        self._ended = set()
+        slot_alive = slices.slot_alive
+        for name in todo:
+            v = views[name]
+            f = files.get(name)
+            if f is None or f.view is not v:
+                if f is not None:
+                    self._buckets[f.index % SWEEP_LOOKS].discard(name)
+                    f.close()
+                f = files[name] = _SliceFiles(v, self.directory)
+                self._files_version += 1
+                self._buckets[f.index % SWEEP_LOOKS].add(name)
+                if self.inotify is not None and not self.inotify.watch(name, os.path.join(self.directory, name,
+                                                                                          slices.USAGE)):
+                    self._attention.add(name)   # no watch (the kernel's limit): looked at every time
+            elif f.identity_inode is None and (f.checked is None or now - f.checked >= RECHECK_S):
+                f.check_identity(self.directory, now)
+                self._files_version += 1
+            if v.refresh_quota():
+                f.devices = tuple(d for d, _ in v.held)
+                f.same = None
+            old_keys = f.keys
+            # as it was: one read to see that nothing changed, and a lock query for each
+            # slot whose process no pidfd watches
+            same = f.same
+            if same is not None and same[0] == state and not f.want_full and now - f.reader.full_at < RECHECK_S:
+                head = os.pread(v._ufd, len(f.reader.head), 0)
+                if head == f.reader.head:
+                    ss, rows_, watched = same[1], same[2], same[3]
+                    if all(tracked.get(pid) is t for pid, t in watched):
+                        stale, more, unwatched = False, None, False
+                        for sl in ss:
+                            t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == my_pid_ns else None
+                            if t is not None and (sl.pid, t) in watched:
+                                continue
+                            if t is not None and t.visible and t.start == sl.start_ticks:
+                                more = (more or set()) | {(sl.pid, t)}     # watched from now on
+                                continue
+                            unwatched = True
+                            if not slot_alive(v._ufd, sl.slot):
+                                stale = True
+                                break
+                        if more and not stale:
+                            f.same = (same[0], ss, rows_, watched | more)
+                        if not stale:
+                            (self._attention.add if unwatched else self._attention.discard)(name)
+                            continue
+            held = v.held
+            ss, current, counters = [], {}, {}
+            if v._ufd is not None:
+                try:
+                    ss, current, counters = f.reader.read(v._ufd, f.devices, alive, f.want_full, now)
+                    self._read_problems.pop(name, None)
+                except (slices.BadFile, OSError) as e:
+                    self._read_problems[name] = str(e)
+                f.want_full = False
+            for key in old_keys[1]:
+                pslot_of.pop(key, None)
+            pslots[name] = ss
+            slot_keys = []
+            unwatched = False
+            for sl in ss:
+                if not sl.alive:
+                    if name not in dead:
+                        dead.append(name)
+                elif sl.pid > 0:
+                    key = (name, sl.pid_ns, sl.pid)
+                    pslot_of[key] = sl
+                    slot_keys.append(key)
+                    if sl.pid_ns == my_pid_ns and sl.pid not in tracked and not_slots.get(sl.pid) != sl.start_ticks:
+                        newly.append(sl)
+                    if sl.pid_ns != my_pid_ns or sl.pid not in tracked:
+                        unwatched = True
+            (self._attention.add if unwatched else self._attention.discard)(name)
+            standalone = ok and len(held) == slices.MAX_DEVICES
+            mine = {}
+            for d, q in held:
+                if standalone and d not in per_device:
+                    continue     # a standalone quota holds every index: the devices that exist
+                known = 0 if ok and d not in errors else None
+                mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max, known,
+                                              counters.get(d, (0, 0))[0], st, shared=True)
+            for key in old_keys[0]:
+                if key not in mine:
+                    ptable.pop(key, None)
+            ptable.update(mine)
+            f.keys = (tuple(mine), tuple(slot_keys))
+            files_gone[name] = f.keys[0]
+            watched = frozenset((sl.pid, tracked[sl.pid]) for sl in ss if sl.alive and sl.pid > 0 and
+                                sl.pid_ns == my_pid_ns and sl.pid in tracked)
+            f.same = (state, ss, mine, watched) if v._ufd is not None and all(sl.alive for sl in ss) and \
+                f.reader.head is not None else None
+        for name in list(files):
+            if name not in views:
+                f = files.pop(name)
+                self._files_version += 1
+                f.close()
+                if self.inotify is not None:
+                    self.inotify.unwatch(name)
+                self._buckets[f.index % SWEEP_LOOKS].discard(name)
+                for key in f.keys[1]:
+                    pslot_of.pop(key, None)
+                self._attention.discard(name)
+        for name in [n for n in self._read_problems if n not in views]:
+            del self._read_problems[name]
+        problems.update(self._read_problems)
+        slots, table, slot_of = dict(pslots), dict(ptable), pslot_of
+
         # attribution
-        by_usage = {f.usage_inode: name for name, f in self.files.items() if f.usage_inode}
-        by_identity = {f.identity_inode: name for name, f in self.files.items() if f.identity_inode}
+        key = (len(files), self._files_version)
+        if self._by_inode is None or self._by_inode[0] != key:
+            self._by_inode = (key, {f.usage_inode: name for name, f in files.items() if f.usage_inode},
+                              {f.identity_inode: name for name, f in files.items() if f.identity_inode})
+        by_usage, by_identity = self._by_inode[1], self._by_inode[2]
         pods = {}
         for name, uids in (self.pod_uids() or {}).items():
             for uid in uids or ():
@@ -430,81 +763,80 @@ class Observer:
             t = self.track(pid)
             if t.visible:
                 self._usage_of(t, by_usage, now)
-        # slot processes in our pid namespace: found without NVML (their death is seen at once)
-        for name, ss in slots.items():
-            for s in ss:
-                if s.alive and s.pid > 0 and s.pid_ns and s.pid_ns == self.my_pid_ns and s.pid not in self.tracked:
-                    t = self.track(s.pid)
-                    if t.visible and t.start == s.start_ticks:
-                        self._usage_of(t, by_usage, now)
-                    elif t.visible:      # another process has that pid now: not the slot's
-                        t.close()
-                        del self.tracked[s.pid]
+        for sl in newly:             # found without NVML: their end is seen at once
+            if sl.pid in tracked:
+                continue
+            t = self.track(sl.pid)
+            if t.visible and t.start == sl.start_ticks:
+                self._usage_of(t, by_usage, now)
+            else:                    # another process has that pid now, or none: not the slot's
+                self._drop(t)
+                not_slots[sl.pid] = sl.start_ticks
+        if len(not_slots) > 4096:
+            not_slots.clear()
         groups = self._groups(by_identity)
-        attribution = {pid: self._attribute(self.tracked.get(pid), by_identity, pods, groups) for pid in gpu_pids}
+        key = (self._version, self._files_version, tuple(sorted(pods.items())), id(groups))
+        cache = self._attr_cache[1] if self._attr_cache[0] == key else {}
+        attribution = {}
+        for pid in gpu_pids:
+            a = cache.get(pid)
+            if a is None:
+                a = self._attribute(tracked.get(pid), by_identity, pods, groups)
+            attribution[pid] = a
+        self._attr_cache = (key, attribution)
 
-        # per slice and device
-        slot_of = {}    # (name, pid_ns, inner pid) -> Slot
-        for name, ss in slots.items():
-            for s in ss:
-                if s.alive and s.pid > 0:
-                    slot_of[(name, s.pid_ns, s.pid)] = s
-        table = {}
-        for name, v in views.items():
-            for d, q in v.held:
-                if d not in per_device and ok and len(v.held) == slices.MAX_DEVICES:
-                    continue     # a standalone quota holds every index: the devices that exist
-                known = 0 if ok and d not in errors else None
-                table[(name, d)] = SliceDevice(name, d, memory_max=q.memory_max, memory_current=current[name].get(d, 0),
-                                               driver=known, tolerance=0, sm_max=q.sm_max, sm_nvml=known,
-                                               gpu_time_ns=counters[name].get(d, (0, 0))[0])
+        # the driver's figures per slice and device
         rows = []
         for d, procs in sorted(per_device.items()):
+            u = util.get(d, {})
             for pid, used in sorted(procs.items()):
                 a = attribution[pid]
-                t = self.tracked.get(pid)
-                row = ProcRow(pid, d, used, util.get(d, {}).get(pid, 0), a, comm=t.comm if t and t.visible else None)
+                t = tracked.get(pid)
+                row = ProcRow(pid, d, used, u.get(pid, 0), a, comm=t.comm if t and t.visible else None)
                 rows.append(row)
                 if a.state != "sliced":
                     continue
                 sd = table.get((a.slice, d))
                 if sd is None:       # a process of a slice on a device the slice was not given
-                    sd = table[(a.slice, d)] = SliceDevice(a.slice, d, memory_max=0, memory_current=0, driver=0,
-                                                           tolerance=0, sm_max=0, sm_nvml=0, gpu_time_ns=0)
+                    sd = table[(a.slice, d)] = SliceDevice(a.slice, d, 0, 0, 0, 0, 0, 0, st)
+                elif sd.shared:      # kept from an earlier look for an idle slice: this one has processes
+                    sd = table[(a.slice, d)] = sd.copy()
                 if t is not None and t.visible and a.method == "usage-file":
-                    s = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
-                    if s is not None and (not s.start_ticks or s.start_ticks == t.start):
-                        row.slot, row.charge = s.slot, s.charges.get(d, 0)
+                    sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
+                    if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
+                        row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
+                    elif a.slice in files:     # its slot's record may be newer than what was read
+                        files[a.slice].want_full = True
                 sd.processes.append(row)
                 if sd.driver is not None:
                     sd.driver = None if used is None else sd.driver + used
                 if sd.sm_nvml is not None:
                     sd.sm_nvml += row.util * 100
-        for sd in table.values():
-            sd.tolerance = st.tolerance_for(sd.memory_max, len(sd.processes))
-        # a slice with a device NVML could not answer for: its driver figure is unknown
-        for sd in table.values():
-            if sd.device in errors:
-                sd.driver = sd.sm_nvml = None
-        return Snapshot(now, ok, note, errors, table, rows, slots, problems)
+        self._active = {r.attribution.slice for r in rows if r.attribution.slice}
+        snap = Snapshot(now, ok, note, errors, table, rows, slots, problems)
+        snap.dead = dead
+        snap.active = {(r.attribution.slice, r.device): table[(r.attribution.slice, r.device)] for r in rows
+                       if r.attribution.state == "sliced"}
+        return snap
 
     def _groups(self, by_identity):
         """{("cgroup", path) | ("pid_ns", inode): {slice}} over processes attributed by the
         kernel that live in a container (their own mount or pid namespace)."""
+        key = (self._version, self._files_version)   # (by_identity is made from the files)
+        if self._groups_cache is not None and self._groups_cache[0] == key:
+            return self._groups_cache[1]
         groups = collections.defaultdict(set)
         for t in self.tracked.values():
-            if not t.visible:
+            if not t.visible or (t.mnt_ns == self.my_mnt_ns and t.pid_ns == self.my_pid_ns):
                 continue
             names = set(t.usage or ()) | ({by_identity[t.identity]} if t.identity in by_identity else set())
             if len(names) != 1:
-                continue
-            contained = t.mnt_ns != self.my_mnt_ns or t.pid_ns != self.my_pid_ns
-            if not contained:
                 continue
             if t.cgroup and t.cgroup != "/":
                 groups[("cgroup", t.cgroup)] |= names
             if t.pid_ns and t.pid_ns != self.my_pid_ns:
                 groups[("pid_ns", t.pid_ns)] |= names
+        self._groups_cache = (key, groups)
         return groups
 
     def _attribute(self, t, by_identity, pods, groups) -> Attribution:
@@ -539,9 +871,13 @@ class Observer:
         return Attribution(state="unsliced")
 
     def close(self):
-        for t in self.tracked.values():
-            t.close()
-        self.tracked.clear()
+        for t in list(self.tracked.values()):
+            self._drop(t)
+        for f in self.files.values():
+            f.close()
+        if self.inotify is not None:
+            self.inotify.close()
+            self.inotify = None
 
 
 # === judging ===
@@ -587,43 +923,51 @@ class Judge:
         """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
         st = self.settings
         out = {}
-        for (name, d), sd in snap.slices.items():
-            charged = None
-            prev = self._gpu.get((name, d))
-            if prev and snap.t > prev[0]:
-                charged = max(0, sd.gpu_time_ns - prev[1]) / ((snap.t - prev[0]) * 1e9) * SHARE_FULL
-            self._gpu[(name, d)] = (snap.t, sd.gpu_time_ns)
+        compute, gpu = self.compute, self._gpu
+        # a slice with nothing on the GPU: nothing the driver could say against it
+        for key in [k for k in gpu if k not in snap.active]:
+            del gpu[key]
+            compute.pop(key, None)
+        threshold = st.tolerance + st.process_overhead
+        for key, sd in snap.active.items():
             if sd.driver is not None:
                 gap = sd.driver - sd.memory_current
-                detail = {"memory_driver": sd.driver, "memory_current": sd.memory_current,
-                          "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
-                          "tolerance": sd.tolerance, "gap": gap}
-                threshold = st.tolerance + st.process_overhead
-                offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and p.gap is not None
-                             and p.gap > threshold]
-                if gap > sd.tolerance:
-                    out[("gap", (name, d))] = (name, d, detail, offenders)
-                    if sd.memory_max != UNLIMITED and sd.driver > sd.memory_max + sd.tolerance:
-                        out[("over-cap", (name, d))] = (name, d, detail, offenders)
-            ring = self.compute[(name, d)]
-            if sd.sm_nvml is not None and sd.sm_max < SHARE_FULL and charged is not None:
-                ring.append((snap.t, sd.sm_nvml, charged))
-                while ring and snap.t - ring[0][0] > st.window:
-                    ring.popleft()
-                if len(ring) >= 2 and ring[-1][0] - ring[0][0] >= st.window * 0.9:
-                    nv = sum(x[1] for x in ring) / len(ring)
-                    ch = sum(x[2] for x in ring) / len(ring)
-                    if nv - sd.sm_max > st.compute_margin and nv - ch > st.compute_margin:
-                        busy = [p for p in sd.processes if p.util and p.attribution.certain]
-                        unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
-                        out[("compute", (name, d))] = (name, d, {"sm_max": sd.sm_max, "sm_nvml": round(nv),
-                                                                 "sm_charged": round(ch), "window_s": st.window},
-                                                       [(p.host_pid, p) for p in unpaced])
-            else:
-                ring.clear()
-        for key in set(self.compute) - set(snap.slices):
-            del self.compute[key]
-            self._gpu.pop(key, None)
+                if gap > st.tolerance:           # (the least any tolerance is: only then worth the rest)
+                    tol = sd.tolerance
+                    if gap > tol:
+                        detail = {"memory_driver": sd.driver, "memory_current": sd.memory_current,
+                                  "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
+                                  "tolerance": tol, "gap": gap}
+                        offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
+                                     p.gap is not None and p.gap > threshold]
+                        out[("gap", key)] = (sd.name, sd.device, detail, offenders)
+                        if sd.memory_max != UNLIMITED and sd.driver > sd.memory_max + tol:
+                            out[("over-cap", key)] = (sd.name, sd.device, detail, offenders)
+            if sd.sm_nvml is None or sd.sm_max >= SHARE_FULL:
+                if key in compute:
+                    del compute[key]
+                    gpu.pop(key, None)
+                continue
+            prev = gpu.get(key)
+            gpu[key] = (snap.t, sd.gpu_time_ns)
+            if prev is None or snap.t <= prev[0]:
+                continue
+            charged = max(0, sd.gpu_time_ns - prev[1]) / ((snap.t - prev[0]) * 1e9) * SHARE_FULL
+            ring = compute[key]
+            ring.append((snap.t, sd.sm_nvml, charged))
+            while ring and snap.t - ring[0][0] > st.window:
+                ring.popleft()
+            if len(ring) >= 2 and ring[-1][0] - ring[0][0] >= st.window * 0.9:
+                nv = sum(x[1] for x in ring) / len(ring)
+                ch = sum(x[2] for x in ring) / len(ring)
+                if nv - sd.sm_max > st.compute_margin and nv - ch > st.compute_margin:
+                    busy = [p for p in sd.processes if p.util and p.attribution.certain]
+                    unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
+                    out[("compute", key)] = (sd.name, sd.device, {"sm_max": sd.sm_max, "sm_nvml": round(nv),
+                                                                  "sm_charged": round(ch), "window_s": st.window},
+                                             [(p.host_pid, p) for p in unpaced])
+        for key in [k for k in compute if k not in snap.active]:
+            del compute[key]
         if st.require_slices:
             for p in snap.processes:
                 if p.attribution.state == "unsliced":
@@ -841,16 +1185,13 @@ class Agent:
         self.last_iteration_cpu_s = time.process_time() - t0
         return snap
 
-    def _reap(self, snap, names=None):
-        for name, ss in snap.slots.items():
-            if names is not None and name not in names:
-                continue
-            if any(not s.alive for s in ss):
-                self.reap(name)
+    def _reap(self, snap):
+        for name in snap.dead:
+            self.reap(name)
 
     def reap(self, name):
         try:
-            for rec in slices.reap_slice(self.directory, name):
+            for rec in self.observer.reap(name):
                 self.reaped_total += 1
                 self.log("reaped", container=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
                          memory=rec["memory"])
@@ -1054,19 +1395,21 @@ class Agent:
             left = until - time.monotonic()
             if left <= 0:
                 return True
-            fds = self.observer.pidfds()
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            events = poller.poll(min(left, 0.2) * 1000)
+            obs = self.observer
+            events = obs.poller.poll(min(left, 1.0) * 1000)
             if not events:
                 continue
             names = set()
-            with self.observer.lock:
-                for t in self.observer.forget_ended():
+            with obs.lock:
+                if obs.inotify is not None and any(fd == obs.inotify.fd for fd, _ in events):
+                    for name, mask in obs.inotify.events():
+                        if mask & IN_CLOSE_WRITE:
+                            names.add(name)        # a process of it ended (or let go of the file)
+                        obs._ended.add(name)       # looked at next time: a process joined or left
+                for t in obs.forget_ended(events):
                     names |= set(t.usage or ())
-            for name in sorted(names):
-                self.reap(name)
+                for name in sorted(names):
+                    self.reap(name)
         return False
 
 

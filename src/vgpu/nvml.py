@@ -135,22 +135,43 @@ def running_processes(index: int) -> dict:
     n = _nvml()
     try:
         h = n.nvmlDeviceGetHandleByIndex(index)
-        procs = list(n.nvmlDeviceGetComputeRunningProcesses(h))
+        procs = _processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", h)
     except Exception as e:
         raise DeviceError(f"device {index}: {_describe(e)}") from None
-    for extra in ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+    for extra in ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3"):
         try:
-            procs += getattr(n, extra)(h)
-        except Exception:   # NOT_SUPPORTED on compute-only boards, absent in old pynvml
+            procs += _processes(n, extra, h)
+        except Exception:   # NOT_SUPPORTED on compute-only boards, absent in an old driver
             pass
     out = {}
-    for p in procs:
-        used = p.usedGpuMemory
-        if p.pid in out:     # listed as compute and graphics: one context, the larger figure
-            seen = out[p.pid]
+    for pid, used in procs:
+        if pid in out:       # listed as compute and graphics: one context, the larger figure
+            seen = out[pid]
             used = seen if used is None else used if seen is None else max(used, seen)
-        out[p.pid] = used
+        out[pid] = used
     return out
+
+
+def _processes(n, name, handle) -> list:
+    """[(pid, bytes or None)] from one of the *RunningProcesses_v3 calls, read straight
+    from pynvml's ctypes array (the node agent asks every second: no per-entry objects)."""
+    import ctypes
+    fn = n._nvmlGetFunctionPointer(name)
+    count = ctypes.c_uint(0)
+    ret = fn(handle, ctypes.byref(count), None)
+    if ret == n.NVML_SUCCESS:
+        return []
+    for _ in range(3):       # processes may start between the two calls
+        if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise n.NVMLError(ret)
+        count.value = count.value * 2 + 5
+        array = (n.c_nvmlProcessInfo_v3_t * count.value)()
+        ret = fn(handle, ctypes.byref(count), array)
+        if ret == n.NVML_SUCCESS:
+            na = n.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+            return [(array[i].pid, None if array[i].usedGpuMemory == na else array[i].usedGpuMemory)
+                    for i in range(count.value)]
+    raise n.NVMLError(ret)
 
 
 def driver_version():

@@ -76,11 +76,18 @@ def cgroup(pid):
     return None
 
 
-def maps_inodes(pid, wanted: dict) -> set:
-    """Which files of `wanted` ({(st_dev, st_ino): anything}) the process has mapped
-    (/proc/<pid>/maps): a set of their keys, or None when the maps cannot be read."""
-    keys = {(f"{os.major(dev):02x}:{os.minor(dev):02x}".encode(), str(ino).encode()): (dev, ino)
+def maps_index(wanted) -> dict:
+    """For maps_inodes: {(device as maps writes it, inode as text): (st_dev, st_ino)}."""
+    return {(f"{os.major(dev):02x}:{os.minor(dev):02x}".encode(), str(ino).encode()): (dev, ino)
             for dev, ino in wanted}
+
+
+def maps_inodes(pid, wanted) -> set:
+    """Which files of `wanted` ({(st_dev, st_ino): anything}, or a maps_index of it) the
+    process has mapped (/proc/<pid>/maps): a set of their (st_dev, st_ino), or None when
+    the maps cannot be read."""
+    keys = wanted if wanted and isinstance(next(iter(wanted)), tuple) and \
+        isinstance(next(iter(wanted))[0], bytes) else maps_index(wanted)
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             found = set()
