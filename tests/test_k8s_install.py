@@ -295,6 +295,10 @@ def test_the_resource_quota_counts_devices_of_the_vgpu_class():
                if d and d["metadata"]["name"] == "vgpu.dev")
     assert f"{cls['metadata']['name']}.deviceclass.resource.k8s.io/devices" in quota["spec"]["hard"]
     assert "count/resourceclaims.resource.k8s.io" in quota["spec"]["hard"]
+    # every class of the driver is named: a class the quota leaves out is not limited at all
+    classes = [d["metadata"]["name"] for d in yaml.safe_load_all((DEPLOY / "dra" / "deviceclass.yaml").read_text())
+               if d]
+    assert {f"{c}.deviceclass.resource.k8s.io/devices" for c in classes} <= set(quota["spec"]["hard"])
     limits = next(d for _, d in QUOTA_DOCS if d["kind"] == "ConfigMap")
     assert limits["metadata"]["namespace"] == quota["metadata"]["namespace"]
 
@@ -370,6 +374,8 @@ LIMITS = {"max-gpu-memory": "8Gi", "max-gpu-utilization": "50"}
     (claim([{"name": "gpu", "exactly": exactly()}]), {"max-gpu-memory": "512Mi"}, "at most 512Mi"),   # 1Gi default
     (claim([{"name": "gpu", "firstAvailable": [{"name": "big", **exactly("16Gi")},
                                                 {"name": "small", **exactly("4Gi")}]}]), LIMITS, "at most 8Gi"),
+    (claim([{"name": "gpu", "exactly": exactly("16Gi", cls="gpu.vgpu.dev")}]), LIMITS, "at most 8Gi"),  # the alias
+    (claim([{"name": "gpu", "exactly": exactly("8Gi", cls="gpu.vgpu.dev")}]), LIMITS, None),
     (claim([{"name": "nic", "exactly": exactly("100Gi", cls="nic.example.com")}]), LIMITS, None),
     (claim([{"name": "gpu", "exactly": exactly("64Gi", "100")}]), {}, None),          # no caps in this namespace
 ])
