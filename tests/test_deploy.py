@@ -215,19 +215,21 @@ def test_daemonset_installs_the_shim_first_and_mounts_host_paths_at_the_same_pat
                                                                                    "shim-dir": True}
     assert {m["name"]: m.get("readOnly", False) for m in c["install-shim"]["volumeMounts"]} == {"shim-dir": False}
     assert len({x["image"] for x in c.values()}) == 1
-    assert agent["args"] == ["autoscale", "--metrics-port", "9400"]
+    assert agent["args"] == ["agent", "--autoscale", "--metrics-port", "9400"]
     assert agent["ports"] == [{"name": "metrics", "containerPort": 9400}]
 
 
 def test_daemonset_asks_for_no_more_privilege_than_it_needs(daemonset):
     spec = daemonset["spec"]["template"]["spec"]
-    assert not spec.get("hostPID", False) and spec.get("automountServiceAccountToken") is False
+    # the node agent sees the GPU's processes by their host pids, and reads other users'
+    # /proc/<pid>/maps and /proc/<pid>/root (SYS_PTRACE); it acts on none by default (no KILL)
+    assert spec["hostPID"] is True and spec.get("automountServiceAccountToken") is False
     for name, c in containers(daemonset).items():
         sc = c["securityContext"]
         assert sc.get("privileged", False) is False, name
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, name
         assert sc["capabilities"]["drop"] == ["ALL"], name
-        assert set(sc["capabilities"].get("add", [])) <= {"CHOWN"}, name
+        assert set(sc["capabilities"].get("add", [])) <= ({"CHOWN", "SYS_PTRACE"} if name == "agent" else set()), name
 
 
 def test_daemonset_commands_run(daemonset, tmp_path):
@@ -237,12 +239,14 @@ def test_daemonset_commands_run(daemonset, tmp_path):
     r = CliRunner().invoke(cli.main, args)
     assert r.exit_code == 0, r.output
     assert (tmp_path / "opt-vgpu" / "ld.so.preload").read_text() == CONTAINER_SHIM + "\n"
-    # the agent's command, for one window (a free port for its metrics; no NVML here)
+    # the agent's command, for one look (a free port for its metrics; no NVML here)
     env = {"PATH": "/usr/bin:/bin", "VGPU_DIR": str(tmp_path / "run-vgpu")}
+    (tmp_path / "run-vgpu").mkdir()
     args = [a if a != "9400" else "0" for a in c["agent"]["args"]]
     out = subprocess.run([CTL, *args, "--once", "--window", "1s", "--interval", "0.2s"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["event"] for line in out.stdout.splitlines()] == ["start", "nvml", "stopped"]
 
 
 def test_the_schema_check_catches_what_kubectl_would_reject():

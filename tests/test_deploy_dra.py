@@ -129,7 +129,7 @@ MUTATIONS = {
         "readOnlyRootFilesystem", "readOnlyRootFileSystem"), "readOnlyRootFileSystem"),
     "misspelled-capacity": (("ResourceClaimTemplate", "example-pod.yaml"), lambda d: _rename(
         d["spec"]["spec"]["devices"]["requests"][0]["exactly"], "capacity", "capacities"), "capacities"),
-    "containerPort-as-a-name": ("DaemonSet", lambda d: container("autoscale", d["spec"]["template"]["spec"])
+    "containerPort-as-a-name": ("DaemonSet", lambda d: container("agent", d["spec"]["template"]["spec"])
                                 ["ports"][0].__setitem__("containerPort", "metrics"), "containerPort"),
     "verbs-as-a-string": (("ClusterRole", "rbac.yaml"), lambda d: d["rules"][0].__setitem__("verbs", "get"),
                           "verbs"),
@@ -174,12 +174,14 @@ def test_the_argument_check_refuses_unknown_options_and_missing_required_ones():
         parse(no_args)
 
 
-def test_autoscale_args_are_options_of_vgpu_ctl_autoscale_on_the_plugins_slices():
-    autoscale = container("autoscale")
-    name, params = parse(autoscale)
-    assert name == "autoscale"
+def test_agent_args_are_options_of_vgpu_ctl_agent_on_the_plugins_slices():
+    agent = container("agent")
+    name, params = parse(agent)
+    assert name == "agent" and params["with_autoscale"] and params["on_violation"] == ()   # reports only
     assert params["directory"] == parse(container("plugin"))[1]["directory"]
-    assert params["metrics_port"] in [p["containerPort"] for p in autoscale["ports"]]
+    assert params["metrics_port"] in [p["containerPort"] for p in agent["ports"]]
+    # it sees the GPU's processes by host pid, and other users' /proc/<pid>/maps
+    assert pod_spec()["hostPID"] is True and agent["securityContext"]["capabilities"]["add"] == ["SYS_PTRACE"]
 
 
 def test_init_container_installs_the_shim_where_the_plugin_takes_it_from():
@@ -196,8 +198,8 @@ def test_every_host_path_the_plugin_needs_is_mounted_at_the_same_path():
     for path in writable:
         assert host_path(plugin, path) == (path, False), path
     assert host_path(plugin, p["shim_dir"])[0] == p["shim_dir"]          # read-only is enough
-    autoscale = container("autoscale")
-    assert host_path(autoscale, parse(autoscale)[1]["directory"]) == (p["directory"], False)
+    agent = container("agent")
+    assert host_path(agent, parse(agent)[1]["directory"]) == (p["directory"], False)
     for v in pod_spec()["volumes"]:
         assert v["hostPath"].get("type") in ("Directory", "DirectoryOrCreate"), v["name"]
 
@@ -229,7 +231,7 @@ def test_dra_daemonset_runs_where_the_node_agent_does_with_nvml():
     spec = pod_spec()
     for key in ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassName"):
         assert spec.get(key) == agent.get(key), key
-    for name in ("plugin", "autoscale"):
+    for name in ("plugin", "agent"):
         env = container_env(container(name))
         assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility", name
 
@@ -342,11 +344,14 @@ def test_admission_policy_holds_the_plugins_slice_writes_to_its_own_node():
 
 def test_no_container_is_privileged_drops_all_capabilities_and_cannot_escalate():
     spec = pod_spec()
-    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostIPC"))
+    assert spec["hostPID"] is True                               # the node agent's view of the GPU's processes
     assert spec["automountServiceAccountToken"] is True          # the plugin's API calls
     for c in spec["initContainers"] + spec["containers"]:
         sc = c["securityContext"]
-        assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        # only the agent gets one back: SYS_PTRACE, to read other users' /proc/<pid>/maps
+        assert sc["capabilities"] == ({"drop": ["ALL"], "add": ["SYS_PTRACE"]} if c["name"] == "agent" else
+                                      {"drop": ["ALL"]}), c["name"]
         assert sc["allowPrivilegeEscalation"] is False, c["name"]
         assert sc["readOnlyRootFilesystem"] is True, c["name"]
         assert not sc.get("privileged"), c["name"]

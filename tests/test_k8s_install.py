@@ -38,7 +38,8 @@ RENDERINGS = {
     "resource-names": (DEPLOY / "overlays" / "resource-names",
                        {"webhook": {"memoryResource": "example.com/gpu-memory",
                                     "utilizationResource": "example.com/gpu-sm"}}),
-    "no-autoscale": (DEPLOY / "overlays" / "no-autoscale", {"nodeAgent": {"metricsArgs": ["serve", "--port", "9400"]}}),
+    "no-autoscale": (DEPLOY / "overlays" / "no-autoscale", {"nodeAgent": {"metricsArgs": ["agent", "--metrics-port",
+                                                                                           "9400"]}}),
     "violation-policy": (DEPLOY / "overlays" / "violation-policy", {"nodeAgent": {
         "metricsArgs": ["agent", "--autoscale", "--metrics-port", "9400", "--on-violation", "over-cap=kill",
                         "--on-violation", "gap=kill"],
@@ -264,16 +265,17 @@ def test_the_metrics_container_runs_a_vgpu_ctl_command_on_the_plugins_slices(nam
     spec = the(rendered(name), "DaemonSet")["spec"]["template"]["spec"]
     second = spec["containers"][1]
     command, params = parse(second)
-    assert command == {"no-autoscale": "serve", "violation-policy": "agent"}.get(name, "autoscale")
-    port = params["port"] if command == "serve" else params["metrics_port"]
-    assert port in [p["containerPort"] for p in second["ports"]]
+    assert command == "agent"          # the node agent in every rendering
+    assert params["metrics_port"] in [p["containerPort"] for p in second["ports"]]
     assert params["directory"] == parse(container(spec, "plugin"))[1]["directory"]
+    assert params["with_autoscale"] is (name != "no-autoscale")
     added = set(second["securityContext"]["capabilities"].get("add", []))
-    if command == "agent":    # judging and acting: the host's pids, other users' /proc maps, signals
-        assert params["with_autoscale"] and set(params["on_violation"]) == {"over-cap=kill", "gap=kill"}
-        assert spec["hostPID"] is True and added == {"KILL", "SYS_PTRACE"}
+    # judging: the host's pids, other users' /proc/<pid>/maps; acting: signals
+    assert spec["hostPID"] is True
+    if name == "violation-policy":
+        assert set(params["on_violation"]) == {"over-cap=kill", "gap=kill"} and added == {"KILL", "SYS_PTRACE"}
     else:
-        assert spec["hostPID"] is False and added == set()
+        assert params["on_violation"] == () and added == {"SYS_PTRACE"}
     for c in spec["initContainers"] + spec["containers"]:
         assert c is second or not c["securityContext"]["capabilities"].get("add"), c["name"]
 

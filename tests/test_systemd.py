@@ -61,7 +61,7 @@ def test_the_unit_has_what_a_boot_needs(unit):
     s = unit["Service"]
     assert s["ExecStartPre"] == ["/usr/local/bin/vgpu-ctl apply -f /etc/vgpu/slices.yaml"]
     assert s["ExecReload"] == s["ExecStartPre"]
-    assert s["ExecStart"] == ["/usr/local/bin/vgpu-ctl autoscale --metrics-port 9400"]
+    assert s["ExecStart"] == ["/usr/local/bin/vgpu-ctl agent --autoscale --metrics-port 9400"]
     assert s["Environment"] == ["VGPU_DIR=/run/vgpu"]
     assert s["RuntimeDirectory"] == ["vgpu"] and s["RuntimeDirectoryPreserve"] == ["yes"]   # kept across stops
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]

@@ -1389,11 +1389,12 @@ class OnViolation(click.ParamType):
 @autoscale_policy_options
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Also serve Prometheus metrics on this port.")
 @click.option("--metrics-address", default="0.0.0.0", show_default=True, help="Address for --metrics-port.")
+@click.option("--once", is_flag=True, help="Look once (attribute, reap, log what is wrong now), exit.")
 @click.option("--no-reap", is_flag=True, hidden=True, help="Leave dead slots alone (benchmarks, tests).")
 @dir_option
 def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, require_slices,
           on_violation, with_autoscale, window, cooldown, high, low, target, grow_step, shrink_step, device_memory,
-          dry_run, metrics_port, metrics_address, no_reap, directory):
+          dry_run, metrics_port, metrics_address, once, no_reap, directory):
     """The node agent: check every slice against the driver, and see everything on the GPU.
 
     Every --interval it attributes each process NVML lists on each GPU to a slice (the
@@ -1433,7 +1434,7 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        the_agent.run(stop=stop)
+        the_agent.run(stop=stop, once=once)
     except KeyboardInterrupt:
         pass
 

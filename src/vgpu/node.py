@@ -1335,7 +1335,10 @@ class Agent:
             return
         self._state_at = now
         self._state_written = {k: v for k, v in state.items() if k != "updated"}
-        write_state(self.directory, state)
+        try:
+            write_state(self.directory, state)
+        except FileNotFoundError:
+            pass                 # no node directory (yet): nothing to report on
 
     # --- looping ---
 
@@ -1354,7 +1357,8 @@ class Agent:
                 except OSError:
                     pass
 
-    def run(self, stop=None):
+    def run(self, stop=None, once=False):
+        """Look every interval until `stop` is set (once: one look, and out)."""
         stop = stop or threading.Event()
         self.resume_held()
         self.log("start", dir=self.directory, interval_s=self.interval, settings=self.settings.to_json(),
@@ -1368,6 +1372,8 @@ class Agent:
                         self.tick(now)
                     except Exception as e:    # one bad moment must not end the node's agent
                         self.log("error", error=f"{type(e).__name__}: {e}")
+                    if once:
+                        break
                     next_at += self.interval
                     if next_at < now:
                         next_at = now + self.interval
