@@ -310,6 +310,7 @@ def test_rbac_grants_exactly_the_plugins_verbs_and_nothing_else():
         ("resource.k8s.io", "resourceclaims/driver", (driver,)): {"associated-node:update", "associated-node:patch"},
         ("resource.k8s.io", "resourceslices", ()): {"get", "list", "watch", "create", "update", "patch", "delete"},
         ("", "nodes", ()): {"get"},
+        ("", "events", ()): {"create"},      # the node agent's Events on pods in violation
     }
     ds, sa, binding = one("DaemonSet"), one("ServiceAccount", "rbac.yaml"), one("ClusterRoleBinding", "rbac.yaml")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"] == "vgpu-dra-plugin"

@@ -25,7 +25,7 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 from k8s_models import roundtrip
-from test_deploy_dra import host_path, parse, plugin_dir
+from test_deploy_dra import NODE, host_path, parse, plugin_dir
 from vgpu import cli
 from vgpu.k8s import webhook as webhook_mod
 
@@ -38,11 +38,11 @@ RENDERINGS = {
     "resource-names": (DEPLOY / "overlays" / "resource-names",
                        {"webhook": {"memoryResource": "example.com/gpu-memory",
                                     "utilizationResource": "example.com/gpu-sm"}}),
-    "no-autoscale": (DEPLOY / "overlays" / "no-autoscale", {"nodeAgent": {"metricsArgs": ["agent", "--metrics-port",
-                                                                                           "9400"]}}),
+    "no-autoscale": (DEPLOY / "overlays" / "no-autoscale", {"nodeAgent": {"metricsArgs": [
+        "agent", "--metrics-port", "9400", "--kubernetes-events"]}}),
     "violation-policy": (DEPLOY / "overlays" / "violation-policy", {"nodeAgent": {
-        "metricsArgs": ["agent", "--autoscale", "--metrics-port", "9400", "--on-violation", "over-cap=kill",
-                        "--on-violation", "gap=kill"],
+        "metricsArgs": ["agent", "--autoscale", "--metrics-port", "9400", "--kubernetes-events", "--on-violation",
+                        "over-cap=kill", "--on-violation", "gap=kill"],
         "hostPID": True, "metricsCapabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}}}),
 }
 NAMESPACE = "vgpu-system"
@@ -269,6 +269,7 @@ def test_the_metrics_container_runs_a_vgpu_ctl_command_on_the_plugins_slices(nam
     assert params["metrics_port"] in [p["containerPort"] for p in second["ports"]]
     assert params["directory"] == parse(container(spec, "plugin"))[1]["directory"]
     assert params["with_autoscale"] is (name != "no-autoscale")
+    assert params["kubernetes_events"] and params["node_name"] == NODE     # Events on pods, from this node
     added = set(second["securityContext"]["capabilities"].get("add", []))
     # judging: the host's pids, other users' /proc/<pid>/maps; acting: signals
     assert spec["hostPID"] is True

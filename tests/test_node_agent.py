@@ -712,3 +712,60 @@ def test_on_violation_takes_an_action_or_kind_equals_action():
 def test_agent_option_errors_are_one_line_with_a_hint(node_):
     r = node_.ctl("agent", "--on-violation", "gap=stop", ok=False)
     assert r.returncode == 2 and "'stop' is not an action for gap" in r.stderr and "Traceback" not in r.stderr
+
+
+# === Kubernetes Events ===
+
+def test_a_violation_on_a_dra_slice_is_an_event_on_its_pod(node_, spawn, agents, tmp_path):
+    pytest.importorskip("kubernetes")
+    import http.server
+    from vgpu import podlabels
+    posted = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posted.append((self.path, body))
+            out = json.dumps({**body, "metadata": {**body["metadata"], "name": "e1"}}).encode()
+            self.send_response(201)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    try:
+        node_.ctl("create", "claim-1", "--memory", "1Gi")
+        podlabels.write(node_.dir, "claim-1", {"namespace": "team-a", "pod": "trainer-0", "claim": "c1"})
+        node_.ctl("create", "by-hand", "--memory", "1Gi")          # no pod: no Event
+        liar = spawn(node_.shim_env("claim-1"))
+        other = spawn(node_.shim_env("by-hand"))
+        for t, name in ((liar, "claim-1"), (other, "by-hand")):
+            assert t.call(alloc=GiB // 2) == 0
+            t.call(hide=0, usage=str(node_.dir / name / "usage"))
+        agent = agents(node_, "--kubernetes-events", "--node-name", "node-7", "--kubeconfig", kubeconfig,
+                       "--on-violation", "gap=kill")
+        agent.wait_for(lambda e: e.get("event") == "action" and e.get("container") == "claim-1", 5)
+        agent.wait_for(lambda e: e.get("event") == "action" and e.get("container") == "by-hand", 5)
+        assert wait_until(lambda: len(posted) >= 2, 5)
+        time.sleep(0.5)
+        assert {p for p, _ in posted} == {"/api/v1/namespaces/team-a/events"}
+        reasons = {b["reason"]: b for _, b in posted}
+        assert set(reasons) == {"VgpuUncountedMemory", "VgpuAction"}
+        ev = reasons["VgpuUncountedMemory"]
+        assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "team-a", "name": "trainer-0"}
+        assert ev["type"] == "Warning" and ev["source"] == {"component": "vgpu-agent", "host": "node-7"}
+        assert "slice claim-1 device 0" in ev["message"] and f"pid {liar.host_pid}" in ev["message"]
+        assert f"kill pid {liar.host_pid}" in reasons["VgpuAction"]["message"]
+    finally:
+        server.shutdown()

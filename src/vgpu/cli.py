@@ -1389,12 +1389,18 @@ class OnViolation(click.ParamType):
 @autoscale_policy_options
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Also serve Prometheus metrics on this port.")
 @click.option("--metrics-address", default="0.0.0.0", show_default=True, help="Address for --metrics-port.")
+@click.option("--kubernetes-events", is_flag=True,
+              help="Post a Kubernetes Event on the pod of a DRA slice for each violation and action (needs the "
+                   "k8s extra, API access and --node-name).")
+@click.option("--node-name", envvar="NODE_NAME", help="This node's name, the Events' source [env: NODE_NAME].")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), envvar="KUBECONFIG",
+              help="Kubeconfig for --kubernetes-events [default: the pod's service account].")
 @click.option("--once", is_flag=True, help="Look once (attribute, reap, log what is wrong now), exit.")
 @click.option("--no-reap", is_flag=True, hidden=True, help="Leave dead slots alone (benchmarks, tests).")
 @dir_option
 def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, require_slices,
           on_violation, with_autoscale, window, cooldown, high, low, target, grow_step, shrink_step, device_memory,
-          dry_run, metrics_port, metrics_address, once, no_reap, directory):
+          dry_run, metrics_port, metrics_address, kubernetes_events, node_name, kubeconfig, once, no_reap, directory):
     """The node agent: check every slice against the driver, and see everything on the GPU.
 
     Every --interval it attributes each process NVML lists on each GPU to a slice (the
@@ -1426,7 +1432,20 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
         policy = _autoscale_policy(window, interval, cooldown, high, low, target, grow_step, shrink_step)
         scaler = autoscale_mod.Autoscaler(directory, policy, interval=interval, dry_run=dry_run,
                                           device_memory=device_memory)
-    the_agent = node.Agent(directory, settings, interval=interval, autoscaler=scaler, reap=not no_reap)
+    sink = None
+    if kubernetes_events:
+        if not node_name:
+            raise click.UsageError("--kubernetes-events needs --node-name (or NODE_NAME): the Events' source")
+        from .k8s import agent as k8s_agent
+        try:
+            k8s_agent._require_extras()
+            from .k8s import events
+            sink = events.EventSink(slices.node_dir(directory), node_name, api=k8s_agent.api_client(kubeconfig),
+                                    log=lambda e: click.echo(json.dumps(e), err=True))
+        except slices.VgpuError as e:
+            raise click.ClickException(_line(e)) from None
+    the_agent = node.Agent(directory, settings, interval=interval, autoscaler=scaler, reap=not no_reap,
+                           on_violation=sink.violation if sink else None, on_action=sink.action if sink else None)
     if metrics_port is not None:
         httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
                         autoscaler=scaler, agent=the_agent)

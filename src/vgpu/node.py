@@ -1121,7 +1121,7 @@ class Agent:
     is reaped as soon as its pidfd says it ended."""
 
     def __init__(self, directory=None, settings=None, interval=1.0, use_nvml=True, log=None, autoscaler=None,
-                 nvml_module=None, pod_uids=None, on_violation=None, reap=True):
+                 nvml_module=None, pod_uids=None, on_violation=None, on_action=None, reap=True):
         from .autoscale import NodeReader
         self.directory = slices.node_dir(directory)
         self.settings = settings or Settings()
@@ -1133,6 +1133,7 @@ class Agent:
         self.judge = Judge(self.settings)
         self.holder = Holder(self.log)
         self.on_violation = on_violation or (lambda v, record: None)
+        self.on_action = on_action or (lambda container, kind, action, pid, result: None)
         self.reap_enabled = reap
         self.latest = None
         self.iterations = 0
@@ -1218,6 +1219,7 @@ class Agent:
                     self.actions_total[(v.kind, "stop")] += 1
                     self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device, pid=pid,
                              result="held to its share with SIGSTOP/SIGCONT", target=sd.sm_max)
+                    self.on_action(v.container, v.kind, "stop", pid, f"held to its share ({sd.sm_max / 100:g}%)")
             else:
                 self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device,
                          result="no process the agent is sure of: reported only")
@@ -1235,6 +1237,7 @@ class Agent:
             self.actions_total[(v.kind, "kill")] += result == "killed"
             self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
                      result=result)
+            self.on_action(v.container, v.kind, "kill", pid, result)
 
     def _kill_one(self, v, pid, start):
         """SIGKILL through a pidfd, after checking once more that it is the same process and
