@@ -289,7 +289,7 @@ class Admitter:
             slices = client.ResourceV1Api(self.api).list_resource_slice(
                 field_selector=f"spec.driver={self.config.driver_name}", _request_timeout=API_TIMEOUT)
             sizes = [int(parse(d.capacity["memory"].value)) for s in slices.items for d in s.spec.devices or []
-                     if d.capacity and "memory" in d.capacity]
+                     if d.capacity and "memory" in d.capacity and "sm" in d.capacity]   # whole GPUs, not MIG
             largest = max(sizes) if sizes else None
         except Exception as e:   # the API server busy or down: admit, unchecked, and say so
             self.log({"event": "gpu_sizes_unknown", "error": f"{type(e).__name__}: {e}"[:300]})
