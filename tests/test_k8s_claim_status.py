@@ -204,8 +204,9 @@ def test_a_prepared_claim_labels_its_slice_with_namespace_pod_and_container(tmp_
     node.start("--claim-status-interval", "0")
     claim, share = pod_claim(node, "train-0-vgpu-train-x2b4d", pod="train-0", container="trainer")
     node.kubelet().prepare(claim)
+    uid = api.claim(NS, "train-0-vgpu-train-x2b4d")["status"]["reservedFor"][0]["uid"]
     assert podlabels.read(node.slice_dir, share) == {"namespace": NS, "pod": "train-0", "container": "trainer",
-                                                     "claim": "train-0-vgpu-train-x2b4d"}
+                                                     "claim": "train-0-vgpu-train-x2b4d", "pod_uid": uid}
     out = subprocess.run([CTL, "status", "--dir", str(node.slice_dir)], env=node.env, capture_output=True,
                          text=True, timeout=60)
     header, row = out.stdout.splitlines()[:2]

@@ -769,3 +769,37 @@ def test_a_violation_on_a_dra_slice_is_an_event_on_its_pod(node_, spawn, agents,
         assert f"kill pid {liar.host_pid}" in reasons["VgpuAction"]["message"]
     finally:
         server.shutdown()
+
+
+def test_a_process_in_a_claimed_pod_s_cgroup_is_attributed_to_the_claim_s_slice(node_, agents, cgroup):
+    """No shim, no identity file, no other process of the slice: the pod's cgroup (as the
+    kubelet's systemd driver names it, '_' for '-') is the slice's because its claim says
+    whose it is."""
+    import uuid
+    from vgpu import podlabels
+    uid = str(uuid.uuid4())
+    pod_cgroup = f"{cgroup}/kubepods-besteffort-pod{uid.replace('-', '_')}.slice"
+    os.mkdir(pod_cgroup)
+    try:
+        node_.ctl("create", "claim-1", "--memory", "1Gi")
+        podlabels.write(node_.dir, "claim-1", {"namespace": "ns", "pod": "p", "pod_uid": uid})
+        raw = Tenant({"PATH": "/usr/bin:/bin", **inner_env(node_)},
+                     prefix=["sh", "-c", f'echo $$ > {pod_cgroup}/cgroup.procs; exec "$0" "$@"'])
+        elsewhere = Tenant(node_.env)
+        try:
+            assert raw.call(alloc=GiB // 2) == 0 and elsewhere.call(alloc=GiB // 2) == 0
+            agent = agents(node_)
+            v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+            assert (v["container"], v["offenders"]) == ("claim-1", [raw.host_pid])
+            assert {p["host_pid"]: p["method"] for p in v["processes"]} == {raw.host_pid: "pod"}
+            assert [u["host_pid"] for u in node_.status()["unsliced"]] == [elsewhere.host_pid]
+        finally:
+            raw.kill()
+            elsewhere.kill()
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(pod_cgroup)
+                break
+            except OSError:
+                time.sleep(0.1)

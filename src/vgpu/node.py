@@ -425,7 +425,7 @@ class _SliceFiles:
     """A slice's files as the observer keeps them: the usage descriptor (the reader's),
     the usage and identity files' inodes."""
     __slots__ = ("view", "usage_inode", "identity_inode", "checked", "reader", "devices", "want_full", "same",
-                 "index", "keys", "rw")
+                 "index", "keys", "rw", "pod_uid")
     made = 0
 
     def __init__(self, view, directory):
@@ -457,6 +457,8 @@ class _SliceFiles:
             self.identity_inode = (st.st_dev, st.st_ino)
         except OSError:
             self.identity_inode = None
+        from . import podlabels   # a DRA slice's pod (the driver writes its labels just after the slice)
+        self.pod_uid = podlabels.read(directory, self.view.name).get("pod_uid")
         self.checked = now
 
 
@@ -655,9 +657,12 @@ class Observer:
                 if self.inotify is not None and not self.inotify.watch(name, os.path.join(self.directory, name,
                                                                                           slices.USAGE)):
                     self._attention.add(name)   # no watch (the kernel's limit): looked at every time
-            elif f.identity_inode is None and (f.checked is None or now - f.checked >= RECHECK_S):
+            elif (f.identity_inode is None or f.pod_uid is None) and \
+                    (f.checked is None or now - f.checked >= RECHECK_S):
+                before = (f.identity_inode, f.pod_uid)
                 f.check_identity(self.directory, now)
-                self._files_version += 1
+                if (f.identity_inode, f.pod_uid) != before:
+                    self._files_version += 1
             if v.refresh_quota():
                 f.devices = tuple(d for d, _ in v.held)
                 f.same = None
@@ -752,12 +757,16 @@ class Observer:
         key = (len(files), self._files_version)
         if self._by_inode is None or self._by_inode[0] != key:
             self._by_inode = (key, {f.usage_inode: name for name, f in files.items() if f.usage_inode},
-                              {f.identity_inode: name for name, f in files.items() if f.identity_inode})
+                              {f.identity_inode: name for name, f in files.items() if f.identity_inode},
+                              {f.pod_uid: name for name, f in files.items() if f.pod_uid})
         by_usage, by_identity = self._by_inode[1], self._by_inode[2]
-        pods = {}
-        for name, uids in (self.pod_uids() or {}).items():
-            for uid in uids or ():
-                pods[uid] = name
+        extra = self.pod_uids() or {}
+        pods = self._by_inode[3]
+        if extra:
+            pods = dict(pods)
+            for name, uids in extra.items():
+                for uid in uids or ():
+                    pods[uid] = name
         gpu_pids = sorted({p for procs in per_device.values() for p in procs})
         for pid in gpu_pids:
             t = self.track(pid)
@@ -775,7 +784,8 @@ class Observer:
         if len(not_slots) > 4096:
             not_slots.clear()
         groups = self._groups(by_identity)
-        key = (self._version, self._files_version, tuple(sorted(pods.items())), id(groups))
+        key = (self._version, self._files_version, tuple(sorted((n, tuple(u or ())) for n, u in extra.items())),
+               id(groups))
         cache = self._attr_cache[1] if self._attr_cache[0] == key else {}
         attribution = {}
         for pid in gpu_pids:

@@ -13,7 +13,7 @@ import json
 import os
 
 FILE = "labels.json"      # slices.LABELS: removed with the slice
-KEYS = ("namespace", "pod", "container", "claim")
+KEYS = ("namespace", "pod", "container", "claim", "pod_uid")   # pod_uid: the node agent finds the pod's cgroups by it
 MAX_BYTES = 4096
 MAX_VALUE = 253           # a DNS subdomain: the longest name any of these can have
 

@@ -64,10 +64,13 @@ def claim_labels(obj) -> dict:
     """namespace, pod (the pod the claim is reserved for), container (the webhook's
     annotation) and claim, as far as the ResourceClaim says."""
     meta = obj.get("metadata") or {}
-    pods = [r.get("name") for r in (obj.get("status") or {}).get("reservedFor") or []
-            if r.get("resource") == "pods" and not r.get("apiGroup")]
+    reserved = [r for r in (obj.get("status") or {}).get("reservedFor") or []
+                if r.get("resource") == "pods" and not r.get("apiGroup")]
+    pods = [r.get("name") for r in reserved]
     return podlabels.clean({"namespace": meta.get("namespace"), "claim": meta.get("name"),
                             "pod": pods[0] if len(pods) == 1 else None,
+                            # the node agent attributes the pod's processes (its cgroups name it) to the slice
+                            "pod_uid": reserved[0].get("uid") if len(reserved) == 1 else None,
                             "container": (meta.get("annotations") or {}).get(CONTAINER_ANNOTATION)})
 
 
