@@ -12,8 +12,12 @@ the resourceclaim controller and scheduler stand-ins; instances made by hand pub
 as they are and never destroyed; an API server that drops counters gets no MIG devices.
 """
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -325,6 +329,17 @@ def test_a_pod_of_class_mig_asking_for_3g40gb_gets_its_own_instance_and_whole_gp
         else:
             stored = allocate_by_class(api, NS, claim["metadata"]["name"], NODE, CLASSES)
             assert stored["status"]["allocation"]["devices"]["results"][0]["device"] == expected
+    # kubectl vgpu describe node: each GPU once, its allocated MIG devices under it
+    out = subprocess.run([str(Path(sys.executable).parent / "kubectl-vgpu"), "describe", "node", NODE],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KUBECONFIG": str(mig_node.tmp / "kubeconfig")})
+    assert out.returncode == 0, out.stderr
+    entries = [line.strip() for line in out.stdout.splitlines() if line.startswith("  ") and
+               not line.startswith("   ")]
+    assert entries == ["gpu-0:", "gpu-1:"], out.stdout
+    gpu0, gpu1 = out.stdout.split("  gpu-1:")
+    assert "MIG instances:    <none>" in gpu0 and "4Gi handed out" in gpu0
+    assert "MIG instances:    gpu-1-mig-3g40gb-0, gpu-1-mig-3g40gb-4" in gpu1
     assert kubelet.unprepare(ref)[ref[1]].error == ""
     assert nvml_state(mig_node.env)[1] == {"mig_mode": 0, "instances": []}
 
