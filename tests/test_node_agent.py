@@ -803,3 +803,44 @@ def test_a_process_in_a_claimed_pod_s_cgroup_is_attributed_to_the_claim_s_slice(
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_export_and_apply_leave_a_temporary_run_slice_alone(node_, tmp_path):
+    node_.ctl("create", "kept", "--memory", "1Gi")
+    slices.create(node_.dir, "run-1-abcd", {0: slices.device_quota(GiB)}, overcommit=True,
+                  temporary=slices.Owner(os.getpid(), 1, 1))
+    exported = node_.ctl("export").stdout
+    assert "  kept:" in exported and "run-1-abcd: a temporary slice" in exported and "  run-1-abcd:" not in exported
+    f = tmp_path / "slices.yaml"
+    f.write_text(exported)
+    out = node_.ctl("apply", "-f", f, "--prune").stdout
+    assert out.splitlines()[-1].startswith("nothing to change") and slices.list_names(node_.dir) == ["kept",
+                                                                                                    "run-1-abcd"]
+
+
+def test_an_agent_killed_while_holding_a_hog_leaves_it_to_the_next_one_to_continue(node_, boxes, agents):
+    node_.ctl("create", "a", "--memory", "2Gi", "--sm", "20%")
+    box = boxes(_slice_mounts(node_, "a"))
+    hog = box.run(inner_env(node_))
+    first = agents(node_, "--compute-window", "2s", "--on-violation", "compute=stop")
+    hog.call(hog=2000)
+    first.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 15)
+    held = node.read_state(node_.dir)["held"]
+    assert [h["pid"] for h in held] == [hog.host_pid]
+
+    def state():
+        with open(f"/proc/{hog.host_pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    # killed at a moment the hog is stopped (it is, 80% of each 100 ms): nobody continues it
+    assert wait_until(lambda: state() == "T", 5, step=0.005)
+    first.proc.kill()
+    first.proc.wait(10)
+    time.sleep(0.5)
+    assert state() == "T"
+    second = agents(node_)                        # report only: it does not hold, but it lets go
+    e = second.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "continue", 5)
+    assert e["pid"] == hog.host_pid
+    time.sleep(0.3)
+    for _ in range(20):                           # and nobody stops it again
+        assert state() != "T"
+        time.sleep(0.02)

@@ -266,6 +266,8 @@ def _current(directory) -> dict:
         except slices.VgpuError as e:
             out[name] = (None, str(e), 0)
             continue
+        if quota.temporary is not None:     # `vgpu-ctl run`'s, for one command: not the file's to manage
+            continue
         try:
             usage = slices.read_usage(directory, name)
             live = sum(1 for p in usage.procs if p.alive) if usage else 0
@@ -465,6 +467,9 @@ def export(directory) -> tuple:
         except slices.VgpuError as e:
             problems.append((name, str(e)))
             lines.append(f"  # {name}: not readable ({e})")
+            continue
+        if quota.temporary is not None:
+            lines.append(f"  # {name}: a temporary slice of `vgpu-ctl run`, left out (it goes with its command)")
             continue
         held = quota.held()
         devs = {d: quota.devices[d] for d in held}
