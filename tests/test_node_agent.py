@@ -844,3 +844,20 @@ def test_an_agent_killed_while_holding_a_hog_leaves_it_to_the_next_one_to_contin
     for _ in range(20):                           # and nobody stops it again
         assert state() != "T"
         time.sleep(0.02)
+
+
+def test_the_agent_judges_a_slice_by_its_cap_after_a_resize(node_, spawn, agents):
+    """The autoscaler shares the agent's reading of the slices: a resize (read by either)
+    moves the cap the agent judges by.  1.5Gi held under a 2Gi cap, resized to 1Gi, then
+    1Gi of it hidden: over the new cap (the old one would not be)."""
+    node_.ctl("create", "a", "--memory", "2Gi")
+    t = spawn(node_.shim_env("a"))
+    assert t.call(alloc=3 * GiB // 2) == 0
+    agent = agents(node_, "--autoscale")
+    time.sleep(1.5)
+    node_.ctl("resize", "a", "--memory", "1Gi")
+    time.sleep(1.5)
+    assert agent.events("violation") == []        # shrunk below its use by resize: no violation
+    t.call(hide=GiB // 2, usage=str(node_.dir / "a" / "usage"))
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
+    assert (v["memory_max"], v["memory_driver"], v["memory_current"]) == (GiB, 3 * GiB // 2, GiB // 2)

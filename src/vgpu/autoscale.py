@@ -259,6 +259,9 @@ class Autoscaler:
         self._problems = {}     # slices that cannot be read, as last logged
         self._reaped_at = None  # when dead processes' slots were last reaped
         self._lock = threading.Lock()
+        # (name, device) -> NVML's share of the slice's processes (1/100 percent) or None: the
+        # node agent's attribution when it runs the loop (vgpu.node), else host_pids below
+        self.sm_source = None
         # SM use over the last SMOOTH_S (at most a sixth of the window), never under one interval
         lookback = max(interval, min(SMOOTH_S, self.policy.window / 6))
         self._ring = max(2, int(round(lookback / interval)) + 1)
@@ -284,6 +287,8 @@ class Autoscaler:
 
     def _nvml_sm(self, view, d, util):
         """SM use of an unpaced slice on device d from NVML (1/100 percent), or None."""
+        if self.sm_source is not None:
+            return self.sm_source(view.name, d)
         if util is None:
             return None
         if d not in util:

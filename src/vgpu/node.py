@@ -425,13 +425,14 @@ class _SliceFiles:
     """A slice's files as the observer keeps them: the usage descriptor (the reader's),
     the usage and identity files' inodes."""
     __slots__ = ("view", "usage_inode", "identity_inode", "checked", "reader", "devices", "want_full", "same",
-                 "index", "keys", "rw", "pod_uid")
+                 "index", "keys", "rw", "pod_uid", "gen")
     made = 0
 
     def __init__(self, view, directory):
         self.view = view
         self.reader = UsageReader()
         self.devices = tuple(d for d, _ in view.held)
+        self.gen = view.gen
         self.want_full = False
         self.same = None         # (state, slots, table rows, watched): what an unchanged look gives
         self.keys = ((), ())     # its keys in the observer's table and slot index
@@ -663,8 +664,9 @@ class Observer:
                 f.check_identity(self.directory, now)
                 if (f.identity_inode, f.pod_uid) != before:
                     self._files_version += 1
-            if v.refresh_quota():
-                f.devices = tuple(d for d, _ in v.held)
+            v.refresh_quota()
+            if v.gen != f.gen:       # (the autoscaler, sharing the reader, may have read it first)
+                f.devices, f.gen = tuple(d for d, _ in v.held), v.gen
                 f.same = None
             old_keys = f.keys
             # as it was: one read to see that nothing changed, and a lock query for each
@@ -1139,6 +1141,8 @@ class Agent:
         self.log_line = log or (lambda line: print(line, flush=True))
         self.autoscaler = autoscaler
         reader = autoscaler.reader if autoscaler is not None else NodeReader(self.directory)
+        if autoscaler is not None:   # its SM use of unpaced slices: this agent's attribution, not its own
+            autoscaler.sm_source = self._sm_of
         self.observer = Observer(self.directory, reader, use_nvml, self.settings, nvml_module, pod_uids)
         self.judge = Judge(self.settings)
         self.holder = Holder(self.log)
@@ -1156,6 +1160,11 @@ class Agent:
         self._state_written = None
         self._nvml_note = None
         self._acted = set()      # (pid, start) already killed
+
+    def _sm_of(self, name, device):
+        snap = self.latest
+        sd = snap.slices.get((name, device)) if snap is not None else None
+        return None if sd is None else sd.sm_nvml
 
     def log(self, event, **fields):
         rec = {"ts": _utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
