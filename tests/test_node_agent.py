@@ -825,8 +825,8 @@ def test_an_agent_killed_while_holding_a_hog_leaves_it_to_the_next_one_to_contin
     first = agents(node_, "--compute-window", "2s", "--on-violation", "compute=stop")
     hog.call(hog=2000)
     first.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 15)
-    held = node.read_state(node_.dir)["held"]
-    assert [h["pid"] for h in held] == [hog.host_pid]
+    # what it holds is in its state file (written as the look that began holding ends)
+    assert wait_until(lambda: [h["pid"] for h in node.read_state(node_.dir)["held"]] == [hog.host_pid], 3)
 
     def state():
         with open(f"/proc/{hog.host_pid}/stat") as f:
