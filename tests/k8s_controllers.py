@@ -12,6 +12,7 @@ on the fake API server's store with the real components' rules:
   matchFields nodeSelector, and the pod in reservedFor.
 """
 import random
+import time
 import uuid
 
 from kubernetes.utils import parse_quantity
@@ -140,12 +141,20 @@ def _selected(expressions, device) -> bool:
     return all(bool(env.program(env.compile(e)).evaluate({"device": device})) for e in expressions)
 
 
-def _pool(api, node):
-    slices = [s for s in api.slices() if s["spec"].get("nodeName") == node]
-    top = max(s["spec"]["pool"]["generation"] for s in slices)
-    slices = [s for s in slices if s["spec"]["pool"]["generation"] == top]
-    assert len(slices) == slices[0]["spec"]["pool"]["resourceSliceCount"], "the pool is incomplete"
-    return slices
+def _pool(api, node, wait_s=10.0):
+    """The node's pool at its newest generation.  A generation with fewer slices than its
+    resourceSliceCount is one the driver is still publishing: its counter sets may be in
+    slices not written yet, so this stand-in does not allocate from it, and waits (up to
+    wait_s) as the scheduler retries a claim it cannot place yet."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        slices = [s for s in api.slices() if s["spec"].get("nodeName") == node]
+        top = max(s["spec"]["pool"]["generation"] for s in slices)
+        slices = [s for s in slices if s["spec"]["pool"]["generation"] == top]
+        if len(slices) == slices[0]["spec"]["pool"]["resourceSliceCount"]:
+            return slices
+        assert time.monotonic() < deadline, "the pool is incomplete"
+        time.sleep(0.05)
 
 
 def allocate_by_class(api, namespace, claim_name, node, classes):
