@@ -861,3 +861,25 @@ def test_the_agent_judges_a_slice_by_its_cap_after_a_resize(node_, spawn, agents
     t.call(hide=GiB // 2, usage=str(node_.dir / "a" / "usage"))
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
     assert (v["memory_max"], v["memory_driver"], v["memory_current"]) == (GiB, 3 * GiB // 2, GiB // 2)
+
+
+def test_serve_takes_the_driver_s_view_on_each_scrape(node_, spawn):
+    node_.ctl("create", "a", "--memory", "2Gi")
+    t = spawn(node_.shim_env("a"))
+    assert t.call(alloc=GiB) == 0
+    loose = spawn(node_.env)
+    assert loose.call(alloc=GiB // 2) == 0
+    serve = subprocess.Popen([CTL, "serve", "--port", "0", "--address", "127.0.0.1", "--dir", str(node_.dir)],
+                             env=node_.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(re.search(r":(\d+)/metrics", serve.stderr.readline()).group(1))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples}
+        assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+        assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == GiB // 2
+        assert not any(k[0].startswith("vgpu_violations") for k in m)     # no agent: no verdicts
+    finally:
+        serve.terminate()
+        serve.wait(10)
