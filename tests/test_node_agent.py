@@ -745,13 +745,13 @@ def test_a_violation_on_a_dra_slice_is_an_event_on_its_pod(node_, spawn, agents,
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     try:
-        node_.ctl("create", "claim-1", "--memory", "1Gi")
+        node_.ctl("create", "claim-1", "--memory", "2Gi")
         podlabels.write(node_.dir, "claim-1", {"namespace": "team-a", "pod": "trainer-0", "claim": "c1"})
-        node_.ctl("create", "by-hand", "--memory", "1Gi")          # no pod: no Event
+        node_.ctl("create", "by-hand", "--memory", "2Gi")          # no pod: no Event
         liar = spawn(node_.shim_env("claim-1"))
         other = spawn(node_.shim_env("by-hand"))
         for t, name in ((liar, "claim-1"), (other, "by-hand")):
-            assert t.call(alloc=GiB // 2) == 0
+            assert t.call(alloc=GiB) == 0      # (more than a context could be: past the context allowance)
             t.call(hide=0, usage=str(node_.dir / name / "usage"))
         agent = agents(node_, "--kubernetes-events", "--node-name", "node-7", "--kubeconfig", kubeconfig,
                        "--on-violation", "gap=kill")
@@ -883,3 +883,21 @@ def test_serve_takes_the_driver_s_view_on_each_scrape(node_, spawn):
     finally:
         serve.terminate()
         serve.wait(10)
+
+
+@pytest.mark.parametrize("allowance, violation", [("512Mi", False), ("0", True)])
+def test_a_context_not_yet_charged_is_no_gap_within_the_allowance(node_, spawn, agents, allowance, violation):
+    """simgpu with an A10's context overhead (256 MiB): a process that made its context
+    and has not allocated yet holds 256 MiB the shim charges only with its first allocation
+    (a framework loading its model).  Within --context-allowance that is no gap."""
+    node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
+    node_.ctl("create", "a", "--memory", "2Gi")
+    t = spawn(node_.shim_env("a"))
+    agent = agents(node_, "--context-allowance", allowance)
+    time.sleep(2)
+    assert [e["kind"] for e in agent.events("violation")] == (["gap"] if violation else [])
+    assert t.call(alloc=GiB) == 0                  # the first allocation: the shim charges the context too
+    time.sleep(2)
+    assert len(agent.events("violation")) == int(violation) and len(agent.events("violation-end")) == int(violation)
+    (d,) = node_.status()["containers"][0]["devices"]
+    assert d["memory_driver"] == d["memory_current"] == GiB + 256 * MiB

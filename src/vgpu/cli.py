@@ -1378,6 +1378,9 @@ class OnViolation(click.ParamType):
 @click.option("--process-overhead", type=MEMORY, default="0", show_default=True,
               help="Per process, added to the tolerance: device memory a context holds that the shim does not "
                    "charge (the shim charges it when it can measure it).")
+@click.option("--context-allowance", type=MEMORY, default="512Mi", show_default=True,
+              help="A process that has a context on a device and has charged nothing there yet (the shim "
+                   "charges the context with its first allocation) may hold this much: not a gap.")
 @click.option("--require-slices", is_flag=True,
               help="A GPU process in no slice is a violation (node configured to run GPU work in slices only).")
 @click.option("--on-violation", "on_violation", type=OnViolation(), multiple=True,
@@ -1398,7 +1401,8 @@ class OnViolation(click.ParamType):
 @click.option("--once", is_flag=True, help="Look once (attribute, reap, log what is wrong now), exit.")
 @click.option("--no-reap", is_flag=True, hidden=True, help="Leave dead slots alone (benchmarks, tests).")
 @dir_option
-def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, require_slices,
+def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, context_allowance,
+          require_slices,
           on_violation, with_autoscale, window, cooldown, high, low, target, grow_step, shrink_step, device_memory,
           dry_run, metrics_port, metrics_address, kubernetes_events, node_name, kubeconfig, once, no_reap, directory):
     """The node agent: check every slice against the driver, and see everything on the GPU.
@@ -1424,8 +1428,8 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     import threading
     from . import node
     settings = node.Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
-                             grace=grace, window=compute_window, require_slices=require_slices,
-                             actions=node.parse_actions(on_violation))
+                             context_allowance=context_allowance, grace=grace, window=compute_window,
+                             require_slices=require_slices, actions=node.parse_actions(on_violation))
     scaler = None
     if with_autoscale:
         from . import autoscale as autoscale_mod

@@ -60,6 +60,11 @@ class Settings:
     tolerance: int = 64 * MiB       # memory the driver may hold beyond the shim's figure / the cap
     tolerance_ratio: float = 0.02   # ... or this share of the cap, whichever is larger
     process_overhead: int = 0       # per process, on top (a context's own memory the shim does not charge)
+    # a process of the slice that has charged nothing on a device since the agent first saw
+    # it holds its context's memory there, which the shim charges with its first
+    # allocation: up to this much of it is not a gap (a framework loading a model between
+    # creating its context and allocating)
+    context_allowance: int = 512 * MiB
     grace: float = 0.5              # a memory or unsliced condition must last this long
     window: float = 10.0            # a compute condition must hold on average over this long
     compute_margin: int = 1000      # NVML's share may pass sm.max by this much (1/100 percent: 10 points)
@@ -75,7 +80,8 @@ class Settings:
 
     def to_json(self):
         return {"tolerance": self.tolerance, "tolerance_ratio": self.tolerance_ratio,
-                "process_overhead": self.process_overhead, "grace_s": self.grace, "window_s": self.window,
+                "process_overhead": self.process_overhead, "context_allowance": self.context_allowance,
+                "grace_s": self.grace, "window_s": self.window,
                 "compute_margin": self.compute_margin, "require_slices": self.require_slices,
                 "on_violation": {k: self.action(k) for k in KINDS}}
 
@@ -216,11 +222,12 @@ class Tracked:
     """A process NVML lists (or a slot's process in our pid namespace), with what the
     kernel says of it, kept for its life (the pidfd says when it ends)."""
     __slots__ = ("pid", "start", "pid_ns", "mnt_ns", "inner", "cgroup", "pidfd", "usage", "usage_at",
-                 "identity", "maps_ok", "comm", "visible")
+                 "identity", "maps_ok", "comm", "visible", "charged")
 
     def __init__(self, pid):
         self.pid = pid
         self.pidfd = None
+        self.charged = set()     # devices its slot was seen charging on
         self.visible = False     # a process this namespace can see (and read): start is not None
         self.start = procfs.start_ticks(pid)
         if self.start is None:
@@ -284,24 +291,26 @@ class ProcRow:
     slot: int = None         # its slot in the slice's usage file, when one is its own
     charge: int = None       # what that slot charges on the device
     comm: str = None
+    context: bool = False    # a context and nothing charged yet (Settings.context_allowance)
 
     @property
     def gap(self):
         if self.driver is None:
             return None
-        return self.driver - (self.charge or 0)
+        return 0 if self.context else self.driver - (self.charge or 0)
 
     def to_json(self):
         return {"host_pid": self.host_pid, "device": self.device, "memory_driver": self.driver,
                 "sm_util": self.util * 100 if self.util is not None else None, "slot": self.slot,
-                "memory_charged": self.charge, "comm": self.comm, **self.attribution.to_json()}
+                "memory_charged": self.charge, "context_only": self.context, "comm": self.comm,
+                **self.attribution.to_json()}
 
 
 class SliceDevice:
     """One slice on one device: the shim's figure (memory.current, the sum of the slots'
     charges), the driver's (the sum of its processes' memory; None: unknown), the cap."""
     __slots__ = ("name", "device", "memory_max", "memory_current", "driver", "sm_max", "sm_nvml", "gpu_time_ns",
-                 "settings", "processes", "shared")
+                 "settings", "processes", "shared", "context")
 
     def __init__(self, name, device, memory_max, memory_current, driver, sm_max, sm_nvml, gpu_time_ns, settings,
                  shared=False):
@@ -310,6 +319,7 @@ class SliceDevice:
         self.settings = settings
         self.processes = []
         self.shared = shared     # may be kept for the next look while the slice stays idle: never changed
+        self.context = 0         # the driver's figure of its processes that have only a context yet
 
     def copy(self):
         return SliceDevice(self.name, self.device, self.memory_max, self.memory_current, self.driver, self.sm_max,
@@ -817,6 +827,11 @@ class Observer:
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
                         row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
+                        if row.charge:
+                            t.charged.add(d)
+                        elif d not in t.charged and used is not None and used <= st.context_allowance:
+                            row.context = True
+                            sd.context += used
                     elif a.slice in files:     # its slot's record may be newer than what was read
                         files[a.slice].want_full = True
                 sd.processes.append(row)
@@ -943,7 +958,7 @@ class Judge:
         threshold = st.tolerance + st.process_overhead
         for key, sd in snap.active.items():
             if sd.driver is not None:
-                gap = sd.driver - sd.memory_current
+                gap = sd.driver - sd.memory_current - sd.context
                 if gap > st.tolerance:           # (the least any tolerance is: only then worth the rest)
                     tol = sd.tolerance
                     if gap > tol:
