@@ -149,9 +149,9 @@ def _pool(api, node, wait_s=10.0):
     deadline = time.monotonic() + wait_s
     while True:
         slices = [s for s in api.slices() if s["spec"].get("nodeName") == node]
-        top = max(s["spec"]["pool"]["generation"] for s in slices)
+        top = max((s["spec"]["pool"]["generation"] for s in slices), default=None)
         slices = [s for s in slices if s["spec"]["pool"]["generation"] == top]
-        if len(slices) == slices[0]["spec"]["pool"]["resourceSliceCount"]:
+        if slices and len(slices) == slices[0]["spec"]["pool"]["resourceSliceCount"]:
             return slices
         assert time.monotonic() < deadline, "the pool is incomplete"
         time.sleep(0.05)
