@@ -32,6 +32,8 @@
 
 /* struct vgpu_quota.flags */
 #define VGPU_QUOTA_TEMPORARY 1      /* made by `vgpu-ctl run` for one command: owner_* say whose */
+#define VGPU_QUOTA_SM_CEILING 2     /* --sm-mode ceiling: sm.max always, idle time is never lent to it;
+                                       without it (burst) the share is sm.request .. sm.max (board) */
 /* struct vgpu_usage_proc.flags */
 #define VGPU_PROC_FROM_FILE 1       /* its slice came from the slice identity file, not the environment */
 
@@ -74,9 +76,12 @@ struct vgpu_usage_device {
     uint64_t sm_vtime_ns;       /* CLOCK_MONOTONIC */
     uint64_t sm_correction;     /* scale on estimated cost, 16.16 fixed point (0 = 1.0) */
     uint64_t sm_check_ns;       /* when the correction was last computed (CLOCK_MONOTONIC) */
-    uint64_t sm_check_throttled_ns;   /* throttled_ns at that moment */
-    uint64_t sm_check_share;    /* sm.max at that moment: a window across a resize is skipped */
-    uint64_t reserved[6];
+    uint64_t reserved_check;    /* (unused since the correction compares charged time) */
+    uint64_t sm_check_charged_ns;     /* sm_charged_ns at that moment */
+    uint64_t yielded_ns;        /* time launches waited below sm.max, for neighbours' guarantees
+                                   (burst mode; throttled_ns is the wait at sm.max itself) */
+    uint64_t sm_charged_ns;     /* GPU time charged to paced launches, unbatched (the correction's) */
+    uint64_t reserved[4];
 };
 
 /* Who a slot's process is, as it said when it claimed the slot.  The node agent uses
@@ -111,6 +116,50 @@ struct vgpu_usage {
     uint64_t charge[VGPU_MAX_DEVICES][VGPU_MAX_PROCS];
     struct vgpu_usage_proc procs[VGPU_MAX_PROCS];
     uint64_t reserved[32];
+};
+/* The share board: <dir>/.sm-board, one per node, mapped read-write by every slice's
+ * shim (and mounted into every container beside its slice's files).  Per device (a GPU
+ * or a MIG device, by UUID) one entry per slice that paces launches there, written by
+ * that slice's processes alone: what it is guaranteed, what it wants, what it was
+ * allowed, and how far its launches are paid for.  From the live entries each slice
+ * computes its own allowance (guarantee + its part of what the others leave idle, up to
+ * its ceiling); an entry not refreshed for VGPU_BOARD_STALE_NS, or whose paid-for time
+ * has run out, is idle.  A tenant can write any entry: the worst it can do is keep others
+ * from bursting, never take a guarantee (each shim's floor is its own quota's request). */
+#define VGPU_BOARD_MAGIC 0x4452414f424d5356
+#define VGPU_BOARD_DEVICES 64
+#define VGPU_BOARD_SLICES 64
+#define VGPU_BOARD_STALE_NS 500000000
+
+struct vgpu_board_slice {
+    uint64_t key;               /* hash of the slice's name; 0 = free */
+    uint32_t guarantee;         /* sm.request (ceiling mode: sm.max), 1/100 percent */
+    uint32_t ceiling;           /* sm.max */
+    uint32_t demand;            /* what it wanted over its last period (= ceiling: held back) */
+    uint32_t allowance;         /* the share it paces at now */
+    uint64_t paid_until_ns;     /* its virtual clock (CLOCK_MONOTONIC): launches paid up to here */
+    uint64_t charged_ns;        /* GPU time its launches were charged, a running total */
+    uint64_t waited_ns;         /* time its launches waited, a running total */
+    uint64_t period_ns;         /* when its allowance was last computed (CLOCK_MONOTONIC) */
+    uint64_t period_charged_ns; /* charged_ns then */
+    uint64_t period_waited_ns;  /* waited_ns then */
+    uint64_t woke_ns;           /* when it last woke from idle (it asks for its guarantee a while) */
+    uint64_t reserved[3];
+};
+
+struct vgpu_board_device {
+    uint8_t uuid[16];           /* cuDeviceGetUuid: the GPU's, or the MIG device's; 0s = free */
+    uint64_t claimed;           /* 1 once uuid is written */
+    uint64_t reserved[5];
+    struct vgpu_board_slice slices[VGPU_BOARD_SLICES];
+};
+
+struct vgpu_board {
+    uint64_t magic;
+    uint32_t abi_version;
+    uint32_t size;
+    uint64_t reserved[7];
+    struct vgpu_board_device devices[VGPU_BOARD_DEVICES];
 };
 /* cffi:end */
 

@@ -10,15 +10,19 @@
  * Each launch is charged its estimated GPU time, and the container's processes draw on
  * one bucket per device kept in the usage file as a virtual clock (GCRA): a launch moves
  * the clock cost / sm.max ahead and waits (sleeping, never spinning, never failing)
- * until the clock is at most SM_BURST_NS ahead of real time.
+ * until the clock is at most SM_BURST_NS ahead of real time.  The share it moves at is
+ * the slice's allowance (board.c): in ceiling mode sm.max; in burst mode its guarantee
+ * (sm.request) plus what the device's other slices leave idle, up to sm.max.
  *   estimate: per (function, grid) the lower envelope of sampled CUDA event timings
  *             (one launch in SAMPLE_EVERY, a bounded number of samples in flight);
  *             graph launches likewise per executable graph;
  *   correction: every SM_CHECK_NS, while the container is held back by its share, one of
- *             its processes compares the share NVML measured for the container with sm.max
- *             and moves a cost scale half way to what would have hit it (event timings
- *             also count time spent waiting behind other tenants' kernels; NVML does not).
- * At sm.max = 100% a launch costs a generation check and a branch. */
+ *             its processes compares the GPU time NVML measured for the container with
+ *             what its launches were charged and moves a cost scale half way to what
+ *             would have matched (event timings also count time spent waiting behind
+ *             other tenants' kernels; NVML does not).
+ * Unpaced (sm.max = 100%, and in burst mode sm.request = 100% too) a launch costs a
+ * generation check and a branch. */
 
 #define SM_FULL 10000u
 #define SM_BURST_NS 20000000ull        /* how far the virtual clock may run ahead */
@@ -35,36 +39,50 @@ static uint64_t typical_ns;                    /* for launches not measured yet 
 
 /* busy: 0 free, 1 being started, 2 in flight, 3 being read.  A slot keeps its two events
  * (created once per context: creating events is not cheap on a real driver). */
-struct sample { int busy; uint64_t key; CUcontext ctx; CUevent start, end; };
+struct sample { int busy; uint64_t key, launched_ns; CUcontext ctx; CUevent start, end; };
 static struct sample samples[MAX_SAMPLES];
 static int in_flight;   /* samples with busy == 2 */
 
-void compute_atfork_child(void)   /* the samples' events are the parent's */
+static uint64_t first_paced_ns;   /* this process's first paced launch (the correction's) */
+
+void compute_atfork_child(void)   /* the samples' events are the parent's; NVML sees a new pid */
 {
     memset(samples, 0, sizeof samples);
     in_flight = 0;
+    first_paced_ns = 0;
 }
 
 /* Derived from the quota, recomputed only when its generation moves. */
 static uint32_t sm_gen_seen = 1;             /* (odd: never computed) */
 static int sm_any_limited;
-static uint64_t sm_wall_scale[VGPU_MAX_DEVICES];   /* SM_FULL / sm.max, 16.16; 0 = unlimited */
-#define SM_DENIED UINT64_MAX   /* scale of a device the slice was not given (sm.max 0) */
+static int sm_pacing[VGPU_MAX_DEVICES];     /* SM_FREE, SM_PACED or SM_DENIED */
+enum { SM_FREE, SM_PACED, SM_DENIED };    /* SM_DENIED: a device the slice was not given (sm.max 0) */
+static uint32_t sm_guarantee[VGPU_MAX_DEVICES], sm_ceiling[VGPU_MAX_DEVICES];
 static int sm_only_device = -1;              /* the device, when the process sees just one */
+#define SM_FLOOR 100u   /* the least a paced slice is allowed (1%): a launch never waits for ever */
 
-/* Any device below 100%?  One load and a branch while the quota does not change. */
+/* Any device paced?  One load and a branch while the quota does not change.  A device is
+ * paced when its ceiling (sm.max) is below the device, or, in burst mode, its guarantee
+ * (sm.request) is below its ceiling: then it bursts only into time nobody guaranteed
+ * wants, and must yield the moment they do. */
 static inline int sm_limited(void)
 {
     if (S.mode != MODE_ENFORCE)
         return 0;
     uint64_t g = LOAD(&S.quota->generation);
     if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
-        int any = 0, count = 0;
+        int any = 0, count = 0, burst = !(LOAD(&S.quota->flags) & VGPU_QUOTA_SM_CEILING);
         for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
             uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : 0;
-            uint64_t scale = sm == 0 ? SM_DENIED : sm < SM_FULL ? ((uint64_t)SM_FULL << 16) / sm : 0;
-            STORE(&sm_wall_scale[d], scale);
-            any |= scale != 0;
+            uint32_t req = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_request) : 0;
+            uint32_t floor = burst && req < sm ? req : sm;
+            sm = sm > SM_FULL ? SM_FULL : sm;
+            floor = floor < SM_FLOOR ? SM_FLOOR : floor > sm ? sm : floor;
+            STORE(&sm_ceiling[d], sm);
+            STORE(&sm_guarantee[d], floor);
+            int pacing = sm == 0 ? SM_DENIED : sm < SM_FULL || floor < sm ? SM_PACED : SM_FREE;
+            STORE(&sm_pacing[d], pacing);
+            any |= pacing != SM_FREE;
         }
         /* with one visible device (the usual container), launches need not ask which */
         STORE(&sm_only_device, real_cuDeviceGetCount && real_cuDeviceGetCount(&count) == CUDA_SUCCESS &&
@@ -73,6 +91,16 @@ static inline int sm_limited(void)
         STORE(&sm_gen_seen, (uint32_t)g);
     }
     return LOAD(&sm_any_limited);
+}
+
+/* The share a paced device runs at now: the board's allowance (burst: guarantee ..
+ * ceiling; ceiling mode: the ceiling, published so burst neighbours leave it alone), or
+ * without a board the guarantee (time is lent only when it is seen to be idle). */
+static uint32_t allowance(int dev, struct vgpu_board_slice *b, uint64_t now)
+{
+    uint32_t floor = LOAD(&sm_guarantee[dev]), cap = LOAD(&sm_ceiling[dev]);
+    uint32_t a = b ? board_update(dev, b, floor, cap, now) : floor;
+    return a < floor ? floor : a > cap ? cap : a;
 }
 
 static inline int launch_device(void)
@@ -285,11 +313,38 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
 {
     CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
     if (launched == CUDA_SUCCESS && record(sp->end, stream) == CUDA_SUCCESS) {
+        sp->launched_ns = now_ns();
         __atomic_add_fetch(&in_flight, 1, __ATOMIC_RELAXED);
         STORE(&sp->busy, 2);
     } else {
         STORE(&sp->busy, 0);
     }
+}
+
+/* The device's queue, bounded: a sample launched more than BACKLOG_NS ago and still not
+ * finished means this process's work runs that far behind its launches (its costs are
+ * underestimated, or the device is oversubscribed), and more work queued now would only
+ * sit in front of the neighbours'.  Wait (sleeping) until it is done.  Estimates do not
+ * enter into it: it holds while the correction is still learning. */
+#define BACKLOG_NS 40000000ull
+#define BACKLOG_POLL_NS 500000ull
+#define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
+static uint64_t bound_backlog(uint64_t now)
+{
+    uint64_t waited = 0;
+    for (int i = 0; i < MAX_SAMPLES; i++) {
+        struct sample *sp = &samples[i];
+        if (LOAD(&sp->busy) != 2 || now - LOAD(&sp->launched_ns) < BACKLOG_NS || now < LOAD(&sp->launched_ns))
+            continue;
+        CUevent end = sp->end;
+        for (int n = 0; n < BACKLOG_WAIT_MAX && LOAD(&sp->busy) == 2 && real_cuEventQuery(end) == CUDA_ERROR_NOT_READY;
+             n++) {
+            struct timespec ts = {0, (long)BACKLOG_POLL_NS};
+            nanosleep(&ts, NULL);
+            waited += BACKLOG_POLL_NS;
+        }
+    }
+    return waited;
 }
 
 static uint64_t wall_us(void)
@@ -346,47 +401,48 @@ static uint64_t measured_ns(int dev, uint64_t window_ns)
 }
 
 /* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
- * compares the share NVML measured for the container's processes with sm.max and nudges
- * the cost scale.  Only while the container was held back by its share (it wanted more):
- * a container that uses less than its share is not mis-charged, merely idle. */
-static void maybe_correct(int dev, struct vgpu_usage_device *u, uint32_t sm, uint64_t now)
+ * compares the GPU time NVML measured for the container's processes with what their
+ * launches were charged, and nudges the cost scale.  Whenever it launched something:
+ * a slice held back by the device (its queue full) rather than by its share is charged
+ * too little just the same, and would otherwise queue work in front of its neighbours. */
+static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
 {
     uint64_t last = LOAD(&u->sm_check_ns);
     if (now - last < SM_CHECK_NS ||
         !__atomic_compare_exchange_n(&u->sm_check_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
-    uint64_t throttled = LOAD(&u->throttled_ns);
-    uint64_t waited = throttled - __atomic_exchange_n(&u->sm_check_throttled_ns, throttled, __ATOMIC_ACQ_REL);
-    uint64_t share_then = __atomic_exchange_n(&u->sm_check_share, (uint64_t)sm, __ATOMIC_ACQ_REL);
+    uint64_t charged_total = LOAD(&u->sm_charged_ns);
+    uint64_t charged = charged_total - __atomic_exchange_n(&u->sm_check_charged_ns, charged_total, __ATOMIC_ACQ_REL);
     uint64_t window = now - last;
-    if (!last || window > 4 * SM_CHECK_NS || waited < window / 100 || share_then != sm)
-        return;   /* first period, a long pause, not held back by the share, or resized */
+    uint64_t mine = LOAD(&first_paced_ns);
+    if (!last || window > 4 * SM_CHECK_NS || charged < window / 100 || !mine || last < mine)
+        return;   /* first period, a long pause, too little launched to judge, or a window
+                   * that began before this process (what ran then NVML no longer shows) */
     uint64_t actual = measured_ns(dev, window);
     if (actual == NOT_MEASURED)
         return;
-    uint64_t target = window * sm / SM_FULL;
     uint64_t corr = LOAD(&u->sm_correction);
     if (!corr)
         corr = CORR_ONE;
-    /* half way to the scale that would have given exactly the share */
-    corr = corr / 2 + corr * actual / target / 2;
+    /* half way to the scale that would have charged exactly what the device measured */
+    corr = corr / 2 + (uint64_t)((double)corr * actual / charged / 2);
     if (corr < CORR_ONE / 16)
         corr = CORR_ONE / 16;
     if (corr > CORR_ONE * 16)
         corr = CORR_ONE * 16;
     STORE(&u->sm_correction, corr);
-    DEBUG("device %d: share %.1f%% of %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
-          100.0 * sm / SM_FULL, (double)corr / CORR_ONE);
+    DEBUG("device %d: measured %.1f%%, charged %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
+          100.0 * charged / window, (double)corr / CORR_ONE);
 }
 
 /* Wait for the container's share, charge the launch, and say whether to sample it
  * (1), not (0), or that the launch is refused (-1: a device the slice was not given). */
 static int pace(int dev, uint64_t key)
 {
-    uint64_t scale = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_wall_scale[dev]) : 0;
-    if (!scale)
+    int pacing = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_pacing[dev]) : SM_FREE;
+    if (pacing == SM_FREE)
         return 0;
-    if (scale == SM_DENIED)
+    if (pacing == SM_DENIED)
         return -1;   /* fail closed, like its memory; never a wait */
     struct vgpu_usage_device *u = &S.usage->devices[dev];
     struct estimate *e = estimate_for(key);
@@ -397,6 +453,10 @@ static int pace(int dev, uint64_t key)
     }
     uint32_t n = __atomic_add_fetch(&e->launches, 1, __ATOMIC_RELAXED);
     uint64_t now = now_ns();
+    if (UNLIKELY(!LOAD(&first_paced_ns)))
+        STORE(&first_paced_ns, now);
+    if (LOAD(&in_flight) && bound_backlog(now))
+        now = now_ns();
     /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
      * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
     int sample = (raw == 0 || n % SAMPLE_EVERY == 0 || now - LOAD(&e->sampled_at) > SAMPLE_AGE_NS) &&
@@ -405,23 +465,36 @@ static int pace(int dev, uint64_t key)
         raw = LOAD(&typical_ns);
     uint64_t corr = LOAD(&u->sm_correction);
     uint64_t cost = corr ? raw * corr >> 16 : raw;
-    uint64_t wall = cost * scale >> 16;
+    struct vgpu_board_slice *b = board_entry(dev);
+    uint32_t allowed = allowance(dev, b, now);
+    uint64_t wall = cost * SM_FULL / allowed;
 
     uint64_t t = LOAD(&u->sm_vtime_ns), next;
     do
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    __atomic_add_fetch(&u->sm_charged_ns, cost, __ATOMIC_RELAXED);
+    if (b) {
+        STORE(&b->paid_until_ns, next);
+        __atomic_add_fetch(&b->charged_ns, cost, __ATOMIC_RELAXED);
+    }
     count_launch(dev, cost, next > now + SM_BURST_NS);
     if (next > now + SM_BURST_NS) {
         struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
                               .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
             ;
-        __atomic_add_fetch(&u->throttled_ns, next - SM_BURST_NS - now, __ATOMIC_RELAXED);
+        uint64_t waited = next - SM_BURST_NS - now;
+        /* held at its own ceiling (what the autoscaler can raise), or below it for the
+         * neighbours' guarantees (what it cannot) */
+        __atomic_add_fetch(allowed < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns, waited,
+                           __ATOMIC_RELAXED);
+        if (b)
+            __atomic_add_fetch(&b->waited_ns, waited, __ATOMIC_RELAXED);
         now = next - SM_BURST_NS;
     }
     if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))
-        maybe_correct(dev, u, (uint32_t)((((uint64_t)SM_FULL << 16) + scale / 2) / scale), now);
+        maybe_correct(dev, u, now);
     if (!sample && LOAD(&in_flight) && n % 8 == 0)
         harvest();   /* finished samples are collected every few launches, not each */
     if (sample) {

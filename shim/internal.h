@@ -95,6 +95,8 @@ struct shim_state {
     int nvml_ready;
     uint64_t context_overhead;  /* VGPU_CONTEXT_OVERHEAD, when set: no measuring */
     int context_overhead_set;
+    char board_path[4096];      /* <dir>/.sm-board: the share board (board.c) */
+    uint64_t slice_key;         /* the slice's name, hashed: its entries on the board */
 };
 extern struct shim_state S;
 extern TLS int in_init;   /* recursion guard: hooks called during init pass through */
@@ -155,5 +157,11 @@ void graph_memory_settle(int dev);    /* charge the device's graph memory reserv
 /* === compute.c === */
 
 void compute_atfork_child(void);
+
+/* === board.c === */
+
+#define BOARD_PERIOD_NS 20000000ull   /* how often a slice recomputes its allowance */
+struct vgpu_board_slice *board_entry(int dev);   /* the slice's entry for dev, or NULL: no board */
+uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now);
 
 #endif

@@ -643,6 +643,11 @@ static void configure(void)
     if ((size_t)snprintf(cdir, sizeof cdir, "%s/%s", dir, name) >= sizeof cdir - 16)
         return deny("VGPU_DIR=%s is too long", dir);
     snprintf(qpath, sizeof qpath, "%.4080s/quota", cdir);
+    snprintf(S.board_path, sizeof S.board_path, "%.4080s/.sm-board", dir);
+    S.slice_key = 14695981039346656037ull;   /* FNV-1a */
+    for (const char *c = name; *c; c++)
+        S.slice_key = (S.slice_key ^ (unsigned char)*c) * 1099511628211ull;
+    S.slice_key |= 1;   /* never 0, a free entry */
     snprintf(S.usage_path, sizeof S.usage_path, "%.4080s/usage", cdir);
     if (from_env && access(qpath, F_OK)) {
         mkdir(dir, 0755);

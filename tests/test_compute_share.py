@@ -162,3 +162,91 @@ def test_a_device_the_slice_was_not_given_refuses_launches_instead_of_waiting(tm
         print(codes)
     """, env).stdout
     assert out.strip() == "[800, True, 0, True]"
+
+
+# === burst mode: guarantees that hold, idle time lent ===
+# Slices made by vgpu-ctl on one node share the share board (<dir>/.sm-board): a burst
+# slice (the default) is guaranteed --sm-request and runs up to --sm while the others
+# leave time idle; the moment a slice below its guarantee wants time, the others yield.
+
+def slice_env(tmp_path, name, *args):
+    r = CliRunner().invoke(main, ["create", name, *args, "--overcommit", "--dir", str(tmp_path / "vgpu")])
+    assert r.exit_code == 0, r.output
+    return make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER=name)
+
+
+def test_burst_lends_idle_time_and_ceiling_mode_does_not(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "90%", "--sm-request", "30%")
+    ceiling = slice_env(tmp_path, "ceil", "--sm", "30%")
+    [[got]] = run_tenants(tmp_path, c_program, [(burst, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 90) <= MARGIN, got          # alone: up to its ceiling
+    [[got]] = run_tenants(tmp_path, c_program, [(ceiling, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 30) <= MARGIN, got          # ceiling mode: sm.max, idle GPU or not
+
+
+def test_a_waking_guaranteed_slice_gets_its_share_back_and_the_burster_yields(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    guaranteed = slice_env(tmp_path, "steady", "--sm", "70%")
+    exe = c_program("duty")
+    t0 = time.time()
+    bursting = subprocess.Popen([str(exe), "2000", "5"], env=burst, stdout=subprocess.DEVNULL)
+    # the guaranteed slice starts 2 s in (same pid: exec), next to a slice bursting to 100%
+    woken = subprocess.Popen(["sh", "-c", f"sleep 2; exec {exe} 2000 3"], env=guaranteed, stdout=subprocess.DEVNULL)
+    referee = start_referee([bursting.pid, woken.pid], [[0.5, 1.8], [2.5, 4.8]], t0, make_sim_env(tmp_path / "node"))
+    out, err = referee.communicate(timeout=40)
+    assert referee.returncode == 0, err
+    before, after = json.loads(out)
+    assert bursting.wait(timeout=30) == 0 and woken.wait(timeout=30) == 0
+    assert before[0] >= 95 and before[1] == 0, before             # alone: it bursts
+    assert abs(after[1] - 70) <= MARGIN and abs(after[0] - 30) <= MARGIN, after   # from 0.5 s after waking
+
+
+def test_a_killed_slices_record_is_ignored_and_its_time_lent_again(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    other = slice_env(tmp_path, "other", "--sm", "70%")
+    exe = c_program("duty")
+    t0 = time.time()
+    procs = [subprocess.Popen([str(exe), "2000", "5"], env=env, stdout=subprocess.DEVNULL) for env in (burst, other)]
+    referee = start_referee([p.pid for p in procs], [[1.0, 2.0], [3.0, 4.8]], t0, make_sim_env(tmp_path / "node"))
+    time.sleep(max(0.0, t0 + 2.2 - time.time()))
+    procs[1].kill()     # its board entry stays as it was: it is ignored once stale
+    out, err = referee.communicate(timeout=40)
+    assert referee.returncode == 0, err
+    shared, alone = json.loads(out)
+    assert abs(shared[0] - 30) <= MARGIN and abs(shared[1] - 70) <= MARGIN, shared
+    assert alone[0] >= 95, alone
+    assert procs[0].wait(timeout=30) == 0
+
+
+def test_switching_modes_live_turns_yielding_on_and_off(tmp_path, c_program):
+    """Two saturating slices: a (up to 90%, guaranteed 30%) next to b (70%).  In burst mode
+    a yields to b's 70%; switched live to ceiling mode a runs at its sm.max (90%) whatever
+    b is guaranteed, and the two split the device by their launch rates; switched back,
+    b's 70% returns."""
+    a = slice_env(tmp_path, "a", "--sm", "90%", "--sm-request", "30%", "--sm-mode", "burst")
+    b = slice_env(tmp_path, "b", "--sm", "70%")
+
+    def switch(t0):
+        for at, mode in ((2.5, "ceiling"), (5.0, "burst")):
+            time.sleep(max(0.0, t0 + at - time.time()))
+            r = CliRunner().invoke(main, ["resize", "a", "--sm-mode", mode, "--dir", str(tmp_path / "vgpu")])
+            assert r.exit_code == 0 and f"a sm mode: " in r.output, r.output
+
+    burst1, ceiling, burst2 = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 7.5,
+                                          [[1.0, 2.4], [3.3, 4.9], [5.8, 7.3]], during=switch)
+    assert abs(burst1[1] - 70) <= MARGIN and abs(burst2[1] - 70) <= MARGIN, (burst1, burst2)
+    assert ceiling[1] < 70 - 2 * MARGIN and ceiling[0] > 30 + 2 * MARGIN, ceiling
+
+
+def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path, c_program):
+    env = slice_env(tmp_path, "burst", "--sm", "80%", "--sm-request", "20%")
+    exe = c_program("duty")
+    p = subprocess.Popen([str(exe), "2000", "2.5"], env=env, stdout=subprocess.DEVNULL)
+    time.sleep(1.5)
+    r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
+                           env=make_sim_env(tmp_path / "node"))
+    assert p.wait(timeout=30) == 0
+    [c] = json.loads(r.output)["containers"]
+    [d] = c["devices"]
+    assert c["sm_mode"] == "burst" and d["sm_guaranteed"] == 2000 and d["sm_max"] == 8000
+    assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling

@@ -127,7 +127,7 @@ def test_names_with_path_tricks_are_usage_errors_and_create_nothing(ctl, name):
     r = CliRunner().invoke(main, ["create", "--dir", str(ctl.dir), "--memory", "1Gi", "--", name])
     assert r.exit_code == 2, r.output
     assert "not a valid container name" in r.stderr
-    assert not ctl.dir.exists() or list(ctl.dir.iterdir()) == []
+    assert not ctl.dir.exists() or [p.name for p in ctl.dir.iterdir()] in ([], [".sm-board"])   # the node's share board stays
 
 
 def test_create_that_would_overcommit_is_refused(ctl):
@@ -171,7 +171,7 @@ def test_delete_removes_the_slice(ctl):
     (ctl.dir / "c1" / ".quota.123.abcd.tmp").write_bytes(b"left over by a crashed controller")
     r = ctl("delete", "c1", "--json")
     assert json.loads(r.stdout) == {"name": "c1", "deleted": True, "live_processes": []}
-    assert list(ctl.dir.iterdir()) == []
+    assert [p.name for p in ctl.dir.iterdir()] == [".sm-board"]   # the node's, not the slice's
     one_line_error(ctl("delete", "c1"), 1, f"container c1 not found in {ctl.dir}", "hint: `vgpu-ctl list`")
 
 
@@ -235,7 +235,8 @@ def test_status_reports_slices_and_devices_as_json(ctl):
     assert data["devices"] == [{"index": 0, "name": "Fake A10", "uuid": "GPU-0", "memory_total": 24 * GiB,
                                 "memory_used": 3 * GiB, "gpu_util": 4000, "memory_allocated": 6 * GiB,
                                 "memory_unlimited": 0, "memory_guaranteed": 5 * GiB, "memory_in_use": 0,
-                                "sm_allocated": 7000, "sm_ceilings": False, "containers": 2}]
+                                "sm_allocated": 7000, "sm_guaranteed": 7000, "sm_ceilings": False,
+                                "containers": 2}]
     only = json.loads(ctl("status", "c2", "--json").stdout)
     assert [c["name"] for c in only["containers"]] == ["c2"]
     assert only["devices"] == data["devices"]          # a device's allocation is always the whole node's
@@ -339,7 +340,8 @@ def test_env_docker_mounts_shim_and_quota_read_only_and_usage_writable(ctl):
     mounts = [args[i + 1] for i, a in enumerate(args) if a == "-v"]
     envs = [args[i + 1] for i, a in enumerate(args) if a == "-e"]
     assert mounts == [f"{SHIM}:/usr/local/lib/vgpu/libvgpu.so:ro", f"{ctl.dir}/c1/quota:/run/vgpu/c1/quota:ro",
-                      f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw", f"{ctl.dir}/c1/identity:/run/vgpu/.slice:ro"]
+                      f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw", f"{ctl.dir}/c1/identity:/run/vgpu/.slice:ro",
+                      f"{ctl.dir}/.sm-board:/run/vgpu/.sm-board:rw"]
     assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=c1",
                     "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 
@@ -355,7 +357,8 @@ def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
         "vgpu-shim": {"path": str(SHIM), "type": "File"},
         "vgpu-c1-quota": {"path": f"{ctl.dir}/c1/quota", "type": "File"},
         "vgpu-c1-usage": {"path": f"{ctl.dir}/c1/usage", "type": "File"},
-        "vgpu-c1-slice": {"path": f"{ctl.dir}/c1/identity", "type": "File"}}
+        "vgpu-c1-slice": {"path": f"{ctl.dir}/c1/identity", "type": "File"},
+        "vgpu-sm-board": {"path": f"{ctl.dir}/.sm-board", "type": "File"}}
     assert {e["name"]: e["value"] for e in doc["env"]} == {
         "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_CONTAINER": "c1",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -383,7 +386,7 @@ def test_run_exits_with_the_childs_code_and_removes_its_temporary_slice(ctl):
     code = "import os, sys; sys.exit(3 if os.environ['VGPU_CONTAINER'].startswith('run-') else 9)"
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--", sys.executable, "-c", code])
     assert r.exit_code == 3, r.output
-    assert list(ctl.dir.iterdir()) == []
+    assert [p.name for p in ctl.dir.iterdir()] in ([], [".sm-board"])   # the node's share board stays
 
 
 def test_run_in_a_named_slice_keeps_it(ctl):

@@ -214,6 +214,9 @@ def quota_options(f):
         click.option("--limit", type=MEMORY, help="Memory ceiling for autoscale [default: the cap]."),
         click.option("--sm-request", type=SHARE, help="Guaranteed SM share [default: the share]."),
         click.option("--sm-limit", type=SHARE, help="SM ceiling for autoscale [default: the share]."),
+        click.option("--sm-mode", type=click.Choice(slices.SM_MODES),
+                     help="burst: guaranteed --sm-request, idle GPU time lent up to --sm; ceiling: --sm always "
+                          "[create default: burst; resize: unchanged]."),
         click.option("--overcommit", is_flag=True,
                      help="Allow guaranteed memory on a device above its physical memory."),
     ]):
@@ -267,7 +270,8 @@ def _node_dir_for_create(directory, parents=False) -> str:
 
 
 def _warn_sm_ceilings(directory, devices):
-    """SM shares summed over 100% on a device are ceilings, not guarantees: say so."""
+    """Guaranteed SM shares (burst: sm.request; ceiling: sm.max) summed over 100% on a
+    device cannot all be given at once: say so."""
     for d, shares in sorted(status_mod.sm_shares(directory).items()):
         total = sum(shares.values())
         if d in devices and total > 10000:
@@ -492,16 +496,17 @@ def _describe_device(q: dict) -> str:
 @click.option("--parents", is_flag=True, help="Also create the node directory's missing parents.")
 @dir_option
 @json_option
-def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, owner, mig_profile, placement,
-           parents, directory, as_json):
+def create(name, memory, sm, request, limit, sm_request, sm_limit, sm_mode, overcommit, device, owner, mig_profile,
+           placement, parents, directory, as_json):
     """Create a slice: its quota and usage files under the node directory.
 
     The slice holds --device (default 0) with the given caps; in its quota every other
     device has memory.max 0, so the container is denied the devices it was not given.
     Without --memory there is no memory cap (and nothing guaranteed); without --sm the
     share is 100%.  The node directory is made if its parent exists (with --parents,
-    the whole path).  SM shares may add up to more than 100% on a device: they are
-    ceilings, not guarantees, and a warning says so.
+    the whole path).  In burst mode (the default) a slice is guaranteed --sm-request and
+    may use idle GPU time up to --sm; guaranteed shares adding up to more than 100% on a
+    device are not guarantees any more, and a warning says so.
 
     With --mig the slice is a MIG instance of its own (hardware isolation,
     docs/mig.md): its programs see only it, as device 0; --memory and --sm are then a
@@ -511,17 +516,19 @@ def create(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     \b
     Example:
       vgpu-ctl create train --memory 8Gi --sm 50%
+      vgpu-ctl create batch --sm 100% --sm-request 30%
       vgpu-ctl create infer --memory 4Gi --request 2Gi --limit 6Gi --device 1
       vgpu-ctl create tenant-a --mig 3g.40gb --device 1
     """
     _node_dir_for_create(directory, parents)
     if mig_profile is not None or placement is not None:
         return _create_mig(name, mig_profile, placement, device, memory, sm, request, limit, sm_request, sm_limit,
-                           overcommit, owner, directory, as_json)
+                           sm_mode, overcommit, owner, directory, as_json)
     _refuse_mig_mode(device or (0,))
     quota = slices.create(directory, name, _devices_arg(device, memory, sm, request, limit, sm_request, sm_limit),
-                          overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint)
-    if sm is not None:   # without --sm a slice has no SM cap: nothing to warn about by itself
+                          overcommit=overcommit, capacity=nvml_capacity, owner=owner, count_hint=nvml_count_hint,
+                          sm_mode=sm_mode)
+    if sm is not None or sm_request is not None:   # without --sm a slice has no SM cap: nothing to warn about by itself
         _warn_sm_ceilings(directory, quota.held())
     files = slices.paths(directory, name)
     if as_json:
@@ -545,8 +552,8 @@ def _refuse_mig_mode(devices):
                 "--device")
 
 
-def _create_mig(name, profile, placement, device, memory, sm, request, limit, sm_request, sm_limit, overcommit,
-                owner, directory, as_json):
+def _create_mig(name, profile, placement, device, memory, sm, request, limit, sm_request, sm_limit, sm_mode,
+                overcommit, owner, directory, as_json):
     from . import mig
     if profile is None:
         raise click.UsageError("--placement needs --mig PROFILE")
@@ -556,7 +563,7 @@ def _create_mig(name, profile, placement, device, memory, sm, request, limit, sm
     index = device[0] if device else 0
     quota = _devices_arg((0,), memory, sm, request, limit, sm_request, sm_limit)[0]
     made = mig.create_slice(directory, name, index, profile, quota, placement=placement, overcommit=overcommit,
-                            owner=owner, software_on=lambda d: _software_slices_on(directory, d))
+                            owner=owner, sm_mode=sm_mode, software_on=lambda d: _software_slices_on(directory, d))
     record, files = made["mig"], slices.paths(directory, name)
     if as_json:
         _emit_json({**made["quota"].to_json(), "mig": record, "quota": files["quota"], "usage": files["usage"]})
@@ -692,7 +699,7 @@ def list_cmd(directory, as_json):
               help="Device to resize (repeatable) [default: every device the slice holds].")
 @dir_option
 @json_option
-def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, device, directory, as_json):
+def resize(name, memory, sm, request, limit, sm_request, sm_limit, sm_mode, overcommit, device, directory, as_json):
     """Change a slice's quota while it runs (in place; the shim sees it on its next call).
 
     Request and limit follow the cap while they equal it.  Growing what is guaranteed on
@@ -703,19 +710,19 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     Example:
       vgpu-ctl resize train --memory 6Gi --sm 60%
     """
-    if all(v is None for v in (memory, sm, request, limit, sm_request, sm_limit)):
-        raise click.UsageError("nothing to change: pass --memory, --sm, --request, --limit, --sm-request "
-                               "or --sm-limit")
+    if all(v is None for v in (memory, sm, request, limit, sm_request, sm_limit, sm_mode)):
+        raise click.UsageError("nothing to change: pass --memory, --sm, --request, --limit, --sm-request, "
+                               "--sm-limit or --sm-mode")
     capacity = nvml_capacity
     if slices.has_mig(directory, name):   # a software slice inside a MIG instance: the instance is its device
         device, overcommit = _mig_resize_check(directory, name, device, memory, sm, request, limit, sm_request,
                                                sm_limit, overcommit)
     result = slices.resize(directory, name, devices=device or None, memory=memory, sm=sm, request=request,
                            limit=limit, sm_request=sm_request, sm_limit=sm_limit, overcommit=overcommit,
-                           capacity=capacity)
+                           capacity=capacity, sm_mode=sm_mode)
     for w in result["warnings"]:
         _warn(w)
-    if sm is not None:
+    if sm is not None or sm_request is not None or sm_mode is not None:
         _warn_sm_ceilings(directory, [dev["index"] for dev in result["devices"]])
     if as_json:
         _emit_json(result)
@@ -723,6 +730,8 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, overcommit, d
     arrow = _arrow()
     for dev in result["devices"]:
         click.echo(f"{name} device {dev['index']}: " + (_changes(dev["old"], dev["new"], arrow) or "unchanged"))
+    if result["sm_mode"]["old"] != result["sm_mode"]["new"]:
+        click.echo(f"{name} sm mode: {result['sm_mode']['old']} {arrow} {result['sm_mode']['new']}")
     click.echo(f"generation {result['generation']}")
 
 

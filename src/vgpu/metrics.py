@@ -14,12 +14,17 @@ Per container and device (labels container, device):
                                                         (paced slices), else NVML's
                                                         per-process utilization
   vgpu_sm_gpu_time_seconds_total                        GPU time charged to paced launches
-  vgpu_sm_throttled_seconds_total                       time launches waited for the share
+  vgpu_sm_throttled_seconds_total                       time launches waited at sm.max
+  vgpu_sm_yielded_seconds_total                         burst mode: time they waited below sm.max,
+                                                        for neighbours' guarantees
+  vgpu_sm_guaranteed_ratio                              burst: sm.request; ceiling: sm.max
+  vgpu_sm_allowance_ratio                               the share launches are paced at now
+                                                        (the share board; while pacing)
   vgpu_launches_total                                   paced launches
 Series of a slice the DRA driver made also carry namespace, pod and pod_container (the
 pod's container; `container` is the slice's name).
 Per container: vgpu_resize_events_total (quota writes: from the file's generation, so it
-survives restarts), vgpu_processes (live processes).
+survives restarts), vgpu_processes (live processes), vgpu_sm_mode_info{container,mode} (1).
 Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_used_bytes,
   vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
   vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
@@ -44,7 +49,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import nvml, podlabels, slices
+from . import board, nvml, podlabels, slices
 from .autoscale import NodeReader
 from .quantities import SHARE_FULL, UNLIMITED
 
@@ -158,16 +163,25 @@ class NodeCollector:
             ("sm_request_ratio", "Guaranteed SM share: the autoscaler's floor."),
             ("sm_limit_ratio", "The autoscaler's SM share ceiling."),
             ("sm_used_ratio", "SM time the container used over the last interval, as a share of the GPU."),
+            ("sm_guaranteed_ratio", "The SM share guaranteed when every slice wants its own (burst: sm.request; "
+                                    "ceiling: sm.max)."),
+            ("sm_allowance_ratio", "The SM share the container's launches are paced at now (burst: its guarantee "
+                                   "plus idle time lent, up to sm.max)."),
         )}
         c = {name: CounterMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
             ("memory_oom_refusals", "Allocations refused because they would exceed memory.max."),
             ("sm_gpu_time_seconds", "GPU time charged to the container's paced launches (sm.max < 100%)."),
-            ("sm_throttled_seconds", "Time the container's launches waited for its SM share."),
+            ("sm_throttled_seconds", "Time the container's launches waited at its SM ceiling (sm.max)."),
+            ("sm_yielded_seconds", "Time the container's launches waited below sm.max, for other slices' "
+                                   "guarantees (burst mode)."),
             ("launches", "Kernel launches paced against sm.max (none are counted at 100%)."),
         )}
         resizes = CounterMetricFamily("vgpu_resize_events", "Quota changes since the container was created "
                                       "(resize and autoscale).", labels=["container"])
         procs = GaugeMetricFamily("vgpu_processes", "Live processes of the container.", labels=["container"])
+        modes = GaugeMetricFamily("vgpu_sm_mode_info", "The container's SM mode (burst or ceiling): 1.",
+                                  labels=["container", "mode"])
+        on_board = board.read(self.directory)
         per_dev = {}
         util_cache = {}
 
@@ -183,6 +197,9 @@ class NodeCollector:
                 pass
             alive = [p for p in usage.procs if p.alive] if usage else []
             procs.add_metric([name], len(alive))
+            modes.add_metric([name, v.quota.sm_mode], 1)
+            entries = on_board.get(board.slice_key(name), [])
+            software = not slices.has_mig(self.directory, name)   # a MIG slice's entry is its only one
             hosts = None
             for d, q in v.held:
                 if ok and nv_devices is not None and len(v.held) == slices.MAX_DEVICES and d >= len(nv_devices):
@@ -194,6 +211,13 @@ class NodeCollector:
                 g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
                 g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
                 g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
+                g["sm_guaranteed_ratio"].add_metric(lab, v.quota.guaranteed_sm(d) / SHARE_FULL)
+                uuid = nv_devices[d].get("uuid") if software and nv_devices and d < len(nv_devices) else None
+                allowed = board.allowance(entries, uuid)
+                if allowed is not None:
+                    g["sm_allowance_ratio"].add_metric(lab, allowed / SHARE_FULL)
+                if usage is not None and d < len(usage.devices):
+                    c["sm_yielded_seconds"].add_metric(lab, usage.devices[d]["yielded_ns"] / 1e9)
                 acc = per_dev.setdefault(d, {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
                 acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
                 acc["guaranteed"] += q.guaranteed_memory
@@ -224,7 +248,7 @@ class NodeCollector:
                     g["sm_used_ratio"].add_metric(lab, used)
         self._prev = {k: p for k, p in self._prev.items() if k[0] in views}
 
-        out = [*g.values(), *c.values(), resizes, procs]
+        out = [*g.values(), *c.values(), resizes, procs, modes]
         dev = {name: GaugeMetricFamily(f"vgpu_device_{name}", doc, labels=["device"]) for name, doc in (
             ("memory_quota_bytes", "Sum of the memory caps handed out on the device."),
             ("memory_guaranteed_bytes", "Sum of the memory requests (guarantees) on the device."),

@@ -480,7 +480,7 @@ def destroy_instance(record, disable_mig=False) -> dict:
 # === MIG slices ===
 
 def create_slice(directory, name, index, profile, quota, placement=None, overcommit=False, owner=None,
-                 software_on=lambda d: []) -> dict:
+                 software_on=lambda d: [], sm_mode=None) -> dict:
     """A MIG slice: the instance, then the slice's files with its record (quota device 0 =
     the instance, holding `quota`).  `software_on(d)`: names of software slices on device
     d (MIG mode must not be turned on under them).  Undoes the instance on failure."""
@@ -503,7 +503,7 @@ def create_slice(directory, name, index, profile, quota, placement=None, overcom
                        "take the whole GPU from them", "delete them, or pick another --device")
     record = create_instance(index, profile, placement, checked)
     try:
-        made = slices.create(directory, name, {0: quota}, overcommit=True, owner=owner,
+        made = slices.create(directory, name, {0: quota}, overcommit=True, owner=owner, sm_mode=sm_mode,
                              extra_files={slices.MIG: (json.dumps(record, indent=2) + "\n").encode()})
     except BaseException:
         try:

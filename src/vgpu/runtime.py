@@ -29,6 +29,8 @@ CONTAINER_PRELOAD = "/etc/ld.so.preload"
 # the slice's name, read by the shim before VGPU_CONTAINER (so does the node agent, through
 # /proc/<pid>/root, to know which container is whose); beside the slices' files
 CONTAINER_IDENTITY = "/run/vgpu/.slice"
+# the node's share board (board.py), where burst-mode slices see each other's demand
+CONTAINER_BOARD = "/run/vgpu/.sm-board"
 # limit variables are for the shim's standalone mode; in a slice its quota file rules
 _STANDALONE = re.compile(r"(VGPU_MEMORY_LIMIT|VGPU_SM_LIMIT|CUDA_DEVICE_MEMORY_LIMIT|CUDA_DEVICE_SM_LIMIT)(_\d+)?")
 
@@ -68,13 +70,15 @@ def shell(name, paths, shim, visible=None) -> str:
 
 def mounts(name, paths, shim, preload_file=None) -> list:
     """(host path, container path, read-only) for the shim, quota and usage, the slice's
-    identity file (its name, which the shim reads before the environment), and with
+    identity file (its name, which the shim reads before the environment), the node's
+    share board (read-write: every slice's shim writes its own entries), and with
     preload_file (an ld.so.preload naming CONTAINER_SHIM) that file at /etc/ld.so.preload."""
     inside = f"{CONTAINER_DIR}/{name}"
     return [(str(shim), CONTAINER_SHIM, True),
             (paths["quota"], f"{inside}/quota", True),    # the container must not raise its own cap
             (paths["usage"], f"{inside}/usage", False),
-            (paths["identity"], CONTAINER_IDENTITY, True)] + \
+            (paths["identity"], CONTAINER_IDENTITY, True),
+            (paths["board"], CONTAINER_BOARD, False)] + \
         ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
@@ -113,7 +117,8 @@ def k8s(name, paths, shim, preload_file=None, visible=None) -> dict:
     volumes are the same for every slice; the quota's and usage's carry the slice's name,
     so containers of one pod in different slices can be merged into one pod spec."""
     tag = volume_tag(name)
-    names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", f"vgpu-{tag}-slice", "vgpu-preload"]
+    names = ["vgpu-shim", f"vgpu-{tag}-quota", f"vgpu-{tag}-usage", f"vgpu-{tag}-slice", "vgpu-sm-board",
+             "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
         "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file, visible).items()],

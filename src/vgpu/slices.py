@@ -33,6 +33,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass, replace
 
+from . import board
 from ._region import ffi, lib
 from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
 
@@ -47,6 +48,8 @@ LABELS = "labels.json"      # who a DRA-made slice serves (vgpu.podlabels)
 # A MIG slice's GPU and compute instance (vgpu.mig), placed once at create before the
 # quota; the shim never reads it (its quota's device 0 is the instance, CUDA's ordinal 0)
 MIG = "mig.json"
+BURST, CEILING = "burst", "ceiling"   # --sm-mode
+SM_MODES = (BURST, CEILING)
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
 USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
@@ -127,7 +130,7 @@ def node_dir(path=None) -> str:
 def paths(directory, name) -> dict:
     base = os.path.join(node_dir(directory), check_name(name))
     return {"dir": base, "quota": os.path.join(base, QUOTA), "usage": os.path.join(base, USAGE),
-            "identity": os.path.join(base, IDENTITY)}
+            "identity": os.path.join(base, IDENTITY), "board": os.path.join(node_dir(directory), board.BOARD)}
 
 
 def auto_name(prefix="run") -> str:
@@ -181,13 +184,20 @@ class Quota:
     device_count: int
     devices: tuple    # DeviceQuota per index < device_count
     temporary: Owner = None   # set on a slice `vgpu-ctl run` made for one command
+    sm_mode: str = BURST      # BURST: guaranteed sm.request, idle time lent up to sm.max; CEILING: sm.max
 
     def held(self) -> list:
         return [d for d, q in enumerate(self.devices) if q.held]
 
+    def guaranteed_sm(self, d) -> int:
+        """The SM share device d promises when every slice wants its own: burst, sm.request
+        (idle time above it is lent, up to sm.max); ceiling, sm.max."""
+        q = self.devices[d]
+        return q.sm_max if self.sm_mode == CEILING else min(q.sm_request, q.sm_max)
+
     def to_json(self) -> dict:
         return {"name": self.name, "generation": self.generation, "device_count": self.device_count,
-                "devices": [{"index": d, **self.devices[d].to_json()} for d in self.held()]}
+                "sm_mode": self.sm_mode, "devices": [{"index": d, **self.devices[d].to_json()} for d in self.held()]}
 
 
 def _quota_from(q) -> Quota:
@@ -196,7 +206,8 @@ def _quota_from(q) -> Quota:
                              q.devices[d].sm_max, q.devices[d].sm_request, q.devices[d].sm_limit)
                  for d in range(n))
     owner = Owner(q.owner_pid, q.owner_start, q.owner_pid_ns) if q.flags & lib.VGPU_QUOTA_TEMPORARY else None
-    return Quota(ffi.string(q.name).decode(errors="replace"), q.generation, q.device_count, devs, owner)
+    return Quota(ffi.string(q.name).decode(errors="replace"), q.generation, q.device_count, devs, owner,
+                 CEILING if q.flags & lib.VGPU_QUOTA_SM_CEILING else BURST)
 
 
 def _fill_device(qd, dq: DeviceQuota):
@@ -206,12 +217,21 @@ def _fill_device(qd, dq: DeviceQuota):
         lib.vgpu_store_u32(ffi.addressof(qd, field), getattr(dq, field))
 
 
-def quota_bytes(name: str, devices: dict, temporary: Owner = None) -> bytes:
+def check_sm_mode(mode) -> str:
+    if mode not in SM_MODES:
+        raise InvalidRequest(f"SM mode {mode!r} is not one of {', '.join(SM_MODES)}",
+                             "pass --sm-mode burst (lend idle time up to --sm) or ceiling (never above --sm)")
+    return mode
+
+
+def quota_bytes(name: str, devices: dict, temporary: Owner = None, sm_mode: str = None) -> bytes:
     """A new quota file: `devices` maps index -> DeviceQuota; indices below the highest one
     that are not in it are denied, and the shim denies every index >= device_count."""
     q = ffi.new("struct vgpu_quota *")
     q.magic, q.abi_version, q.size = lib.VGPU_QUOTA_MAGIC, lib.VGPU_ABI_VERSION, QUOTA_SIZE
     q.generation = 2
+    if check_sm_mode(sm_mode or BURST) == CEILING:
+        q.flags |= lib.VGPU_QUOTA_SM_CEILING
     if temporary is not None:
         q.flags |= lib.VGPU_QUOTA_TEMPORARY
         q.owner_pid, q.owner_start, q.owner_pid_ns = temporary.pid, temporary.start_ticks, temporary.pid_ns
@@ -408,9 +428,10 @@ class Proc:
                 "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
 
 
-_USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
+USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns",
+                  "yielded_ns")
 # memory_current is not a field: it is the sum of the slots' charges (csrc/vgpu_region.h)
-_STORED_COUNTERS = _USAGE_COUNTERS[1:]
+_STORED_COUNTERS = USAGE_COUNTERS[1:]
 CHARGE_OFFSET = ffi.offsetof("struct vgpu_usage", "charge")
 _CHARGES = struct.Struct("<%dQ" % (MAX_DEVICES * MAX_PROCS))
 _PROC_SIZE = ffi.sizeof("struct vgpu_usage_proc")
@@ -626,7 +647,7 @@ def device_quota(memory=UNLIMITED, sm=SHARE_FULL, request=None, limit=None, sm_r
 # === create / delete ===
 
 def create(directory, name, devices: dict, overcommit=False, capacity=None, owner=None,
-           count_hint=lambda: "", temporary: Owner = None, extra_files=None) -> Quota:
+           count_hint=lambda: "", temporary: Owner = None, extra_files=None, sm_mode=None) -> Quota:
     """Create slice `name` holding `devices` (index -> DeviceQuota).
 
     Files: <dir>/<name>/ 0755, quota 0644 (only the controller writes it), usage 0666 so
@@ -634,8 +655,11 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
     0600 owned by that user; identity 0644 (the name, mounted into containers).
     temporary: the Owner of a slice made for one command (the node agent removes it once
     the owner and the slice's processes are gone).  extra_files: {name: bytes} placed
-    (0644) before the quota, so the slice never appears without them (a MIG slice's MIG)."""
+    (0644) before the quota, so the slice never appears without them (a MIG slice's MIG).
+    sm_mode: BURST (default) or CEILING.  The node's share board (board.py) is made with
+    the first slice, 0666 like a usage file: every slice's shim writes its own entries."""
     check_name(name)
+    check_sm_mode(sm_mode or BURST)
     if not devices:
         raise InvalidRequest("a container needs at least one device", "pass --device")
     for d, q in devices.items():
@@ -651,6 +675,9 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
     with _fd(_open_node(directory, create=True)) as node_fd, _node_lock(node_fd):
         if not overcommit:
             _check_overcommit(directory, name, {}, devices, capacity)
+        if not _exists(node_fd, board.BOARD):
+            with contextlib.suppress(FileExistsError):
+                _place(node_fd, board.BOARD, board.empty(), 0o666, os.path.join(path, board.BOARD))
         try:
             os.mkdir(name, 0o755, dir_fd=node_fd)
         except FileExistsError:
@@ -677,7 +704,7 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
                     os.unlink(extra, dir_fd=cfd)
                 _place(cfd, extra, data, 0o644, os.path.join(shown, extra))
             try:
-                _place(cfd, QUOTA, quota_bytes(name, devices, temporary), 0o644, os.path.join(shown, QUOTA))
+                _place(cfd, QUOTA, quota_bytes(name, devices, temporary, sm_mode), 0o644, os.path.join(shown, QUOTA))
             except FileExistsError:
                 raise Exists(f"container {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
@@ -753,13 +780,17 @@ def delete(directory, name, force=False) -> dict:
 # === resize ===
 
 def resize(directory, name, devices=None, memory=None, sm=None, request=None, limit=None,
-           sm_request=None, sm_limit=None, overcommit=False, capacity=None, expect_generation=None) -> dict:
+           sm_request=None, sm_limit=None, overcommit=False, capacity=None, expect_generation=None,
+           sm_mode=None) -> dict:
     """Change a slice's quota in place (devices: indices, default every device it holds).
 
     Request and limit follow the cap while they equal it, so a slice created with one
     number keeps one number.  Returns old and new quotas per device, the generation, and
     warnings (memory shrunk below what the slice holds: its allocations fail until its use
-    drops below the new cap -- nothing is taken away)."""
+    drops below the new cap -- nothing is taken away).  sm_mode: switch the slice between
+    BURST and CEILING (None: keep it), live like the rest."""
+    if sm_mode is not None:
+        check_sm_mode(sm_mode)
     with _fd(_open_node(directory, name=name)) as node_fd, _node_lock(node_fd), \
             _fd(_open_slice(node_fd, directory, name)) as cfd:
         shown = os.path.join(node_dir(directory), name, QUOTA)
@@ -792,8 +823,9 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
             if not overcommit:
                 _check_overcommit(directory, name, old, new, capacity)
             generation = current.generation
-            if any(new[d] != old[d] for d in targets):
-                generation = _write_devices(fd, new)
+            mode = current.sm_mode if sm_mode is None else sm_mode
+            if any(new[d] != old[d] for d in targets) or mode != current.sm_mode:
+                generation = _write_devices(fd, new, mode)
             reap_quietly(directory, name)   # the warning is about what live processes hold
             usage = _read_slice_usage(cfd, directory, name)
     warnings = []
@@ -805,6 +837,7 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
                             "below it")
     return {"name": name, "generation": generation,
             "devices": [{"index": d, "old": old[d].to_json(), "new": new[d].to_json()} for d in targets],
+            "sm_mode": {"old": current.sm_mode, "new": mode},
             "changes": [{"device": d, "field": f, "old": old[d].to_json()[f], "new": new[d].to_json()[f]}
                         for d in targets for f in DeviceQuota.__dataclass_fields__
                         if getattr(old[d], f) != getattr(new[d], f)],
@@ -828,9 +861,10 @@ def _resized(q: DeviceQuota, memory, sm, request, limit, sm_request, sm_limit) -
                    sm_limit=_follow(q.sm_limit, q.sm_max, share, sm_limit))
 
 
-def _write_devices(fd, new: dict) -> int:
-    """Write device quotas in place (caller holds the file's flock).  Each field is one
-    aligned atomic store, which the shim reads with one atomic load: a live resize."""
+def _write_devices(fd, new: dict, sm_mode=None) -> int:
+    """Write device quotas (and the SM mode) in place (caller holds the file's flock).
+    Each field is one aligned atomic store, which the shim reads with one atomic load: a
+    live resize."""
     with _mapped(fd, "struct vgpu_quota", QUOTA_SIZE, writable=True) as q:
         gen_p = ffi.cast("uint64_t *", ffi.addressof(q, "generation"))
         g = lib.vgpu_load_u64(gen_p)
@@ -838,6 +872,9 @@ def _write_devices(fd, new: dict) -> int:
         lib.vgpu_store_u64(gen_p, odd)
         for d, dq in new.items():
             _fill_device(q.devices[d], dq)
+        if sm_mode is not None:
+            flags = (q.flags & ~lib.VGPU_QUOTA_SM_CEILING) | (lib.VGPU_QUOTA_SM_CEILING if sm_mode == CEILING else 0)
+            lib.vgpu_store_u32(ffi.addressof(q, "flags"), flags)
         lib.vgpu_store_u64(gen_p, odd + 1)
         return odd + 1
 

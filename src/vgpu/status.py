@@ -9,9 +9,9 @@ gives the pid inside the container.  No assumption that the two pid spaces agree
 import os
 import time
 
-from . import nvml, podlabels
+from . import board, nvml, podlabels
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
-from .slices import MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
+from .slices import CEILING, MAX_DEVICES, USAGE_COUNTERS, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 
 SM_FULL = 10000      # 100% in the quota's unit
 
@@ -112,6 +112,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
 
     prev = {(c["name"], cd["index"]): (previous["_t"], cd["gpu_time_ns"], cd["throttled_ns"])
             for c in (previous or {}).get("containers", []) for cd in c["devices"]}
+    shares = board.read(directory)   # what each slice's shim paces at now (burst: guarantee..ceiling)
     containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
     for cname, quota, usage, problem in read_all(directory):
         entry = {"name": cname, "problem": problem, "generation": quota.generation if quota else None,
@@ -122,13 +123,14 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
         mig = _mig_entry(directory, cname) if has_mig(directory, cname) else None
         if mig is not None:
             entry["mig"] = mig
+        entry["sm_mode"] = quota.sm_mode
+        on_board = shares.get(board.slice_key(cname), [])
         hosts = host_pids(usage) if usage else {}
         procs = usage.procs if usage else []
         shown = _shown_devices(quota, usage, nvml_count)
         for d in shown:
             q = quota.devices[d]
-            counters = usage.devices[d] if usage else dict.fromkeys(
-                ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns"), 0)
+            counters = usage.devices[d] if usage else dict.fromkeys(USAGE_COUNTERS, 0)
             sm_used, source, throttled_rate = None, None, None
             if (cname, d) in prev and now > prev[(cname, d)][0]:
                 t0, g0, w0 = prev[(cname, d)]
@@ -144,7 +146,9 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             gpu = {"gpu": mig["device"]} if mig and mig.get("device") is not None else {}
             entry["devices"].append({"index": d, **gpu, **q.to_json(), **counters,
                                      "sm_used": sm_used, "sm_used_source": source,
-                                     "throttled_ns_per_s": throttled_rate})
+                                     "throttled_ns_per_s": throttled_rate,
+                                     "sm_guaranteed": quota.guaranteed_sm(d),
+                                     "sm_allowance": board.allowance(on_board, _device_uuid(nv_devices, d, mig))})
         for p in procs:
             host = hosts.get(p.pid) if p.alive else None
             entry["processes"].append({
@@ -170,7 +174,9 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             "memory_guaranteed": sum(_guaranteed(r) for r in rows),
             "memory_in_use": sum(r["memory_current"] for r in rows),
             "sm_allocated": sum(r["sm_max"] for r in rows),
-            "sm_ceilings": sum(r["sm_max"] for r in rows) > SM_FULL,
+            "sm_guaranteed": sum(r["sm_guaranteed"] for r in rows),
+            # guarantees adding up past the device: what each slice gets is then at most its share
+            "sm_ceilings": sum(r["sm_guaranteed"] for r in rows) > SM_FULL,
             "containers": len(rows)})
         migs = sum(1 for c in containers if c.get("mig", {}).get("device") == d)
         if migs:   # MIG slices on the GPU (their instances, not in the figures above)
@@ -205,8 +211,8 @@ def _mig_entry(directory, name):
 
 
 def sm_shares(directory) -> dict:
-    """device -> {slice: sm.max} over the node's readable slices (for the warning that
-    shares summed over 100% are ceilings)."""
+    """device -> {slice: guaranteed share} over the node's readable slices (burst:
+    sm.request, ceiling: sm.max), for the warning that they add up to more than 100%."""
     out = {}
     for name in list_names(directory):
         try:
@@ -216,7 +222,14 @@ def sm_shares(directory) -> dict:
         if has_mig(directory, name):   # its share is of its MIG instance, not of the GPU
             continue
         for d in quota.held():
-            out.setdefault(d, {})[name] = quota.devices[d].sm_max
+def _device_uuid(nv_devices, d, mig):
+    """NVML's UUID of a software slice's device d (a MIG slice's board entry is its only one)."""
+    if mig is not None or not nv_devices or d >= len(nv_devices):
+        return None
+    return nv_devices[d].get("uuid")
+
+
+            out.setdefault(d, {})[name] = quota.guaranteed_sm(d)
     return out
 
 
@@ -250,6 +263,17 @@ def _percent(v):
 
 
 def _describe_violation(v):
+def _share_text(c, cd) -> str:
+    """sm.max, or in burst mode with a guarantee below it guarantee-ceiling and, while it
+    paces, what it is allowed now: 30-100% (now 72%)."""
+    g = cd.get("sm_guaranteed", cd["sm_max"])
+    if c.get("sm_mode") == CEILING or g >= cd["sm_max"]:
+        return format_share(cd["sm_max"])
+    now = cd.get("sm_allowance")
+    return f"{format_share(g).rstrip('%')}-{format_share(cd['sm_max'])}" + \
+        ("" if now is None else f" (now {format_share(now)})")
+
+
     from .node import describe_violation
     return describe_violation(v)
 
@@ -271,7 +295,7 @@ def render(data: dict, wide=True) -> str:
             gpu_mem = f"{format_memory(cd['memory_current'])}/{_mem(mem_cap)}"
             if mem_cap:
                 gpu_mem += f" ({cd['memory_current'] * 100 // mem_cap}%)"
-            util = f"{_percent(cd['sm_used'])}/{format_share(cd['sm_max'])}"
+            util = f"{_percent(cd['sm_used'])}/{_share_text(c, cd)}"
             procs = str(live) + (f" (+{dead} dead)" if dead else "")
             rate = cd.get("throttled_ns_per_s")
             throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
@@ -321,7 +345,7 @@ def render(data: dict, wide=True) -> str:
                      f"{alloc}/{format_memory(total)}" if total else alloc,
                      format_memory(d["memory_guaranteed"]),
                      f"{format_memory(d['memory_used'])}/{format_memory(total)}" if total else "-",
-                     format_share(d["sm_allocated"]) + (" (ceilings)" if d["sm_allocated"] > SM_FULL else ""),
+                     format_share(d["sm_allocated"]) + (" (ceilings)" if d["sm_ceilings"] else ""),
                      _percent(d["gpu_util"]),
                      str(d["containers"]) + (f" + {d['mig_slices']} MIG" if d.get("mig_slices") else "")])
     if drow:
