@@ -33,10 +33,10 @@ OOM = 2
 # === the pieces: a node, tenants, the agent ===
 
 class Node:
-    def __init__(self, root):
+    def __init__(self, root, profile="a10", devices=1):
         self.root = root
         self.dir = root / "vgpu"
-        self.env = make_sim_env(root / "node")
+        self.env = make_sim_env(root / "node", profile=profile, devices=devices)
 
     def ctl(self, *args, ok=True, env=None):
         out = subprocess.run([CTL, *map(str, args), "--dir", str(self.dir)], env=env or self.env,
@@ -590,6 +590,122 @@ def test_a_paced_slice_is_no_compute_violation(node_, spawn, agents):
     t.call(hog=2000)                              # through the shim: paced to 30%
     time.sleep(5)
     assert agent.events("violation") == []
+
+
+# === MIG slices, and devices other than GPU 0 ===
+
+def _mig_slice(node_, name, profile, device, *quota):
+    """A MIG slice (vgpu-ctl create --mig): its record, the label the agent gives its MIG
+    device, and the environment `vgpu-ctl env` gives its programs (its MIG device alone)."""
+    node_.ctl("create", name, "--mig", profile, "--device", device, *quota)
+    rec = slices.read_mig(node_.dir, name)
+    env = {**node_.shim_env(name), "CUDA_VISIBLE_DEVICES": rec["uuid"]}
+    return rec, f"{rec['device']}/mig-{rec['gpu_instance']}-{rec['compute_instance']}", env
+
+
+def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_path, spawn, agents):
+    """A MIG slice on GPU 1 of two: its quota's device 0 is its MIG device, whose own NVML
+    handle lists its processes.  Beside it, a software slice on GPU 0 and a process without
+    the shim on the MIG device (unsliced there)."""
+    n = Node(tmp_path, "h100-80g", devices=2)
+    n.dir.mkdir()
+    n.ctl("create", "soft", "--memory", "4Gi", "--device", "0")
+    rec, label, m_env = _mig_slice(n, "m", "3g.40gb", 1, "--memory", "2Gi")
+    soft = spawn(n.shim_env("soft"))
+    assert soft.call(alloc=GiB) == 0
+    honest, liar = spawn(m_env), spawn(m_env)
+    assert honest.call(alloc=GiB // 4) == 0 and liar.call(alloc=3 * GiB // 2) == 0
+    loose = spawn({**n.env, "CUDA_VISIBLE_DEVICES": rec["uuid"]})     # simgpu alone, in no slice
+    assert loose.call(alloc=GiB // 2) == 0
+    agent = agents(n, "--on-violation", "kill", "--metrics-port", 0, "--metrics-address", "127.0.0.1")
+    time.sleep(1.5)
+    assert agent.events("violation") == []        # within its cap: nothing to say (not GPU 1's cap 0)
+
+    s = n.status()
+    by = {c["name"]: c for c in s["containers"]}
+    (d,) = by["m"]["devices"]
+    assert (d["index"], d["nvml_device"], d["memory_current"], d["memory_driver"], sorted(d["driver_processes"])) == \
+        (0, label, 7 * GiB // 4, 7 * GiB // 4, sorted([honest.host_pid, liar.host_pid]))
+    (d,) = by["soft"]["devices"]
+    assert (d["index"], d["nvml_device"], d["memory_driver"], d["driver_processes"]) == (0, "0", GiB, [soft.host_pid])
+    (u,) = s["unsliced"]
+    assert (u["host_pid"], u["device"], u["mig_uuid"], u["memory_driver"]) == (loose.host_pid, label, rec["uuid"],
+                                                                               GiB // 2)
+    row = next(line for line in n.ctl("status").stdout.splitlines() if line.startswith("(unsliced)"))
+    assert f"512Mi on {label}" in row
+    m = agent.metrics()
+    assert m[("vgpu_memory_driver_bytes", (("container", "m"), ("device", "0")))] == 7 * GiB // 4
+    assert m[("vgpu_memory_driver_bytes", (("container", "soft"), ("device", "0")))] == GiB
+    assert m[("vgpu_slice_device_info", (("container", "m"), ("device", "0"), ("mig_uuid", rec["uuid"]),
+                                         ("nvml_device", label)))] == 1
+    assert m[("vgpu_unsliced_memory_bytes", (("device", label),))] == GiB // 2
+    assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 0
+    assert ("vgpu_unsliced_memory_bytes", (("device", "1"),)) not in m       # GPU 1 has no processes of its own
+    assert m[("vgpu_device_memory_quota_bytes", (("device", label),))] == 2 * GiB
+    assert m[("vgpu_device_memory_quota_bytes", (("device", "0"),))] == 4 * GiB    # m is not counted as GPU 0
+
+    # the liar hides 1 GiB and takes 1 GiB more: over m's cap, on its MIG device
+    liar.call(hide=GiB // 2, usage=str(n.dir / "m" / "usage"))
+    assert liar.call(alloc=GiB) == 0
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
+    assert (v["container"], v["device"], v["nvml_device"], v["mig_uuid"], v["memory_max"], v["memory_driver"],
+            v["memory_current"], v["offenders"]) == ("m", 0, label, rec["uuid"], 2 * GiB, 11 * GiB // 4,
+                                                     7 * GiB // 4, [liar.host_pid])
+    kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("pid") == liar.host_pid, 5)
+    assert kill["result"] == "killed"
+    assert wait_until(lambda: not liar.alive(), 5)
+    time.sleep(0.5)
+    assert honest.alive() and soft.alive() and loose.alive()
+    assert all(e["pid"] == liar.host_pid for e in agent.events("action"))
+    assert {(e["container"], e["kind"]) for e in agent.events("violation")} == {("m", "gap"), ("m", "over-cap")}
+
+
+def test_a_software_slice_on_gpu_1_is_judged_there_and_a_renumbered_container_where_it_really_is(tmp_path, spawn,
+                                                                                                  agents):
+    """Software slices: the quota's device N is NVML's GPU N (`env` sets CUDA_DEVICE_ORDER=
+    PCI_BUS_ID and gives every GPU).  A container that renumbers its GPUs
+    (CUDA_VISIBLE_DEVICES=1 in a slice given device 0) holds memory on a GPU its slice
+    was not given: reported there."""
+    n = Node(tmp_path, "a10", devices=2)
+    n.dir.mkdir()
+    n.ctl("create", "b", "--memory", "2Gi", "--device", "1")
+    n.ctl("create", "c", "--memory", "2Gi")
+    on_1 = spawn({**n.shim_env("b"), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "TENANT_DEVICE": "1"})
+    assert on_1.call(alloc=GiB) == 0
+    agent = agents(n)
+    time.sleep(1.5)
+    assert agent.events("violation") == []
+    (d,) = next(c for c in n.status()["containers"] if c["name"] == "b")["devices"]
+    assert (d["index"], d["nvml_device"], d["memory_current"], d["memory_driver"]) == (1, "1", GiB, GiB)
+
+    moved = spawn({**n.shim_env("c"), "CUDA_VISIBLE_DEVICES": "1"})    # its CUDA device 0 is GPU 1
+    assert moved.call(alloc=GiB) == 0                                  # the shim counts it as device 0
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
+    assert (v["container"], v["device"], v["memory_max"], v["memory_driver"], v["offenders"]) == \
+        ("c", 1, 0, GiB, [moved.host_pid])
+    assert moved.alive()                           # reported only
+
+
+def test_the_autoscaler_grows_a_mig_slice_within_its_instance_not_gpu_0(tmp_path, spawn, agents):
+    """GPU 0 is all handed out to a software slice; a MIG slice on GPU 1 short of memory
+    grows: its capacity is its instance's (39.5 GiB), not what GPU 0 has left."""
+    n = Node(tmp_path, "h100-80g", devices=2)
+    n.dir.mkdir()
+    n.ctl("create", "soft", "--memory", "79Gi", "--device", "0")
+    rec, label, m_env = _mig_slice(n, "m", "3g.40gb", 1, "--memory", "1Gi", "--request", "1Gi", "--limit", "4Gi")
+    t = spawn(m_env)
+    assert t.call(alloc=900 * MiB) == 0
+    assert t.call(alloc=GiB) == OOM
+    agent = agents(n, "--autoscale", "--window", "1s", "--cooldown", "1s")
+    deadline = time.time() + 30
+    while t.call(alloc=GiB) != 0:
+        assert time.time() < deadline, f"not grown: {agent.events('hold')[-1:]}"
+        time.sleep(0.2)
+    grown = slices.read_quota(n.dir, "m").devices[0]
+    assert GiB + 900 * MiB <= grown.memory_max <= 4 * GiB and grown.memory_request == GiB
+    resizes = agent.events("resize")
+    assert resizes and all(e["container"] == "m" and e["action"] == "grow" for e in resizes)
+    assert slices.read_quota(n.dir, "soft").devices[0].memory_max == 79 * GiB
 
 
 # === orphans ===

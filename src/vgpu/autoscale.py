@@ -53,6 +53,7 @@ _UNPACK = struct.Struct("<%dQ" % len(_STORED)).unpack
 _ROW = 8 * slices.MAX_PROCS
 _UNPACK_ROW = struct.Struct("<%dQ" % slices.MAX_PROCS).unpack
 REAP_S = 1.0           # dead processes' slots are reaped this often (their memory back within it)
+_UNREAD = object()
 
 
 class SliceView:
@@ -99,7 +100,24 @@ class SliceView:
         self.gen = self.quota.generation
         self.state = {}          # the autoscaler's per-device state (autoscale._Dev)
         self.host_pids = None    # (when, [host pids]) for NVML's per-process view
+        self.directory = directory
+        self._mig = _UNREAD
         self._held()
+
+    @property
+    def mig(self):
+        """The slice's MIG record (vgpu.mig) or None for a software slice; {} for a record
+        that cannot be read.  Read once: the record is placed before the quota and never
+        changes (a slice made again is a new view).  A MIG slice's quota device 0 is its
+        MIG device, not the node's GPU 0."""
+        if self._mig is _UNREAD:
+            try:
+                self._mig = slices.read_mig(self.directory, self.name)
+            except slices.NotFound:
+                self._mig = None
+            except (slices.VgpuError, OSError):
+                self._mig = {}
+        return self._mig
 
     def _held(self):
         self.held = [(d, self.quota.devices[d]) for d in self.quota.held()]
@@ -286,10 +304,11 @@ class Autoscaler:
     # --- sampling ---
 
     def _nvml_sm(self, view, d, util):
-        """SM use of an unpaced slice on device d from NVML (1/100 percent), or None."""
+        """SM use of an unpaced slice on device d from NVML (1/100 percent), or None (a MIG
+        slice: NVML has no per-process utilization on a MIG-enabled GPU)."""
         if self.sm_source is not None:
             return self.sm_source(view.name, d)
-        if util is None:
+        if util is None or view.mig is not None:
             return None
         if d not in util:
             try:
@@ -336,28 +355,35 @@ class Autoscaler:
                 for name in views:
                     slices.reap_quietly(self.directory, name)
         items = []
-        mem_alloc, sm_alloc = {}, {}     # device -> sum of the quotas of every slice on it
+        # pool -> sum of the quotas of every slice in it: a GPU (its index), or a MIG slice's
+        # instance (its device 0 is the instance, not GPU 0: the instance's memory alone)
+        mem_alloc, sm_alloc = {}, {}
+        pool_memory = {}                 # MIG pool -> the instance's memory
         nvml_util = {} if self.use_nvml else None
         ring = self._ring
         for name, v in views.items():
             if v.refresh_quota():
                 v.state = {d: st for d, st in v.state.items() if d in v.managed}
             state = v.state
+            record = v.mig
             for d, q, mem_managed, sm_managed, mem_bounds, sm_bounds in v.rows:
-                sm_alloc[d] = sm_alloc.get(d, 0) + q.sm_max
+                pool = d if record is None else mig_pool(record)
+                if record is not None:
+                    pool_memory[pool] = record.get("memory_total")
+                sm_alloc[pool] = sm_alloc.get(pool, 0) + q.sm_max
                 if q.memory_max != UNLIMITED:
-                    mem_alloc[d] = mem_alloc.get(d, 0) + q.memory_max
+                    mem_alloc[pool] = mem_alloc.get(pool, 0) + q.memory_max
                 if not (mem_managed or sm_managed):
                     if q.memory_max == UNLIMITED:    # no cap: count what it holds
                         c = v.read(d)
-                        mem_alloc[d] = mem_alloc.get(d, 0) + (c[0] if c else 0)
+                        mem_alloc[pool] = mem_alloc.get(pool, 0) + (c[0] if c else 0)
                     continue
                 c = v.read(d)
                 if c is None:
                     continue            # usage file cut short: no sample (its windows wait)
                 mem, _, oom, _, gpu, thr = c
                 if q.memory_max == UNLIMITED:
-                    mem_alloc[d] = mem_alloc.get(d, 0) + mem
+                    mem_alloc[pool] = mem_alloc.get(pool, 0) + mem
                 st = state.get(d)
                 if st is None:
                     st = state[d] = _Dev(ring)
@@ -373,7 +399,7 @@ class Autoscaler:
                         observe_values(tr, now, mem, q.memory_max, refused, pol)
                     st.mem = tr
                     if self._candidate(tr, st, mem_bounds, pol, now):
-                        items.append(Item(name, d, tr, mem_bounds))
+                        items.append(Item(name, d, tr, mem_bounds, pool))
                 else:
                     st.mem = None
                 if sm_managed:
@@ -393,14 +419,15 @@ class Autoscaler:
                         tr = observe_values(tr, now, use, q.sm_max, pressure, pol)
                     st.sm = tr
                     if self._candidate(tr, st, sm_bounds, pol, now):
-                        items.append(Item(name, d, tr, sm_bounds))
+                        items.append(Item(name, d, tr, sm_bounds, pool))
                 else:
                     st.sm = None
         if not items:
             return []
         capacity, allocated = {}, {}
         for d, total in mem_alloc.items():
-            capacity[(d, MEMORY)], allocated[(d, MEMORY)] = self.memory_capacity(d), total
+            capacity[(d, MEMORY)] = pool_memory[d] if d in pool_memory else self.memory_capacity(d)
+            allocated[(d, MEMORY)] = total
         for d, total in sm_alloc.items():
             capacity[(d, SM)], allocated[(d, SM)] = SM_CAPACITY, total
         decisions = plan(items, capacity, allocated, pol, now)
@@ -465,11 +492,15 @@ class Autoscaler:
                         kw.update(memory=dec.new, request=dec.request, limit=dec.limit)
                     else:
                         kw.update(sm=dec.new, sm_request=dec.request, sm_limit=dec.limit)
+                v = self.reader.views.get(name)
+                # a MIG slice's instance is its own: the plan kept it within the instance's
+                # memory (resize's check would count the GPU's software slices against it)
+                mig = v is not None and v.mig is not None
                 try:
                     # only if the quota is still the one decided on: an operator's resize
                     # in between wins, and the next interval decides from it
                     result = slices.resize(self.directory, name, devices=[d], capacity=self.memory_capacity,
-                                           expect_generation=expected.get(name), **kw)
+                                           expect_generation=expected.get(name), overcommit=mig, **kw)
                     generation = expected[name] = result["generation"]
                 except (slices.VgpuError, OSError) as e:
                     error = slices_error(e)
@@ -521,6 +552,13 @@ class Autoscaler:
             if once:
                 next_at = min(next_at, max(horizon, now))
             stop.wait(max(0.0, next_at - time.monotonic()))
+
+
+def mig_pool(record) -> str:
+    """The capacity pool of a MIG slice: its instance, named as the node agent names it
+    (`<gpu>/mig-<GI>-<CI>`, vgpu.node.Place)."""
+    from .node import record_place
+    return record_place(record).label
 
 
 def slices_error(e) -> str:

@@ -29,8 +29,11 @@ Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_us
   vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
   vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
   of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_containers.
+  A MIG device is device="<gpu>/mig-<GI>-<CI>" (vgpu.node.Place): a MIG slice's caps count
+  there, never on the GPU its quota's index 0 would name.
 The driver's view (vgpu.node: each process NVML lists, attributed to a slice or not):
   vgpu_memory_driver_bytes{container,device}   what the driver says the slice's processes hold
+  vgpu_slice_device_info{container,device,nvml_device,mig_uuid}   where NVML lists the slice's device
   vgpu_unsliced_memory_bytes{device}, vgpu_unsliced_processes{device}   GPU processes in no slice
   vgpu_unknown_processes{device}               GPU processes this agent cannot see (pid namespace)
 With the node agent (`vgpu-ctl agent`): vgpu_violations_total{container,kind} (container
@@ -51,6 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import board, nvml, podlabels, slices
 from .autoscale import NodeReader
+from .node import record_place
 from .quantities import SHARE_FULL, UNLIMITED
 
 _CD = ["container", "device"]
@@ -94,24 +98,28 @@ class NodeCollector:
         if snap is not None and snap.nvml_ok:
             drv = GaugeMetricFamily("vgpu_memory_driver_bytes", "Device memory the slice's processes hold, as the "
                                     "driver (NVML) says.", labels=_CD)
-            for (name, d), sd in sorted(snap.slices.items()):
+            where = GaugeMetricFamily("vgpu_slice_device_info", "Where NVML lists a slice's device: nvml_device "
+                                      "is the GPU's index, or <gpu>/mig-<GI>-<CI> for a MIG device (a MIG slice's "
+                                      "device 0), as the per-device series name it.",
+                                      labels=[*_CD, "nvml_device", "mig_uuid"])
+            for (name, d), sd in sorted(snap.slices.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
                 if sd.driver is not None:
                     drv.add_metric([name, str(d)], sd.driver)
+                if sd.place is not None:
+                    where.add_metric([name, str(d), sd.place.label, sd.place.mig or ""], 1)
             mem = GaugeMetricFamily("vgpu_unsliced_memory_bytes", "Device memory held by processes in no slice "
                                     "(NVML).", labels=["device"])
             cnt = GaugeMetricFamily("vgpu_unsliced_processes", "GPU processes in no slice.", labels=["device"])
             unk = GaugeMetricFamily("vgpu_unknown_processes", "GPU processes NVML lists that this agent cannot "
                                     "see (another pid namespace): neither attributed nor acted on.",
                                     labels=["device"])
-            devices = sorted({p.device for p in snap.processes} | {d for _, d in snap.slices})
-            for d in devices:
-                if d in snap.device_errors:
-                    continue
-                un = [p for p in snap.unsliced() if p.device == d]
-                mem.add_metric([str(d)], sum(p.driver or 0 for p in un))
-                cnt.add_metric([str(d)], len(un))
-                unk.add_metric([str(d)], sum(1 for p in snap.unknown() if p.device == d))
-            out += [drv, mem, cnt, unk]
+            # per device NVML lists processes on: a GPU ("0"), a MIG device ("1/mig-2-0")
+            for place in snap.places:
+                un = [p for p in snap.unsliced() if p.place == place]
+                mem.add_metric([place.label], sum(p.driver or 0 for p in un))
+                cnt.add_metric([place.label], len(un))
+                unk.add_metric([place.label], sum(1 for p in snap.unknown() if p.place == place))
+            out += [drv, where, mem, cnt, unk]
         a = self.agent
         if a is not None:
             total = CounterMetricFamily("vgpu_violations", "Violations the node agent found (one per start), by "
@@ -184,9 +192,16 @@ class NodeCollector:
         on_board = board.read(self.directory)
         per_dev = {}
         util_cache = {}
+        listed = None            # MIG devices as the agent last saw them: {UUID: Place}
+        if self.agent is not None:
+            listed = self.agent.observer.mig_places
+        elif self._observer is not None:
+            listed = self._observer.mig_places
 
         for name, v in sorted(views.items()):
             v.refresh_quota()
+            record = v.mig       # a MIG slice's device 0 is its MIG device: counted there, never as GPU 0
+            where = None if record is None else record_place(record, listed).label
             resizes.add_metric([name], max(0, (v.gen - 2) // 2))
             usage = None
             try:
@@ -218,7 +233,8 @@ class NodeCollector:
                     g["sm_allowance_ratio"].add_metric(lab, allowed / SHARE_FULL)
                 if usage is not None and d < len(usage.devices):
                     c["sm_yielded_seconds"].add_metric(lab, usage.devices[d]["yielded_ns"] / 1e9)
-                acc = per_dev.setdefault(d, {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
+                acc = per_dev.setdefault(str(d) if where is None else where,
+                                         {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
                 acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
                 acc["guaranteed"] += q.guaranteed_memory
                 acc["sm"] += q.sm_max
@@ -236,7 +252,7 @@ class NodeCollector:
                 prev = self._prev.get((name, d))
                 if q.sm_max < SHARE_FULL and prev and prev[2] == q.sm_max and now > prev[0]:
                     used = max(0, k["gpu_time_ns"] - prev[1]) / ((now - prev[0]) * 1e9)
-                elif ok and usage is not None:
+                elif ok and usage is not None and record is None:   # (none per process on a MIG device)
                     if hosts is None:
                         from .status import host_pids
                         hosts = list(host_pids(usage).values())
@@ -256,10 +272,10 @@ class NodeCollector:
             ("containers", "Containers holding the device."),
         )}
         for d, acc in sorted(per_dev.items()):
-            dev["memory_quota_bytes"].add_metric([str(d)], acc["quota"])
-            dev["memory_guaranteed_bytes"].add_metric([str(d)], acc["guaranteed"])
-            dev["sm_quota_ratio"].add_metric([str(d)], acc["sm"] / SHARE_FULL)
-            dev["containers"].add_metric([str(d)], acc["containers"])
+            dev["memory_quota_bytes"].add_metric([d], acc["quota"])
+            dev["memory_guaranteed_bytes"].add_metric([d], acc["guaranteed"])
+            dev["sm_quota_ratio"].add_metric([d], acc["sm"] / SHARE_FULL)
+            dev["containers"].add_metric([d], acc["containers"])
         out += dev.values()
         up = GaugeMetricFamily("vgpu_nvml_up", "1 when NVML answered this scrape.")
         up.add_metric([], 1 if ok else 0)

@@ -24,6 +24,13 @@ How a process is attributed (the first that applies; see docs/node-agent.md):
 Two slices claiming a process is "ambiguous": reported with both, never acted on.  A pid
 the agent cannot read is "unknown": reported, never acted on.  Nothing the usage file says
 about its processes is taken as proof: its slots only help find them.
+
+Where (Place): NVML lists processes per GPU, and on a GPU in MIG mode per MIG device, from
+each MIG device's own handle (the GPU's own list is only an aggregate, and there is no
+per-process utilization in MIG mode).  A software slice's quota device N is GPU N (CUDA's
+ordinals follow NVML's in a container `env` made); a MIG slice's device 0 is its MIG
+device, found by the UUID in its record (slices.MIG).  A process of a slice on a device
+the slice does not hold is judged against a cap of 0 there.
 """
 import collections
 import fcntl
@@ -35,6 +42,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from . import nvml, procfs, slices
 from ._region import ffi, lib
@@ -51,6 +59,8 @@ RECHECK_S = 10.0                # a process found in no slice is looked at again
 ORPHAN_S = 2.0                  # temporary slices' owners are checked this often
 SLACK_S = 0.005
 SWEEP_LOOKS = 30                # and every slice once in 30 looks (a net under the inotify events)
+MIG_RESCAN_S = 30.0             # a MIG-mode GPU's MIG devices are listed again this often
+MIG_FORCED_S = 2.0              # ... and out of turn (a new instance, one gone) at most this often
 
 
 # === settings ===
@@ -279,19 +289,57 @@ class Attribution:
         return out
 
 
+# === where NVML lists a process ===
+
+class Place(NamedTuple):
+    """A device NVML lists processes on: a whole GPU (its NVML index), or a MIG device on a
+    GPU in MIG mode (its UUID, GPU instance and compute instance IDs).  `label` is how the
+    agent names it in status, JSON and metrics: "1" for GPU 1, "1/mig-2-0" for compute
+    instance 0 of GPU instance 2 on GPU 1 (the GI and CI columns of nvidia-smi)."""
+    gpu: int
+    mig: str = None
+    gi: int = None
+    ci: int = None
+
+    @property
+    def label(self) -> str:
+        return str(self.gpu) if self.mig is None else f"{self.gpu}/mig-{self.gi}-{self.ci}"
+
+    @property
+    def device(self):
+        """As a process row's `device`: the GPU's index (an int) or the MIG label."""
+        return self.gpu if self.mig is None else self.label
+
+
+def record_place(record, listed=None) -> Place:
+    """A MIG slice's instance (its quota's device 0): as NVML lists it now (`listed`:
+    {MIG UUID: Place}; by UUID only: a GPU instance ID is reused by the next instance made
+    at that placement), else as its record says (then NVML does not list it)."""
+    record = record or {}
+    uuid = record.get("uuid")
+    if listed and uuid in listed:
+        return listed[uuid]
+    try:
+        gpu = int(record.get("device"))
+    except (TypeError, ValueError):
+        gpu = -1
+    return Place(gpu, str(uuid or "MIG-?"), record.get("gpu_instance"), record.get("compute_instance"))
+
+
 # === the snapshot ===
 
 @dataclass
 class ProcRow:
     host_pid: int
-    device: int
+    device: object           # Place.device: the GPU's index, or the MIG device's label
     driver: int              # bytes NVML says it holds there (None: not said)
-    util: int                # SM percent NVML gives it over the last second
+    util: int                # SM percent NVML gives it over the last second (None: it cannot say, MIG)
     attribution: Attribution
     slot: int = None         # its slot in the slice's usage file, when one is its own
     charge: int = None       # what that slot charges on the device
     comm: str = None
     context: bool = False    # a context and nothing charged yet (Settings.context_allowance)
+    place: Place = None
 
     @property
     def gap(self):
@@ -300,30 +348,34 @@ class ProcRow:
         return 0 if self.context else self.driver - (self.charge or 0)
 
     def to_json(self):
-        return {"host_pid": self.host_pid, "device": self.device, "memory_driver": self.driver,
-                "sm_util": self.util * 100 if self.util is not None else None, "slot": self.slot,
-                "memory_charged": self.charge, "context_only": self.context, "comm": self.comm,
-                **self.attribution.to_json()}
+        out = {"host_pid": self.host_pid, "device": self.device, "memory_driver": self.driver,
+               "sm_util": self.util * 100 if self.util is not None else None, "slot": self.slot,
+               "memory_charged": self.charge, "context_only": self.context, "comm": self.comm,
+               **self.attribution.to_json()}
+        if self.place is not None and self.place.mig is not None:
+            out["mig_uuid"] = self.place.mig
+        return out
 
 
 class SliceDevice:
     """One slice on one device: the shim's figure (memory.current, the sum of the slots'
     charges), the driver's (the sum of its processes' memory; None: unknown), the cap."""
     __slots__ = ("name", "device", "memory_max", "memory_current", "driver", "sm_max", "sm_nvml", "gpu_time_ns",
-                 "settings", "processes", "shared", "context")
+                 "settings", "processes", "shared", "context", "place")
 
     def __init__(self, name, device, memory_max, memory_current, driver, sm_max, sm_nvml, gpu_time_ns, settings,
-                 shared=False):
+                 shared=False, place=None):
         self.name, self.device, self.memory_max, self.memory_current = name, device, memory_max, memory_current
         self.driver, self.sm_max, self.sm_nvml, self.gpu_time_ns = driver, sm_max, sm_nvml, gpu_time_ns
         self.settings = settings
         self.processes = []
         self.shared = shared     # may be kept for the next look while the slice stays idle: never changed
         self.context = 0         # the driver's figure of its processes that have only a context yet
+        self.place = place       # where NVML lists the device (a MIG slice's device 0: its MIG device)
 
     def copy(self):
         return SliceDevice(self.name, self.device, self.memory_max, self.memory_current, self.driver, self.sm_max,
-                           self.sm_nvml, self.gpu_time_ns, self.settings)
+                           self.sm_nvml, self.gpu_time_ns, self.settings, place=self.place)
 
     @property
     def tolerance(self):
@@ -333,7 +385,9 @@ class SliceDevice:
         return {"container": self.name, "device": self.device, "memory_max": None if self.memory_max == UNLIMITED
                 else self.memory_max, "memory_current": self.memory_current, "memory_driver": self.driver,
                 "tolerance": self.tolerance, "sm_max": self.sm_max, "sm_nvml": self.sm_nvml,
-                "processes": [p.host_pid for p in self.processes]}
+                "processes": [p.host_pid for p in self.processes],
+                "nvml_device": self.place.label if self.place is not None else None,
+                "mig_uuid": self.place.mig if self.place is not None else None}
 
 
 @dataclass
@@ -341,13 +395,15 @@ class Snapshot:
     t: float
     nvml_ok: bool
     nvml_note: str
-    device_errors: dict                   # device -> why NVML could not say
-    slices: dict                          # (name, device) -> SliceDevice
+    device_errors: dict                   # Place.device -> why NVML could not say
+    slices: dict                          # (name, quota device) -> SliceDevice (a place the slice was not
+                                          # given: (name, GPU index) for a software slice, else (name, label))
     processes: list                       # ProcRow of every process NVML lists, every device
     slots: dict                           # name -> [Slot]
     problems: dict                        # name -> why its files cannot be read
     dead: list = field(default_factory=list)   # slices with a slot whose process is gone
     active: dict = field(default_factory=dict)  # the SliceDevices with processes on the GPU
+    places: list = field(default_factory=list)  # the devices NVML answered for (GPUs, MIG devices)
 
     def unsliced(self):
         return [p for p in self.processes if p.attribution.state in ("unsliced", "ambiguous")]
@@ -435,7 +491,7 @@ class _SliceFiles:
     """A slice's files as the observer keeps them: the usage descriptor (the reader's),
     the usage and identity files' inodes."""
     __slots__ = ("view", "usage_inode", "identity_inode", "checked", "reader", "devices", "want_full", "same",
-                 "index", "keys", "rw", "pod_uid", "gen")
+                 "index", "keys", "rw", "pod_uid", "gen", "places", "by_place", "dir_mtime")
     made = 0
 
     def __init__(self, view, directory):
@@ -449,6 +505,8 @@ class _SliceFiles:
         self.rw = None           # a read-write descriptor for reaping, opened when first needed
         _SliceFiles.made += 1
         self.index = _SliceFiles.made   # spreads the sweeps of idle slices over the looks
+        self.places = self.by_place = None   # {quota device: Place} and back, as of the last look at it
+        self.dir_mtime = None
         self.usage_inode = None
         if view._ufd is not None:
             st = os.fstat(view._ufd)
@@ -508,6 +566,12 @@ class Observer:
         self._attr_cache = (None, {})
         self._groups_cache = None
         self._buckets = [set() for _ in range(SWEEP_LOOKS)]
+        # where NVML lists processes: whole GPUs, and the MIG devices of GPUs in MIG mode
+        self._gpu_places = {}     # NVML index -> Place
+        self._no_mig = set()      # GPUs without MIG (NOT_SUPPORTED): never asked again
+        self._migs = {}           # GPU in MIG mode -> (when listed, [nvml.MigDevice])
+        self._mig_forced = {}     # GPU -> when its MIG devices were last listed out of turn
+        self.mig_places = {}      # MIG UUID -> Place, of every MIG device listed
         self.poller = select.poll()   # every tracked process's pidfd: readable once it ended
         self._by_fd = {}
         self.inotify = _inotify()
@@ -597,6 +661,108 @@ class Observer:
             t.identity = ident
         return t.usage
 
+    # --- the driver ---
+
+    def _driver(self, now):
+        """(ok, note, {Place: {host pid: bytes}}, {Place: {host pid: SM percent}}, {Place: why})
+        from one look at NVML.  A GPU in MIG mode has no processes of its own: they are on
+        its MIG devices, each read through its own handle; per-process utilization is not
+        there (NOT_SUPPORTED on a MIG-enabled GPU), so its places have none."""
+        ok, note = (self.nvml.available() if self.use_nvml else (False, "NVML not used"))
+        per_place, util, errors = {}, {}, {}
+        if not ok:
+            return ok, note, per_place, util, errors
+        try:
+            count = self.nvml.device_count()
+        except Exception as e:   # a driver going away
+            return False, str(e), per_place, util, errors
+        mig_enabled = getattr(self.nvml, "mig_enabled", None)
+        for d in range(count):
+            whole = self._gpu_places.get(d)
+            if whole is None:
+                whole = self._gpu_places[d] = Place(d)
+            on = None
+            if mig_enabled is not None and d not in self._no_mig:
+                try:
+                    on = mig_enabled(d)
+                except Exception:    # its mode unknown this once: as it was at the last look
+                    on = d in self._migs
+                if on is None:
+                    self._no_mig.add(d)
+            if not on:
+                if d in self._migs:
+                    self._forget_migs(d)
+                try:
+                    per_place[whole] = self.nvml.running_processes(d)
+                except Exception as e:
+                    errors[whole] = str(e)
+                    continue
+                try:
+                    util[whole] = self.nvml.process_utilization(d)
+                except Exception:
+                    util[whole] = {}
+                continue
+            self._mig_view(d, now, per_place, errors)
+        return ok, note, per_place, util, errors
+
+    def _mig_view(self, d, now, per_place, errors):
+        """The processes of GPU d's MIG devices (listed again when one stops answering, when
+        the GPU's own aggregate list names a process none of them has -- an instance made
+        since -- and every MIG_RESCAN_S)."""
+        listed = self._migs.get(d)
+        if listed is None or now - listed[0] >= MIG_RESCAN_S:
+            listed = self._list_migs(d, now, errors)
+        for attempt in (0, 1):
+            found, failed = {}, False
+            for m in listed[1]:
+                p = self.mig_places[m.uuid]
+                try:
+                    found[p] = self.nvml.mig_processes(m)
+                    errors.pop(p, None)
+                except Exception as e:
+                    errors[p] = str(e)
+                    failed = True
+            try:             # (the aggregate needs privileges: without them, only the rescans)
+                everyone = self.nvml.running_processes(d)
+            except Exception:
+                everyone = {}
+            missing = set(everyone).difference(*found.values()) if everyone else ()
+            if attempt == 0 and (failed or missing) and now - self._mig_forced.get(d, -1e9) >= MIG_FORCED_S:
+                self._mig_forced[d] = now
+                for p in [p for p in errors if p.gpu == d and p.mig is not None]:
+                    del errors[p]
+                listed = self._list_migs(d, now, errors)
+                continue
+            break
+        per_place.update(found)
+
+    def _list_migs(self, d, now, errors):
+        try:
+            devices = self.nvml.mig_devices(d)
+        except Exception as e:
+            errors[self._gpu_places[d]] = str(e)
+            devices = []
+        for m in (self._migs.get(d) or (0, []))[1]:
+            self.mig_places.pop(m.uuid, None)
+        for m in devices:
+            self.mig_places[m.uuid] = Place(d, m.uuid, m.gpu_instance, m.compute_instance)
+        self._migs[d] = (now, devices)
+        return self._migs[d]
+
+    def _forget_migs(self, d):
+        for m in self._migs.pop(d, (0, []))[1]:
+            self.mig_places.pop(m.uuid, None)
+
+    def places_of(self, view) -> dict:
+        """{quota device: Place} of a slice: a software slice's device d is GPU d (CUDA's
+        ordinals follow NVML's: `env` sets CUDA_DEVICE_ORDER=PCI_BUS_ID and gives every
+        GPU); a MIG slice's device 0 is its MIG device, wherever NVML lists it."""
+        record = view.mig
+        if record is not None:
+            return {0: record_place(record, self.mig_places)}
+        gp = self._gpu_places
+        return {d: gp.get(d) or Place(d) for d, _ in view.held}
+
     # --- one look ---
 
     def observe(self, now=None) -> Snapshot:
@@ -610,23 +776,7 @@ class Observer:
         files, files_gone = self.files, self._table_keys
 
         # the driver's view first: which slices have processes on the GPU
-        ok, note = (self.nvml.available() if self.use_nvml else (False, "NVML not used"))
-        per_device, util, errors = {}, {}, {}
-        if ok:
-            try:
-                count = self.nvml.device_count()
-            except Exception as e:   # a driver going away
-                ok, note, count = False, str(e), 0
-            for d in range(count):
-                try:
-                    per_device[d] = self.nvml.running_processes(d)
-                except Exception as e:
-                    errors[d] = str(e)
-                    continue
-                try:
-                    util[d] = self.nvml.process_utilization(d)
-                except Exception:
-                    util[d] = {}
+        ok, note, per_device, util, errors = self._driver(now)
 
         # the slices' own figures: quota, usage file, a row per device.  Every slice when the
         # node changed; else those with processes on the GPU (by their maps, now or at the
@@ -732,13 +882,17 @@ class Observer:
                         unwatched = True
             (self._attention.add if unwatched else self._attention.discard)(name)
             standalone = ok and len(held) == slices.MAX_DEVICES
+            places = f.places = self.places_of(v)
+            f.by_place = {p: d for d, p in places.items()}
             mine = {}
             for d, q in held:
-                if standalone and d not in per_device:
+                place = places.get(d)
+                if standalone and place not in per_device and place not in errors:
                     continue     # a standalone quota holds every index: the devices that exist
-                known = 0 if ok and d not in errors else None
-                mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max, known,
-                                              counters.get(d, (0, 0))[0], st, shared=True)
+                known = 0 if ok and place in per_device else None
+                mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max,
+                                              0 if ok and place in util else None, counters.get(d, (0, 0))[0], st,
+                                              shared=True, place=place)
             for key in old_keys[0]:
                 if key not in mine:
                     ptable.pop(key, None)
@@ -808,21 +962,29 @@ class Observer:
         self._attr_cache = (key, attribution)
 
         # the driver's figures per slice and device
-        rows = []
-        for d, procs in sorted(per_device.items()):
-            u = util.get(d, {})
+        rows, active = [], {}
+        for place, procs in per_device.items():
+            u = util.get(place)      # None: NVML cannot say (a MIG device)
+            pd = place.device
             for pid, used in sorted(procs.items()):
                 a = attribution[pid]
                 t = tracked.get(pid)
-                row = ProcRow(pid, d, used, u.get(pid, 0), a, comm=t.comm if t and t.visible else None)
+                row = ProcRow(pid, pd, used, None if u is None else u.get(pid, 0), a,
+                              comm=t.comm if t and t.visible else None, place=place)
                 rows.append(row)
                 if a.state != "sliced":
                     continue
+                f = files.get(a.slice)
+                d = f.by_place.get(place) if f is not None and f.by_place is not None else None
+                if d is None:        # a place the slice was not given: a GPU its quota denies, another MIG device
+                    d = place.gpu if place.mig is None and (f is None or f.view.mig is None) else place.label
                 sd = table.get((a.slice, d))
                 if sd is None:       # a process of a slice on a device the slice was not given
-                    sd = table[(a.slice, d)] = SliceDevice(a.slice, d, 0, 0, 0, 0, 0, 0, st)
+                    sd = table[(a.slice, d)] = SliceDevice(a.slice, d, 0, 0, 0, 0, None if u is None else 0, 0, st,
+                                                           place=place)
                 elif sd.shared:      # kept from an earlier look for an idle slice: this one has processes
                     sd = table[(a.slice, d)] = sd.copy()
+                active[(a.slice, d)] = sd
                 if t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
@@ -837,13 +999,13 @@ class Observer:
                 sd.processes.append(row)
                 if sd.driver is not None:
                     sd.driver = None if used is None else sd.driver + used
-                if sd.sm_nvml is not None:
+                if sd.sm_nvml is not None and row.util is not None:
                     sd.sm_nvml += row.util * 100
         self._active = {r.attribution.slice for r in rows if r.attribution.slice}
-        snap = Snapshot(now, ok, note, errors, table, rows, slots, problems)
+        snap = Snapshot(now, ok, note, {p.device: why for p, why in errors.items()}, table, rows, slots, problems)
         snap.dead = dead
-        snap.active = {(r.attribution.slice, r.device): table[(r.attribution.slice, r.device)] for r in rows
-                       if r.attribution.state == "sliced"}
+        snap.places = list(per_device)
+        snap.active = active
         return snap
 
     def _groups(self, by_identity):
@@ -934,6 +1096,15 @@ def _utc(t=None):
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
+def _where(x) -> dict:
+    """Where NVML lists a SliceDevice's or ProcRow's device: nvml_device (its label) and,
+    on a MIG device, mig_uuid."""
+    p = x.place
+    if p is None:
+        return {}
+    return {"nvml_device": p.label} if p.mig is None else {"nvml_device": p.label, "mig_uuid": p.mig}
+
+
 class Judge:
     """Conditions seen in snapshots become violations when they last: memory and
     unsliced ones for the grace period, compute ones on average over the window."""
@@ -964,7 +1135,7 @@ class Judge:
                     if gap > tol:
                         detail = {"memory_driver": sd.driver, "memory_current": sd.memory_current,
                                   "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
-                                  "tolerance": tol, "gap": gap}
+                                  "tolerance": tol, "gap": gap, **_where(sd)}
                         offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
                                      p.gap is not None and p.gap > threshold]
                         out[("gap", key)] = (sd.name, sd.device, detail, offenders)
@@ -991,7 +1162,8 @@ class Judge:
                     busy = [p for p in sd.processes if p.util and p.attribution.certain]
                     unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
                     out[("compute", key)] = (sd.name, sd.device, {"sm_max": sd.sm_max, "sm_nvml": round(nv),
-                                                                  "sm_charged": round(ch), "window_s": st.window},
+                                                                  "sm_charged": round(ch), "window_s": st.window,
+                                                                  **_where(sd)},
                                              [(p.host_pid, p) for p in unpaced])
         for key in [k for k in compute if k not in snap.active]:
             del compute[key]
@@ -1000,7 +1172,7 @@ class Judge:
                 if p.attribution.state == "unsliced":
                     key = ("", p.host_pid, p.device)
                     out[("unsliced", key)] = ("", p.device, {"host_pid": p.host_pid, "memory_driver": p.driver,
-                                                             "comm": p.comm}, [(p.host_pid, p)])
+                                                             "comm": p.comm, **_where(p)}, [(p.host_pid, p)])
         return out
 
     def next_due(self):
@@ -1520,6 +1692,7 @@ def annotate(data: dict, use_nvml=True):
         for cd in c["devices"]:
             sd = snap.slices.get((c["name"], cd["index"]))
             cd["memory_driver"] = sd.driver if sd is not None else None
+            cd["nvml_device"] = sd.place.label if sd is not None and sd.place is not None else None
             cd["driver_processes"] = [p.host_pid for p in sd.processes] if sd is not None else []
             if sd is not None:
                 c["driver_only"] += [p.to_json() | {"command": procfs.cmdline(p.host_pid) or p.comm}

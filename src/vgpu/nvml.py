@@ -5,6 +5,7 @@ no NVML library, no driver, or a call a device does not support gives a note or 
 never a traceback; callers decide what they can do without it.  On simgpu (LD_LIBRARY_PATH
 at simgpu's libraries) the same calls answer from the simulated node.
 """
+import struct
 import threading
 import time
 
@@ -108,19 +109,53 @@ def memory_total(index: int) -> int:
 
 def process_utilization(index: int, window_s: float = 1.0) -> dict:
     """{host pid: SM percent} over about the last `window_s`; {} when nothing ran or the
-    device cannot say."""
+    device cannot say (a MIG-enabled GPU: NOT_SUPPORTED, as nvml.h says)."""
     n = _nvml()
     try:
         h = n.nvmlDeviceGetHandleByIndex(index)
         since = int((time.time() - window_s) * 1e6)
-        samples = n.nvmlDeviceGetProcessUtilization(h, since)
+        samples = _samples(n, h, since)
     except Exception:   # NOT_FOUND (nothing ran), NOT_SUPPORTED, ...
         return {}
     util = {}
-    for s in samples:   # several samples per process: the latest one counts
-        if s.pid not in util or s.timeStamp >= util[s.pid][0]:
-            util[s.pid] = (s.timeStamp, s.smUtil)
+    for pid, stamp, sm in samples:   # several samples per process: the latest one counts
+        if pid not in util or stamp >= util[pid][0]:
+            util[pid] = (stamp, sm)
     return {pid: v for pid, (_, v) in util.items()}
+
+
+# nvmlProcessUtilizationSample_t: pid, timeStamp, smUtil, memUtil, encUtil, decUtil
+_SAMPLE = struct.Struct("<I4xQII8x")
+# nvmlProcessInfo_v2_t (the _v2 and _v3 calls'): pid, usedGpuMemory, gpuInstanceId, computeInstanceId
+_PROC = struct.Struct("<I4xQII")
+_FIRST = 64              # entries asked for in the first call: one call, not two, in the common case
+_fns = {}
+
+
+def _fn(n, name):
+    f = _fns.get(name)
+    if f is None:
+        f = _fns[name] = n._nvmlGetFunctionPointer(name)
+    return f
+
+
+def _samples(n, handle, since) -> list:
+    """[(pid, timeStamp, smUtil)] from nvmlDeviceGetProcessUtilization, in one call where
+    the array is large enough (pynvml's wrapper always makes two and builds objects)."""
+    import ctypes
+    assert ctypes.sizeof(n.c_nvmlProcessUtilizationSample_t) == _SAMPLE.size
+    fn = _fn(n, "nvmlDeviceGetProcessUtilization")
+    size = _FIRST
+    for _ in range(4):   # processes may start between two calls
+        array = (n.c_nvmlProcessUtilizationSample_t * size)()
+        count = ctypes.c_uint(size)
+        ret = fn(handle, array, ctypes.byref(count), ctypes.c_ulonglong(since))
+        if ret == n.NVML_SUCCESS:
+            return [s[:3] for s in _SAMPLE.iter_unpack(memoryview(array).cast("B")[:count.value * _SAMPLE.size])]
+        if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise n.NVMLError(ret)
+        size = count.value * 2 + 8
+    raise n.NVMLError(ret)
 
 
 class DeviceError(Exception):
@@ -154,24 +189,103 @@ def running_processes(index: int) -> dict:
 
 def _processes(n, name, handle) -> list:
     """[(pid, bytes or None)] from one of the *RunningProcesses_v3 calls, read straight
-    from pynvml's ctypes array (the node agent asks every second: no per-entry objects)."""
+    from the ctypes array (the node agent asks every second: no per-entry objects), in
+    one call where the array is large enough."""
+    return [(pid, used) for pid, used, _, _ in _process_infos(n, name, handle)]
+
+
+def _process_infos(n, name, handle) -> list:
+    """[(pid, bytes or None, GPU instance ID, compute instance ID)] (the IDs: NOT_AVAILABLE
+    but on a MIG-enabled GPU)."""
     import ctypes
-    fn = n._nvmlGetFunctionPointer(name)
-    count = ctypes.c_uint(0)
-    ret = fn(handle, ctypes.byref(count), None)
-    if ret == n.NVML_SUCCESS:
-        return []
-    for _ in range(3):       # processes may start between the two calls
-        if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
-            raise n.NVMLError(ret)
-        count.value = count.value * 2 + 5
-        array = (n.c_nvmlProcessInfo_v3_t * count.value)()
+    assert ctypes.sizeof(n.c_nvmlProcessInfo_v3_t) == _PROC.size
+    fn = _fn(n, name)
+    na = n.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+    size = _FIRST
+    for _ in range(4):       # processes may start between two calls
+        array = (n.c_nvmlProcessInfo_v3_t * size)()
+        count = ctypes.c_uint(size)
         ret = fn(handle, ctypes.byref(count), array)
         if ret == n.NVML_SUCCESS:
-            na = n.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
-            return [(array[i].pid, None if array[i].usedGpuMemory == na else array[i].usedGpuMemory)
-                    for i in range(count.value)]
+            return [(pid, None if used == na else used, gi, ci) for pid, used, gi, ci in
+                    _PROC.iter_unpack(memoryview(array).cast("B")[:count.value * _PROC.size])]
+        if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise n.NVMLError(ret)
+        size = count.value * 2 + 8
     raise n.NVMLError(ret)
+
+
+# === MIG devices ===
+# On a GPU in MIG mode the processes are on its MIG devices (a GPU instance's compute
+# instance each).  nvml.h: the GPU's own handle gives aggregate information (only to a
+# caller with the privilege), a MIG device's handle that instance's processes; per-process
+# utilization is NOT_SUPPORTED on a MIG-enabled GPU.
+
+class MigDevice:
+    """One MIG device as NVML lists it under its GPU: UUID, GPU and compute instance IDs,
+    and its handle (which "may be reused": valid until the instance is destroyed)."""
+    __slots__ = ("gpu", "uuid", "gpu_instance", "compute_instance", "name", "handle")
+
+    def __init__(self, gpu, uuid, gpu_instance, compute_instance, name, handle):
+        self.gpu, self.uuid, self.gpu_instance, self.compute_instance = gpu, uuid, gpu_instance, compute_instance
+        self.name, self.handle = name, handle
+
+
+def mig_enabled(index: int):
+    """True or False: device `index`'s current MIG mode; None for a GPU without MIG
+    (NOT_SUPPORTED).  Raises DeviceError when the device does not answer."""
+    n = _nvml()
+    try:
+        return bool(n.nvmlDeviceGetMigMode(n.nvmlDeviceGetHandleByIndex(index))[0])
+    except n.NVMLError as e:
+        if getattr(e, "value", None) == n.NVML_ERROR_NOT_SUPPORTED:
+            return None
+        raise DeviceError(f"device {index}: {_describe(e)}") from None
+
+
+def mig_devices(index: int) -> list:
+    """[MigDevice] of device `index` (a GPU in MIG mode): its MIG device handles by index up
+    to nvmlDeviceGetMaxMigDeviceCount (NOT_FOUND: an empty index).  Walking them can be
+    slow on a loaded driver (NVIDIA's DRA driver measured seconds): callers keep the answer."""
+    n = _nvml()
+    try:
+        h = n.nvmlDeviceGetHandleByIndex(index)
+        count = n.nvmlDeviceGetMaxMigDeviceCount(h)
+    except Exception as e:
+        raise DeviceError(f"device {index}: {_describe(e)}") from None
+    out = []
+    for i in range(count):
+        try:
+            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+        except n.NVMLError:
+            continue         # nothing at that index
+        try:
+            out.append(MigDevice(index, _text(n.nvmlDeviceGetUUID(m)), n.nvmlDeviceGetGpuInstanceId(m),
+                                 n.nvmlDeviceGetComputeInstanceId(m), _text(_call(n.nvmlDeviceGetName, m, default="?")),
+                                 m))
+        except n.NVMLError:
+            continue         # destroyed while we looked
+    return out
+
+
+def mig_processes(device: MigDevice) -> dict:
+    """{host pid: bytes or None} of the processes on one MIG device, from its own handle
+    (compute and graphics; simgpu has no graphics clients).  Raises DeviceError when the
+    handle no longer answers (the instance destroyed)."""
+    n = _nvml()
+    try:
+        procs = _processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", device.handle)
+    except Exception as e:
+        raise DeviceError(f"MIG device {device.uuid}: {_describe(e)}") from None
+    try:
+        procs += _processes(n, "nvmlDeviceGetGraphicsRunningProcesses_v3", device.handle)
+    except Exception:
+        pass
+    out = {}
+    for pid, used in procs:
+        seen = out.get(pid)
+        out[pid] = used if pid not in out else seen if used is None else used if seen is None else max(used, seen)
+    return out
 
 
 def driver_version():

@@ -264,6 +264,7 @@ class Item(NamedTuple):
     device: int
     track: Track
     bounds: Bounds
+    pool: object = None      # what its capacity is shared in (default: the device); a MIG slice's: its instance
 
 
 @dataclass(frozen=True)
@@ -326,12 +327,14 @@ def plan(items, capacity, allocated, policy: Policy, now) -> list:
     """Decisions for every (device, resource): `items` the managed tracks (Item);
     `capacity[(device, resource)]` what the device has (None: unknown, so nothing grows);
     `allocated[(device, resource)]` the sum of the quotas of every slice on the device,
-    managed or not.  Returns the changes and the holds that wanted a change."""
+    managed or not (an item's `pool`, where it has one, stands for its device in both: a
+    MIG slice's device 0 is its instance).  Returns the changes and the holds that wanted
+    a change."""
     groups = {}
     for it in items:
-        groups.setdefault((it.device, it.track.resource), []).append(it)
+        groups.setdefault((it.device if it.pool is None else it.pool, it.track.resource), []).append(it)
     out = []
-    for (d, r), group in sorted(groups.items()):
+    for (d, r), group in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         wants = [(it, decide(it.track, it.bounds, policy, now)) for it in group]
         total = allocated.get((d, r), 0)
         grows = []

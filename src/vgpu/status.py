@@ -187,11 +187,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
     from . import node   # the driver's view: who holds what, slices or not, and the agent's verdicts
-    data = node.annotate(data, use_nvml=ok)
-    for c in data["containers"]:   # a MIG slice's driver figure: what its instance holds
-        if "mig" in c and c["mig"]["present"]:
-            for cd in c["devices"]:
-                cd["memory_driver"] = c["mig"]["memory_used"]
+    data = node.annotate(data, use_nvml=ok)   # (a MIG slice's driver figure: its processes on its MIG device)
     return data
 
 
@@ -330,7 +326,8 @@ def render(data: dict, wide=True) -> str:
         cmd = p.get("command") or p.get("comm") or "?"
         if p["state"] == "ambiguous":
             cmd = f"{cmd} (claimed by {', '.join(p.get('candidates', []))})"
-        prow.append([what, "-", p["host_pid"], mem + (f" on {p['device']}" if len(data["devices"]) > 1 else ""),
+        on = len(data["devices"]) > 1 or isinstance(p["device"], str)    # (a MIG device: "0/mig-2-0")
+        prow.append([what, "-", p["host_pid"], mem + (f" on {p['device']}" if on else ""),
                      _percent(p["sm_util"]), cmd if len(cmd) <= 60 else cmd[:57] + "..."])
     if prow and wide:
         out.append("")

@@ -11,7 +11,8 @@ shim in front of simgpu, or simgpu alone) and takes one JSON command per line on
                                    variables (which stand in for the GPU, not for vgpu) and
                                    relay its lines; prints {"child": pid} first
   {"mmap": [PATH...]}              map these files read-only (and keep them mapped); prints 0
-At start it prints {"pid": its pid, "host_pid": its pid in the /proc it sees}.
+At start it prints {"pid": its pid, "host_pid": its pid in the /proc it sees}.  It works on
+CUDA device TENANT_DEVICE (default 0).
 """
 import ctypes
 import json
@@ -33,7 +34,7 @@ def check(rc, what):
 
 check(cuda.cuInit(0), "cuInit")
 dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+check(cuda.cuDeviceGet(ctypes.byref(dev), int(os.environ.get("TENANT_DEVICE", "0"))), "cuDeviceGet")
 check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
 check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
