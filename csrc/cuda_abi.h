@@ -40,6 +40,7 @@ enum {
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_MAP_FAILED = 205,
     CUDA_ERROR_FILE_NOT_FOUND = 301,
     CUDA_ERROR_OPERATING_SYSTEM = 304,
     CUDA_ERROR_INVALID_HANDLE = 400,
@@ -151,6 +152,20 @@ typedef struct {
     CUmemLocation location;
     int flags;                  /* CUmemAccess_flags */
 } CUmemAccessDesc;
+
+/* === memory shared between processes === */
+#define CU_IPC_HANDLE_SIZE 64
+typedef struct CUipcMemHandle_st {
+    char reserved[CU_IPC_HANDLE_SIZE];
+} CUipcMemHandle;
+enum { CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1 };
+typedef enum {
+    CU_MEM_HANDLE_TYPE_NONE = 0,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+    CU_MEM_HANDLE_TYPE_WIN32 = 2,
+    CU_MEM_HANDLE_TYPE_WIN32_KMT = 4,
+    CU_MEM_HANDLE_TYPE_FABRIC = 8,
+} CUmemAllocationHandleType;
 
 /* === memory locations, allocation types, pools, graph memory (values as in cuda.h) === */
 enum {

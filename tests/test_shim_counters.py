@@ -34,8 +34,10 @@ def test_a_short_lived_process_has_every_launch_counted(tmp_path, c_program, lau
 
 
 def test_a_forked_child_and_its_parent_are_each_counted_once(tmp_path, c_program):
-    """101 launches before the fork (batched, not yet flushed), 50 in the child: 151,
-    not 252 (the child counting its parent's batch again) nor 101 or 50."""
+    """101 launches before the fork (batched, not yet flushed), 50 tried in the child (which
+    the driver refuses: CUDA is not usable in a child forked after cuInit; the shim counts
+    the launches it was asked for): 151, not 252 (the child counting its parent's batch
+    again) nor 101 or 50."""
     d = run_counted(tmp_path, c_program, 101, 50)
     assert d.launches == 151
 

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -1959,100 +1960,310 @@ print(json.dumps([ok(cu.cuDeviceGetCount()), ok(cu.cuDeviceGetName(32, 0)).split
     assert r == [1, "NVIDIA A10"]
 
 
-# === fork ===
+# === fork: the driver is not usable in the child, and the child holds what its parent held ===
 
-FORK = PRELUDE + """
-import pynvml as n
-exit_how = sys.argv[1]
-MiB = 1 << 20
-context()
-total = int(ok(cu.cuMemGetInfo())[1])
-inherited = ok(cu.cuMemAlloc(256 * MiB))
+REFEREE = """
+import json, pynvml as n
 n.nvmlInit()
 h = n.nvmlDeviceGetHandleByIndex(0)
+print(json.dumps([n.nvmlDeviceGetMemoryInfo(h).used,
+                  sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h)
+                         if p.usedGpuMemory)]))
+"""
 
-def processes():
-    return sorted([p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h))
 
+def referee(env):
+    """What the device holds, seen by NVML from a process of its own: [used, [[pid, bytes]]]."""
+    return json.loads(run_python(REFEREE, env).stdout.strip().splitlines()[-1])
+
+
+def shm_files(env):
+    return sorted(p.name for p in Path(env["SIMGPU_STATE_DIR"]).iterdir() if p.name.startswith("shm-"))
+
+
+def wait_gone(pid, timeout=10.0):
+    """Until `pid` has exited (gone, or a zombie: its descriptors are closed either way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{pid} is still running")
+
+
+class Stepper:
+    """A child that prints one JSON line per step and waits for a line from the test."""
+
+    def __init__(self, code, env, args=(), **popen):
+        self.proc = subprocess.Popen([sys.executable, "-c", PRELUDE + STEP + code, *map(str, args)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, **popen)
+        self.pid = self.proc.pid
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            raise AssertionError(f"{self.pid} ended:\n{self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def go(self):
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return self
+
+    def end(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            pipe.close()
+
+
+STEP = """
+MiB = 1 << 20
+
+def step(obj):
+    print(json.dumps(obj), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def steppers():
+    started = []
+
+    def start(code, env, args=(), **popen):
+        s = Stepper(code, env, args, **popen)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.end()
+
+
+FORKED = """
+release = sys.argv[1]
+context()
+held = ok(cu.cuMemAlloc(256 * MiB))
 r, w = os.pipe()
 child = os.fork()
 if child == 0:
     os.close(r)
-    report = {}
-    try:
-        ok(cu.cuInit(0))
-        ctx = ok(cu.cuCtxCreate(None, 0, ok(cu.cuDeviceGet(0))))
-        own = ok(cu.cuMemAlloc(128 * MiB))
-        ok(cu.cuMemcpyHtoD(own, b"child", 5))
-        back = bytearray(5)
-        ok(cu.cuMemcpyDtoH(back, own, 5))
-        report = {"pid": os.getpid(), "processes": processes(), "free": free_bytes(),
-                  "data": back.decode()}
-        if exit_how == "free inherited":
-            report["free_inherited"] = rc(cu.cuMemFree(inherited))
-            report["processes_after"] = processes()
-    finally:
-        os.write(w, json.dumps(report).encode())
-        os.close(w)
-        if exit_how == "exit":
-            sys.exit(0)
-        os._exit(0)
+    calls = [rc(cu.cuInit(0)), rc(cu.cuDeviceGetCount()), rc(cu.cuCtxGetCurrent()), rc(cu.cuMemAlloc(MiB)),
+             rc(cu.cuMemFree(held)), rc(cu.cuMemGetInfo())]
+    os.write(w, json.dumps(calls).encode())
+    os.close(w)
+    while not os.path.exists(release):   # a DataLoader worker outliving its parent
+        time.sleep(0.02)
+    os._exit(0)
 os.close(w)
-report = json.loads(os.fdopen(r).read())
-os.waitpid(child, 0)
-print(json.dumps({"parent": os.getpid(), "total": total, "child": report,
-                  "after_exit": [processes(), free_bytes()]}))
+calls = json.loads(os.fdopen(r).read())
+step({"parent": os.getpid(), "child": child, "child_calls": calls})
 """
 
 
-@pytest.mark.parametrize("exit_how", ["exit", "_exit"])
-def test_forked_child_gets_its_own_slot_and_its_memory_returns_when_it_exits(sim_env, exit_how):
-    r = cuda(FORK, sim_env, args=(exit_how,))
-    parent, total, child = r["parent"], r["total"], r["child"]
-    assert child["processes"] == sorted([[parent, 256 * MiB], [child["pid"], 128 * MiB]])
-    assert child["free"] == total - 384 * MiB
-    assert child["data"] == "child"
-    assert r["after_exit"] == [[[parent, 256 * MiB]], total - 256 * MiB]
-
-
-def test_forked_child_freeing_an_inherited_pointer_keeps_its_own_memory_counted(sim_env):
-    r = cuda(FORK, sim_env, args=("free inherited",))
+@pytest.mark.parametrize("parent_ends", ["exit", "kill -9"])
+def test_a_forked_child_cannot_use_cuda_and_holds_its_parents_memory_until_it_exits(sim_env, steppers,
+                                                                                      tmp_path, parent_ends):
+    release = tmp_path / "release"
+    p = steppers(FORKED, sim_env, args=(release,))
+    r = p.read()
     parent, child = r["parent"], r["child"]
-    assert [parent, 256 * MiB] in child["processes_after"]
-    assert [child["pid"], 128 * MiB] in child["processes_after"]
+    assert r["child_calls"] == [NOT_INITIALIZED] * 6   # forked after cuInit: CUDA_ERROR_NOT_INITIALIZED
+    assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
+
+    if parent_ends == "exit":
+        p.proc.stdin.close()
+        assert p.proc.wait(timeout=30) == 0
+    else:
+        p.proc.kill()
+        p.proc.wait()
+    # the parent is gone; its memory is not: the child holds it, listed under the parent's pid
+    assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
+
+    release.touch()
+    wait_gone(child)
+    assert referee(sim_env) == [0, []]
 
 
-def test_forked_child_destroying_inherited_arrays_and_vmm_handles_keeps_its_own_memory_counted(
-        sim_env):
-    r = cuda(VMM + """
-import pynvml as n
-MiB = 1 << 20
-d = cu.CUDA_ARRAY_DESCRIPTOR()
-d.Width, d.Height, d.Format, d.NumChannels = 4096, 4096, cu.CUarray_format.CU_AD_FORMAT_FLOAT, 1
-array = ok(cu.cuArrayCreate(d))                  # 64 MiB
-handle = ok(cu.cuMemCreate(32 * MiB, prop, 0))
-n.nvmlInit()
-h = n.nvmlDeviceGetHandleByIndex(0)
+def test_a_child_forked_before_cuInit_is_a_process_like_any_other(sim_env):
+    r = cuda("""
 r, w = os.pipe()
 child = os.fork()
 if child == 0:
-    report = {}
-    try:
-        own = ok(cu.cuMemAlloc(128 * MiB))
-        cu.cuArrayDestroy(array)
-        cu.cuMemRelease(handle)
-        report = {"pid": os.getpid(), "processes": sorted(
-            [p.pid, p.usedGpuMemory] for p in n.nvmlDeviceGetComputeRunningProcesses(h))}
-    finally:
-        os.write(w, json.dumps(report).encode())
-        os._exit(0)
+    context()
+    p = ok(cu.cuMemAlloc(1 << 20))
+    os.write(w, json.dumps([rc(cu.cuMemFree(p))]).encode())
+    os._exit(0)
 os.close(w)
-report = json.loads(os.fdopen(r).read())
+got = json.loads(os.fdopen(r).read())
 os.waitpid(child, 0)
-print(json.dumps([os.getpid(), report]))
+print(json.dumps(got))
 """, sim_env)
-    parent, child = r
-    assert child["processes"] == sorted([[parent, 96 * MiB], [child["pid"], 128 * MiB]])
+    assert r == [SUCCESS]
+
+
+# === memory shared between processes: IPC handles ===
+
+IPC_EXPORTER = """
+context()
+p = ok(cu.cuMemAlloc(64 * MiB))
+ok(cu.cuMemcpyHtoD(dptr(p, 1000), b"ping", 4))
+h, again = ok(cu.cuIpcGetMemHandle(p)), ok(cu.cuIpcGetMemHandle(p))
+raw = ctypes.string_at(h.getPtr(), 64)
+capable = ok(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p))
+step({"pid": os.getpid(), "handle": raw.hex(), "same_handle": raw == ctypes.string_at(again.getPtr(), 64),
+      "own_open": rc(cu.cuIpcOpenMemHandle(h, 1)), "capable": int(capable)})
+back = bytearray(4)
+ok(cu.cuMemcpyDtoH(back, dptr(p, 2000), 4))
+ok(cu.cuMemFree(p))
+step({"read": back.decode()})
+"""
+
+IPC_IMPORTER = """
+context()
+h = cu.CUipcMemHandle()
+ctypes.memmove(h.getPtr(), bytes.fromhex(sys.argv[1]), 64)
+p, p2 = ok(cu.cuIpcOpenMemHandle(h, 1)), ok(cu.cuIpcOpenMemHandle(h, 1))
+got = bytearray(4)
+ok(cu.cuMemcpyDtoH(got, dptr(p, 1000), 4))
+ok(cu.cuMemcpyHtoD(dptr(p, 2000), b"pong", 4))
+step({"pid": os.getpid(), "read": got.decode(), "same_pointer": int(p) == int(p2)})
+closes = [rc(cu.cuIpcCloseMemHandle(p))]
+step({"closes": closes})
+closes += [rc(cu.cuIpcCloseMemHandle(p2)), rc(cu.cuIpcCloseMemHandle(p2))]
+step({"closes": closes, "reopened": rc(cu.cuIpcOpenMemHandle(h, 1))})
+"""
+
+
+@pytest.mark.parametrize("exporter_ends", ["free", "kill -9"])
+def test_ipc_memory_stays_on_the_device_until_its_last_holder_lets_go(sim_env, steppers, exporter_ends):
+    e = steppers(IPC_EXPORTER, sim_env)
+    er = e.read()
+    assert (er["same_handle"], er["own_open"], er["capable"]) == (True, INVALID_CONTEXT, 1)
+    i = steppers(IPC_IMPORTER, sim_env, args=(er["handle"],))
+    ir = i.read()
+    assert (ir["read"], ir["same_pointer"]) == ("ping", True)
+    assert referee(sim_env) == [64 * MiB, [[e.pid, 64 * MiB]]]   # once, to the process that allocated it
+
+    if exporter_ends == "free":
+        assert e.go().read() == {"read": "pong"}   # the importer's write, seen by the exporter
+    else:
+        e.proc.kill()
+        e.proc.wait()
+    assert referee(sim_env) == [64 * MiB, [[e.pid, 64 * MiB]]]   # the importer keeps it alive
+
+    assert i.go().read() == {"closes": [SUCCESS]}   # opened twice: still mapped
+    assert referee(sim_env) == [64 * MiB, [[e.pid, 64 * MiB]]]
+    assert i.go().read() == {"closes": [SUCCESS, SUCCESS, INVALID_VALUE], "reopened": INVALID_HANDLE}
+    assert referee(sim_env) == [0, []]
+    assert shm_files(sim_env) == []
+
+
+def test_ipc_handles_follow_the_documented_rules(sim_env):
+    r = cuda("""
+context()
+p = ok(cu.cuMemAlloc(4 << 20))
+managed = ok(cu.cuMemAllocManaged(4 << 20, 1))
+pooled = ok(cu.cuMemAllocAsync(4 << 20, 0))
+out = [rc(cu.cuIpcGetMemHandle(cu.CUdeviceptr(int(p) + 4096))),   # not the base of an allocation
+       rc(cu.cuIpcGetMemHandle(managed)), rc(cu.cuIpcGetMemHandle(pooled))]
+h = ok(cu.cuIpcGetMemHandle(p))
+out.append(rc(cu.cuIpcOpenMemHandle(h, 2)))                        # flags: CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+out.append(rc(cu.cuIpcOpenMemHandle(cu.CUipcMemHandle(), 1)))      # not a handle
+out.append(rc(cu.cuIpcCloseMemHandle(p)))                          # not an opened handle
+ok(cu.cuMemFree(p))
+print(json.dumps(out))
+""", sim_env)
+    assert r == [INVALID_VALUE, INVALID_VALUE, INVALID_VALUE, INVALID_VALUE, INVALID_HANDLE, INVALID_VALUE]
+
+
+# === memory shared between processes: shareable VMM handles ===
+
+SHAREABLE = VMM + """
+import socket
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+prop.requestedHandleTypes = POSIX_FD
+size = 32 << 20
+"""
+
+VMM_EXPORTER = SHAREABLE + """
+sock = socket.socket(fileno=int(sys.argv[1]))
+h = ok(cu.cuMemCreate(size, prop, 0))
+va = mapped(h, size)
+ok(cu.cuMemcpyHtoD(dptr(va, 100), b"vmm!", 4))
+fd = ok(cu.cuMemExportToShareableHandle(h, POSIX_FD, 0))
+socket.send_fds(sock, [b"x"], [fd])
+os.close(fd)
+step({"pid": os.getpid()})
+ok(cu.cuMemUnmap(va, size))
+ok(cu.cuMemRelease(h))
+step({})
+"""
+
+VMM_IMPORTER = SHAREABLE + """
+sock = socket.socket(fileno=int(sys.argv[1]))
+_, fds, _, _ = socket.recv_fds(sock, 1, 1)
+h = ok(cu.cuMemImportFromShareableHandle(fds[0], POSIX_FD))
+os.close(fds[0])
+va = mapped(h, size)
+got = bytearray(4)
+ok(cu.cuMemcpyDtoH(got, dptr(va, 100), 4))
+step({"read": got.decode()})
+h2 = ok(cu.cuMemRetainAllocationHandle(va))
+ok(cu.cuMemRelease(h))
+step({"retained_same": int(h2) == int(h)})
+ok(cu.cuMemUnmap(va, size))
+step({})
+ok(cu.cuMemRelease(h2))
+step({})
+"""
+
+
+def test_shareable_vmm_memory_stays_while_any_handle_or_mapping_holds_it(sim_env, steppers):
+    import socket
+    a, b = socket.socketpair()
+    with a, b:
+        e = steppers(VMM_EXPORTER, sim_env, args=(a.fileno(),), pass_fds=(a.fileno(),))
+        i = steppers(VMM_IMPORTER, sim_env, args=(b.fileno(),), pass_fds=(b.fileno(),))
+        pid = e.read()["pid"]
+        assert i.read() == {"read": "vmm!"}
+    assert referee(sim_env) == [32 * MiB, [[pid, 32 * MiB]]]
+    assert e.go().read() == {}   # the exporter released and unmapped it
+    assert referee(sim_env) == [32 * MiB, [[pid, 32 * MiB]]]
+    assert i.go().read() == {"retained_same": True}   # the import released; retained and mapped
+    assert referee(sim_env) == [32 * MiB, [[pid, 32 * MiB]]]
+    assert i.go().read() == {}   # unmapped; the retained reference holds it
+    assert referee(sim_env) == [32 * MiB, [[pid, 32 * MiB]]]
+    i.go().read()                # the retained reference released: the last holder
+    assert referee(sim_env) == [0, []]
+    assert shm_files(sim_env) == []
+
+
+def test_an_open_shareable_handle_alone_keeps_the_memory(sim_env):
+    r = cuda(SHAREABLE.replace("import socket", "") + """
+f0 = free_bytes()
+h = ok(cu.cuMemCreate(size, prop, 0))
+fd = ok(cu.cuMemExportToShareableHandle(h, POSIX_FD, 0))
+ok(cu.cuMemRelease(h))
+held = f0 - free_bytes()
+os.close(fd)
+gone = f0 - free_bytes()
+plain = cu.CUmemAllocationProp()
+plain.type, plain.location.type, plain.location.id = prop.type, prop.location.type, 0
+h = ok(cu.cuMemCreate(size, plain, 0))
+not_shareable = rc(cu.cuMemExportToShareableHandle(h, POSIX_FD, 0))
+fabric = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+plain.requestedHandleTypes = fabric
+print(json.dumps([held, gone, not_shareable, rc(cu.cuMemCreate(size, plain, 0)),
+                  rc(cu.cuMemExportToShareableHandle(h, fabric, 0))]))
+""", sim_env)
+    assert r == [32 * MiB, 0, INVALID_VALUE, NOT_SUPPORTED, NOT_SUPPORTED]
 
 
 # === the ABI simgpu writes itself (csrc/cuda_abi.h) against NVIDIA's cuda.h ===

@@ -37,6 +37,8 @@
 #define simgpu_forget_context simgpu_view_forget_context
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,13 +168,15 @@ struct vgpu_graph_exec {
     unsigned long long flags;
 };
 
-struct vgpu_vmm {               /* a cuMemCreate allocation */
+struct vgpu_vmm {               /* a cuMemCreate allocation, or one imported from a shareable handle */
     struct hdr h;
     int dev;
-    int fd;                     /* memfd: every mapping of the handle shares its pages */
+    int fd;                     /* memfd, or a shared object's file: every mapping shares its pages */
     uint64_t size;
-    int released;
+    int refs;                   /* cuMemCreate / import, cuMemRetainAllocationHandle: each needs a cuMemRelease */
     int mappings;
+    int handle_types;           /* requestedHandleTypes */
+    int shared;                 /* index + 1 of its shared object (node.h); 0: none */
 };
 
 _Static_assert(sizeof(struct vgpu_ctx) <= ARENA_SLOT, "arena slot");
@@ -272,9 +276,22 @@ static void forget_contexts(void);
 static void atfork_child(void);
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
-/* As with the real driver, a forked child owns none of its parent's device memory. */
+/* fork.  The driver cannot be used in a child forked after the parent initialised it:
+ * cuInit, and every call that needs it, return CUDA_ERROR_NOT_INITIALIZED there (what a
+ * real driver returns: triton-lang/triton#10443, "A process that was fork()ed after its
+ * parent already initialized CUDA gets CUDA_ERROR_NOT_INITIALIZED (rc=3) from cuInit ...
+ * cuDeviceGetCount would itself return rc=3"; the CUDA runtime's "initialization error").
+ * The child owns none of the parent's handles, but it holds the parent's device memory
+ * until it exits, as the driver's descriptors it inherited do (node.c, fork).  A child
+ * forked before cuInit is a new process like any other. */
+static int forked_after_init;
+
 static void atfork_child(void)
 {
+    if (__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) {
+        forked_after_init = 1;
+        __atomic_store_n(&initialized, 0, __ATOMIC_RELEASE);
+    }
     forget_allocations();
     forget_contexts();
 }
@@ -332,6 +349,8 @@ SIMGPU_EXPORT CUresult cuInit(unsigned int flags)
 {
     if (flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
+    if (forked_after_init)
+        return CUDA_ERROR_NOT_INITIALIZED;   /* forked after the parent initialised CUDA */
     if (simgpu_attach())
         return CUDA_ERROR_NO_DEVICE;   /* simgpu printed why (profile, state dir) */
     if (simgpu_view_init())
@@ -432,7 +451,7 @@ SIMGPU_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevic
 
 /* Limits are the simulated board's (node.c says where each comes from; texture and
  * surface limits are those of compute capability 8.x and 9.0 in the CUDA C++ Programming
- * Guide).  Capabilities are what simgpu implements: a feature it does not simulate (IPC,
+ * Guide).  Capabilities are what simgpu implements: a feature it does not simulate (IPC events,
  * stream memory operations, peer access, multicast, ...) reads 0, so a program that asks
  * does not go on to use it. */
 SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
@@ -528,7 +547,7 @@ SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     case 97: v = p->smem_per_block_optin; break;   /* MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
     case 99: v = 0; break;                         /* HOST_REGISTER_SUPPORTED: not simulated */
     case 102: v = 1; break;                        /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
-    case 103: v = 0; break;                        /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: no IPC */
+    case 103: v = 1; break;                        /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
     case 106: v = p->blocks_per_sm; break;         /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     case 108: v = p->l2_bytes / 4 * 3; break;      /* MAX_PERSISTING_L2_CACHE_SIZE: 3/4 of L2 (model) */
     case 109: v = 134213632; break;                /* MAX_ACCESS_POLICY_WINDOW_SIZE */
@@ -699,8 +718,8 @@ static struct vgpu_ctx *ctx_new(int dev, unsigned flags, int is_primary)
     return c;
 }
 
-/* In a forked child: the parent's contexts are not the child's.  Their handles stay (the
- * child may go on using them, as simgpu lets it) but are inactive until used. */
+/* In a forked child: the parent's contexts are not the child's (it cannot use the driver,
+ * see atfork_child). */
 static void forget_contexts(void)
 {
     pthread_mutex_init(&ctx_lock, NULL);
@@ -972,7 +991,7 @@ SIMGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value)
  * Sorted by address, so device pointers inside an allocation are recognised (copies
  * check them; frees find their size).  Reserved VMM ranges are entries too. */
 
-enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED, A_GRAPH };
+enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED, A_GRAPH, A_IPC };   /* A_IPC: an opened IPC handle */
 
 struct alloc {
     uint64_t base, size;
@@ -982,6 +1001,9 @@ struct alloc {
     struct vgpu_mempool *pool;   /* stream-ordered allocations: the pool it came from */
     struct vgpu_ctx *ctx;        /* the context it goes with (NULL: none, e.g. pools) */
     struct graph_mem *graph_mem; /* A_GRAPH: the allocation node's record */
+    int shared;                  /* index + 1 of its shared object (an IPC export or import); 0: none */
+    uint64_t shared_id;
+    int opens;                   /* A_IPC: cuIpcOpenMemHandle calls not yet closed */
 };
 
 static pthread_mutex_t alloc_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -1071,7 +1093,7 @@ static CUresult dev_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_ctx *ctx
     if (simgpu_mem_reserve(dev, footprint))
         return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = map_lazy(size);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL, ctx, NULL})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, dev, kind, footprint, NULL, ctx, NULL, 0, 0, 0})) {
         if (p)
             munmap(p, size);
         simgpu_mem_release(dev, footprint);
@@ -1087,7 +1109,9 @@ static void pool_give_back(struct vgpu_mempool *p, uint64_t footprint);
 static void alloc_drop(const struct alloc *a)
 {
     munmap((void *)(uintptr_t)a->base, a->size);
-    if (a->pool)
+    if (a->shared)
+        simgpu_shared_drop(a->shared - 1);   /* the device's memory goes with its last holder */
+    else if (a->pool)
         pool_give_back(a->pool, a->footprint);
     else if (a->footprint)
         simgpu_mem_release(a->dev, a->footprint);
@@ -1105,7 +1129,7 @@ static void array_release(void *p)
 /* Everything a context allocated (not pool allocations, which belong to their pool). */
 static void free_allocations_of(struct vgpu_ctx *ctx)
 {
-    const unsigned kinds = (1u << A_DEVICE) | (1u << A_MANAGED) | (1u << A_HOST);
+    const unsigned kinds = (1u << A_DEVICE) | (1u << A_MANAGED) | (1u << A_HOST) | (1u << A_IPC);
     pthread_mutex_lock(&alloc_lock);
     struct alloc *gone = malloc((nallocs ? nallocs : 1) * sizeof *gone);
     size_t ngone = 0, kept = 0;
@@ -1216,7 +1240,7 @@ SIMGPU_EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int F
     if (!pp || !bytesize)
         return CUDA_ERROR_INVALID_VALUE;
     void *p = map_lazy(bytesize);
-    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL, c, NULL})) {
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, bytesize, c->dev, A_HOST, 0, NULL, c, NULL, 0, 0, 0})) {
         if (p)
             munmap(p, bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1403,7 +1427,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t size, struct vgpu_mempool
         return r;
     void *m = map_lazy(size);
     if (!m || alloc_insert((struct alloc){(uint64_t)(uintptr_t)m, size, pool->dev, A_DEVICE, footprint,
-                                          pool, NULL, NULL})) {
+                                          pool, NULL, NULL, 0, 0, 0})) {
         if (m)
             munmap(m, size);
         pool_give_back(pool, footprint);
@@ -1624,6 +1648,8 @@ SIMGPU_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const 
     return CUDA_SUCCESS;
 }
 
+static int shared_file(uint64_t size, int *shared, int dev, uint64_t bytes, unsigned kind);
+
 SIMGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                    const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1637,13 +1663,23 @@ SIMGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t 
         return r;
     if (dev == HOST_MEMORY && prop->requestedHandleTypes)
         return CUDA_ERROR_INVALID_VALUE;   /* documented: host allocations are not IPC capable */
+    /* POSIX file descriptors only: no Win32 handles on Linux, no fabric (no IMEX channel) */
+    if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    int shareable = prop->requestedHandleTypes != 0;
+    if (shareable && simgpu_mig_enabled(simgpu_view_gpu(dev)))
+        return CUDA_ERROR_NOT_SUPPORTED;   /* not modelled: memory shared across processes on MIG */
     if (dev != HOST_MEMORY && simgpu_mem_reserve(dev, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct vgpu_vmm *v = handle_new(K_VMM);
-    int fd = v ? memfd_create("simgpu-vmm", MFD_CLOEXEC) : -1;
-    if (fd < 0 || ftruncate(fd, (off_t)size)) {
-        if (fd >= 0)
-            close(fd);
+    int fd = -1, shared = 0;
+    if (v && shareable) {
+        fd = shared_file(size, &shared, dev, size, SIMGPU_SHARED_VMM);
+    } else if (v && (fd = memfd_create("simgpu-vmm", MFD_CLOEXEC)) >= 0 && ftruncate(fd, (off_t)size)) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
         if (v)
             handle_free(v);
         simgpu_mem_release(dev, size);
@@ -1652,6 +1688,9 @@ SIMGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t 
     v->dev = dev;
     v->fd = fd;
     v->size = size;
+    v->refs = 1;
+    v->handle_types = prop->requestedHandleTypes;
+    v->shared = shared;
     *handle = (CUmemGenericAllocationHandle)(uintptr_t)v;
     return CUDA_SUCCESS;
 }
@@ -1660,22 +1699,27 @@ static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void vmm_drop_if_unused(struct vgpu_vmm *v)
 {
-    /* Like the driver: memory goes back once released and no longer mapped. */
-    if (v->released && v->mappings == 0) {
+    /* Like the driver: memory goes back once released and no longer mapped (and, when it
+     * is shared, once every other holder let go too: node.c). */
+    if (v->refs == 0 && v->mappings == 0) {
         close(v->fd);
-        simgpu_mem_release(v->dev, v->size);
+        if (v->shared)
+            simgpu_shared_drop(v->shared - 1);
+        else
+            simgpu_mem_release(v->dev, v->size);
         handle_free(v);
     }
 }
 
+/* Each reference (cuMemCreate, an import, cuMemRetainAllocationHandle) needs its release. */
 SIMGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     REQUIRE_INIT();
     struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
     pthread_mutex_lock(&vmm_lock);
     CUresult r = CUDA_ERROR_INVALID_VALUE;
-    if (handle_ok(v, K_VMM) && !v->released) {
-        v->released = 1;
+    if (handle_ok(v, K_VMM) && v->refs > 0) {
+        v->refs--;
         vmm_drop_if_unused(v);
         r = CUDA_SUCCESS;
     }
@@ -1700,7 +1744,7 @@ SIMGPU_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t
     if (aligned > p)
         munmap(p, (size_t)(aligned - p));
     munmap(aligned + size, (size_t)(p + size + align - (aligned + size)));
-    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL, NULL, NULL})) {
+    if (alloc_insert((struct alloc){(uint64_t)(uintptr_t)aligned, size, -1, A_RESERVED, 0, NULL, NULL, NULL, 0, 0, 0})) {
         munmap(aligned, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1740,7 +1784,7 @@ SIMGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                          * are not currently mapped" */
     for (size_t i = 0; i < nvmm_maps && !overlaps; i++)
         overlaps = ptr < vmm_maps[i].ptr + vmm_maps[i].size && vmm_maps[i].ptr < ptr + size;
-    if (overlaps || !handle_ok(v, K_VMM) || v->released || offset > v->size || size > v->size - offset) {
+    if (overlaps || !handle_ok(v, K_VMM) || !v->refs || offset > v->size || size > v->size - offset) {
         r = CUDA_ERROR_INVALID_VALUE;
     } else if (nvmm_maps == vmm_maps_cap &&
                !(vmm_maps = realloc(vmm_maps, (vmm_maps_cap = vmm_maps_cap ? vmm_maps_cap * 2 : 64) *
@@ -1787,6 +1831,374 @@ SIMGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     }
     pthread_mutex_unlock(&vmm_lock);
     return r;
+}
+
+
+/* === memory shared between processes: IPC handles and shareable VMM handles ===
+ * The driver API's rules, as cuda.h documents them:
+ *   cuIpcGetMemHandle: "Takes a pointer to the base of an existing device memory
+ *     allocation created with cuMemAlloc"; "may be called multiple times on an allocation
+ *     without adverse effects";
+ *   cuIpcOpenMemHandle: memory "exported from another process"; handles "may only be opened
+ *     by one CUcontext per CUdevice per other process"; opened again by the same context,
+ *     "the reference count on the handle is incremented by 1 and the existing device pointer
+ *     is returned"; Flags "Must be specified as CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS";
+ *   cuIpcCloseMemHandle: "Decrements the reference count ... When the reference count
+ *     reaches 0, this API unmaps the memory";
+ *   cuMemRelease: freed "when all outstanding mappings to the memory are unmapped and when
+ *     all outstanding references to the handle (including it's shareable counterparts) are
+ *     also released"; each import "needs to pair it with cuMemRelease";
+ *   cuMemExportToShareableHandle: "Once all shareable handles are closed and the
+ *     allocation is released, the allocated memory referenced will be released";
+ *   cuMemRetainAllocationHandle: the handle backing a mapped address, "released with
+ *     corresponding number of calls to cuMemRelease".
+ * "Calling cuMemFree on an exported memory region before calling cuIpcCloseMemHandle in the
+ * importing context will result in undefined behavior": simgpu keeps the memory (and the
+ * importer's mapping) until the last importer closes it, the case that holds the most
+ * device memory.  Observed, not documented: opening a handle in the process that exported
+ * it is CUDA_ERROR_INVALID_CONTEXT ("invalid device context", openucx/ucx#11603).  Model:
+ * a second context of one device opening a handle that process has open is
+ * CUDA_ERROR_INVALID_CONTEXT too, and a context on another device CUDA_ERROR_INVALID_VALUE
+ * (simgpu has no peer access).  Not modelled: IPC events, pool export
+ * (cuMemPoolExportPointer), fabric handles, sharing on MIG devices (NOT_SUPPORTED).
+ * The memory is a shared object of the node (node.h): a file of the state directory that
+ * every holder maps, its bytes counted once, to the process that allocated it. */
+
+struct ipc_handle {             /* what simgpu writes in CUipcMemHandle.reserved */
+    char magic[8];
+    int32_t index;              /* the shared object */
+    int32_t reserved;
+    uint64_t id;
+    uint64_t size;
+};
+_Static_assert(sizeof(struct ipc_handle) <= sizeof(CUipcMemHandle), "IPC handle");
+static const char IPC_MAGIC[8] = "simgpuIP";
+
+static int lock_file_byte(int fd, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1};
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* A backing file of `size` bytes for a new shared object that takes `bytes` of device
+ * `dev` (an ordinal) off this process's slot: the file's descriptor, *shared = index + 1;
+ * -1 when no file or object can be made (nothing changed then). */
+static int shared_file(uint64_t size, int *shared, int dev, uint64_t bytes, unsigned kind)
+{
+    static _Atomic unsigned counter;
+    char tmp[4200], path[4200];
+    simgpu_shared_path(-1, (uint64_t)getpid() << 32 | atomic_fetch_add(&counter, 1), tmp, sizeof tmp);
+    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+        return -1;
+    uint64_t id;
+    int index = -1;
+    if (ftruncate(fd, (off_t)size) ||
+        (index = simgpu_shared_new(simgpu_view_gpu(dev), bytes, size, kind, &id)) < 0) {
+        unlink(tmp);
+        close(fd);
+        return -1;
+    }
+    simgpu_shared_path(index, id, path, sizeof path);
+    if (rename(tmp, path)) {   /* (cannot fail in a directory we just wrote to, but) */
+        unlink(tmp);
+        simgpu_mem_reserve(dev, bytes);   /* back on the slot before the object goes */
+        simgpu_shared_drop(index);
+        close(fd);
+        return -1;
+    }
+    *shared = index + 1;
+    return fd;
+}
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+/* With alloc_lock held: put cuMemAlloc memory on a shared object, its contents kept (the
+ * pages it has written go to the file, untouched ones stay holes). */
+static CUresult ipc_share_locked(struct alloc *a)
+{
+    int shared;
+    int fd = shared_file(a->size, &shared, a->dev, a->footprint, SIMGPU_SHARED_IPC);
+    if (fd < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), pages = (a->size + page - 1) / page;
+    unsigned char *resident = malloc(pages ? pages : 1);
+    unsigned char *base = (unsigned char *)(uintptr_t)a->base;
+    int ok = resident && mincore(base, a->size, resident) == 0;
+    for (size_t i = 0; ok && i < pages; i++) {
+        size_t off = i * page, n = a->size - off < page ? a->size - off : page;
+        if ((resident[i] & 1) && !all_zero(base + off, n))
+            ok = pwrite(fd, base + off, n, (off_t)off) == (ssize_t)n;
+    }
+    free(resident);
+    if (!ok || mmap(base, a->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+        close(fd);
+        simgpu_mem_reserve(a->dev, a->footprint);   /* back on the slot: the allocation stays private */
+        simgpu_shared_drop(shared - 1);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    close(fd);
+    const struct simgpu_shared *sh = &simgpu_node()->shared[shared - 1];
+    a->shared = shared;
+    a->shared_id = atomic_load(&sh->id);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+    REQUIRE_CTX(c);
+    if (!pHandle)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&alloc_lock);
+    size_t i = alloc_lower_bound(dptr);
+    struct alloc *a = i < nallocs && allocs[i].base == dptr ? &allocs[i] : NULL;
+    CUresult r = CUDA_SUCCESS;
+    if (!a || a->kind != A_DEVICE || a->pool)
+        r = CUDA_ERROR_INVALID_VALUE;   /* the base of a cuMemAlloc allocation only */
+    else if (simgpu_mig_enabled(simgpu_view_gpu(a->dev)))
+        r = CUDA_ERROR_NOT_SUPPORTED;
+    else if (!a->shared)
+        r = ipc_share_locked(a);
+    if (r == CUDA_SUCCESS) {
+        struct ipc_handle h = {.index = a->shared - 1, .id = a->shared_id, .size = a->size};
+        memcpy(h.magic, IPC_MAGIC, sizeof h.magic);
+        memset(pHandle, 0, sizeof *pHandle);
+        memcpy(pHandle->reserved, &h, sizeof h);
+    }
+    pthread_mutex_unlock(&alloc_lock);
+    return r;
+}
+
+/* With alloc_lock held: this process's allocation (kinds) of shared object index/id. */
+static struct alloc *alloc_of_shared(int index, uint64_t id, unsigned kinds)
+{
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].shared == index + 1 && allocs[i].shared_id == id && (kinds & (1u << allocs[i].kind)))
+            return &allocs[i];
+    return NULL;
+}
+
+static CUresult ipc_open(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags)
+{
+    REQUIRE_CTX(c);
+    if (!pdptr || flags > CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct ipc_handle h;
+    memcpy(&h, handle.reserved, sizeof h);
+    if (memcmp(h.magic, IPC_MAGIC, sizeof h.magic) || h.index < 0 || h.index >= SIMGPU_MAX_SHARED)
+        return CUDA_ERROR_INVALID_HANDLE;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        pthread_mutex_lock(&alloc_lock);
+        CUresult r = CUDA_ERROR_NOT_FOUND;
+        struct alloc *a;
+        if (alloc_of_shared(h.index, h.id, 1u << A_DEVICE)) {
+            r = CUDA_ERROR_INVALID_CONTEXT;   /* its own export */
+        } else if ((a = alloc_of_shared(h.index, h.id, 1u << A_IPC))) {
+            if (a->ctx == c) {
+                a->opens++;
+                *pdptr = a->base;
+                r = CUDA_SUCCESS;
+            } else {
+                r = CUDA_ERROR_INVALID_CONTEXT;   /* one context per device per process */
+            }
+        }
+        pthread_mutex_unlock(&alloc_lock);
+        if (r != CUDA_ERROR_NOT_FOUND)
+            return r;
+        if (attempt)
+            break;
+        /* not open here yet: hold it, map it, and record it unless another thread did */
+        if (simgpu_shared_hold(h.index, h.id))
+            return CUDA_ERROR_INVALID_HANDLE;   /* freed: its last holder let go */
+        const struct simgpu_shared *sh = &simgpu_node()->shared[h.index];
+        char path[4200];
+        simgpu_shared_path(h.index, h.id, path, sizeof path);
+        int fd = sh->kind == SIMGPU_SHARED_IPC && sh->dev == simgpu_view_gpu(c->dev) &&
+                 !simgpu_mig_enabled(sh->dev) ? open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW) : -1;
+        void *p = fd >= 0 ? mmap(NULL, sh->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+        if (fd >= 0)
+            close(fd);
+        if (p == MAP_FAILED) {
+            int other_device = sh->kind == SIMGPU_SHARED_IPC && sh->dev != simgpu_view_gpu(c->dev);
+            simgpu_shared_drop(h.index);
+            return other_device ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_MAP_FAILED;
+        }
+        struct alloc rec = {(uint64_t)(uintptr_t)p, sh->size, c->dev, A_IPC, 0, NULL, c, NULL,
+                            h.index + 1, h.id, 1};
+        pthread_mutex_lock(&alloc_lock);
+        int raced = alloc_of_shared(h.index, h.id, 1u << A_IPC) != NULL;
+        pthread_mutex_unlock(&alloc_lock);
+        if (!raced && alloc_insert(rec) == 0) {
+            *pdptr = rec.base;
+            return CUDA_SUCCESS;
+        }
+        munmap(p, sh->size);
+        simgpu_shared_drop(h.index);
+        if (!raced)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIMGPU_EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+    return ipc_open(pdptr, handle, Flags);
+}
+
+SIMGPU_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+    return ipc_open(pdptr, handle, Flags);
+}
+
+SIMGPU_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    struct alloc a;
+    pthread_mutex_lock(&alloc_lock);
+    size_t i = alloc_lower_bound(dptr);
+    int found = i < nallocs && allocs[i].base == dptr && allocs[i].kind == A_IPC;
+    int last = found && --allocs[i].opens == 0;
+    if (last) {
+        a = allocs[i];
+        memmove(&allocs[i], &allocs[i + 1], (nallocs - i - 1) * sizeof *allocs);
+        nallocs--;
+    }
+    pthread_mutex_unlock(&alloc_lock);
+    if (last)
+        alloc_drop(&a);   /* unmapped; the memory goes if this was its last holder */
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIMGPU_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                    CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    REQUIRE_INIT();
+    struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
+    if (!shareableHandle || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&vmm_lock);
+    CUresult r = CUDA_ERROR_INVALID_VALUE;   /* not a live handle, or not made shareable as this type */
+    if (handle_ok(v, K_VMM) && v->refs && v->shared && (v->handle_types & handleType)) {
+        const struct simgpu_shared *sh = &simgpu_node()->shared[v->shared - 1];
+        char path[4200];
+        simgpu_shared_path(v->shared - 1, atomic_load(&sh->id), path, sizeof path);
+        /* a description of its own, holding the memory for as long as it (or a copy of it,
+         * in this process or another) is open */
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0 && lock_file_byte(fd, F_RDLCK) == 0) {
+            *(int *)shareableHandle = fd;
+            r = CUDA_SUCCESS;
+        } else {
+            if (fd >= 0)
+                close(fd);
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* The shared object a descriptor is a shareable handle of: its file in the state directory. */
+static int shared_of_fd(int fd, int *index, uint64_t *id)
+{
+    char link[64], path[4200], want[4200];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n <= 0)
+        return -1;
+    path[n] = 0;
+    const char *name = strrchr(path, '/');
+    unsigned long long v;
+    if (!name || sscanf(name, "/shm-%d-%16llx", index, &v) != 2 || *index < 0 || *index >= SIMGPU_MAX_SHARED)
+        return -1;
+    *id = v;
+    simgpu_shared_path(*index, *id, want, sizeof want);
+    return strcmp(want, path) ? -1 : 0;
+}
+
+SIMGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                      CUmemAllocationHandleType shHandleType)
+{
+    REQUIRE_INIT();
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    int index;
+    uint64_t id;
+    if (shared_of_fd((int)(intptr_t)osHandle, &index, &id) || simgpu_shared_hold(index, id))
+        return CUDA_ERROR_INVALID_VALUE;   /* not a shareable handle of device memory that still exists */
+    const struct simgpu_shared *sh = &simgpu_node()->shared[index];
+    int dev = -1;
+    for (int d = 0; d < ndevices() && dev < 0; d++)
+        if (simgpu_view_gpu(d) == sh->dev && !simgpu_mig_enabled(sh->dev))
+            dev = d;
+    char path[4200];
+    simgpu_shared_path(index, id, path, sizeof path);
+    struct vgpu_vmm *v = sh->kind == SIMGPU_SHARED_VMM && dev >= 0 ? handle_new(K_VMM) : NULL;
+    int fd = v ? open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW) : -1;
+    if (fd < 0) {
+        if (v)
+            handle_free(v);
+        simgpu_shared_drop(index);
+        return dev < 0 ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_OUT_OF_MEMORY;   /* a GPU this process cannot see */
+    }
+    v->dev = dev;
+    v->fd = fd;
+    v->size = sh->size;
+    v->refs = 1;
+    v->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    v->shared = index + 1;
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)v;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    REQUIRE_INIT();
+    if (!handle)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t at = (uint64_t)(uintptr_t)addr;
+    CUresult r = CUDA_ERROR_INVALID_VALUE;   /* not a mapped address */
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < nvmm_maps; i++)
+        if (at >= vmm_maps[i].ptr && at - vmm_maps[i].ptr < vmm_maps[i].size) {
+            vmm_maps[i].v->refs++;
+            *handle = (CUmemGenericAllocationHandle)(uintptr_t)vmm_maps[i].v;
+            r = CUDA_SUCCESS;
+            break;
+        }
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                              CUmemGenericAllocationHandle handle)
+{
+    REQUIRE_INIT();
+    struct vgpu_vmm *v = (struct vgpu_vmm *)(uintptr_t)handle;
+    if (!prop)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_lock);
+    int ok = handle_ok(v, K_VMM) && v->refs;
+    if (ok) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop->requestedHandleTypes = v->handle_types;
+        prop->location.type = v->dev == HOST_MEMORY ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = v->dev == HOST_MEMORY ? 0 : v->dev;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 static void close_vmm_fd(void *v) { close(((struct vgpu_vmm *)v)->fd); }
@@ -1871,7 +2283,9 @@ static CUresult pointer_attribute(const struct ptr_info *pi, CUpointer_attribute
         break;
     case CU_POINTER_ATTRIBUTE_IS_MANAGED: PUT(unsigned int, pi->known && a->kind == A_MANAGED); break;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: PUT(int, pi->known ? (a->dev >= 0 ? a->dev : 0) : -2); break;
-    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: PUT(unsigned int, 0); break;   /* no IPC in simgpu */
+    case CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:   /* cuMemAlloc memory: cuIpcGetMemHandle */
+        PUT(unsigned int, pi->known && !vmm && a->kind == A_DEVICE && !a->pool);
+        break;
     case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: PUT(CUdeviceptr, !pi->known ? 0 : vmm ? pi->map_base : a->base); break;
     case CU_POINTER_ATTRIBUTE_RANGE_SIZE: PUT(size_t, !pi->known ? 0 : vmm ? pi->map_size : a->size); break;
     case CU_POINTER_ATTRIBUTE_MAPPED: PUT(unsigned int, pi->known); break;
@@ -3516,7 +3930,7 @@ static CUresult graph_new_alloc(struct vgpu_graph *g, const CUmemPoolProps *prop
     *m = (struct graph_mem){.dptr = (uint64_t)(uintptr_t)va, .size = size,
                             .footprint = vgpu_alloc_footprint(size), .dev = dev, .refs = 1,
                             .props = *props};
-    struct alloc a = {m->dptr, size, dev, A_GRAPH, 0, NULL, NULL, m};
+    struct alloc a = {m->dptr, size, dev, A_GRAPH, 0, NULL, NULL, m, 0, 0, 0};
     if (alloc_insert(a) || graph_add_mem(g, m) != CUDA_SUCCESS) {
         struct alloc gone;
         alloc_remove(m->dptr, 1u << A_GRAPH, &gone);
@@ -4021,6 +4435,14 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuMemGetAllocationGranularity, 10020, 0, cuMemGetAllocationGranularity)  \
     X(cuMemCreate, 10020, 0, cuMemCreate)                                      \
     X(cuMemRelease, 10020, 0, cuMemRelease)                                    \
+    X(cuMemExportToShareableHandle, 10020, 0, cuMemExportToShareableHandle)    \
+    X(cuMemImportFromShareableHandle, 10020, 0, cuMemImportFromShareableHandle) \
+    X(cuMemGetAllocationPropertiesFromHandle, 10020, 0, cuMemGetAllocationPropertiesFromHandle) \
+    X(cuMemRetainAllocationHandle, 11000, 0, cuMemRetainAllocationHandle)      \
+    X(cuIpcGetMemHandle, 4010, 0, cuIpcGetMemHandle)                           \
+    X(cuIpcOpenMemHandle, 4010, 0, cuIpcOpenMemHandle)                         \
+    X(cuIpcOpenMemHandle, 11000, 0, cuIpcOpenMemHandle_v2)                     \
+    X(cuIpcCloseMemHandle, 4010, 0, cuIpcCloseMemHandle)                       \
     X(cuMemAddressReserve, 10020, 0, cuMemAddressReserve)                      \
     X(cuMemAddressFree, 10020, 0, cuMemAddressFree)                            \
     X(cuMemMap, 10020, 0, cuMemMap)                                            \

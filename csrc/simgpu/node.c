@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -96,6 +97,7 @@ static const struct simgpu_profile *find_profile(const char *id)
 /* === process-local attachment === */
 
 #define LOCK_BASE (1ll << 40)   /* slot i is owned by an OFD lock on byte LOCK_BASE + i */
+#define SHARED_LOCK_BASE (LOCK_BASE + 65536)   /* shared object i: held through byte + i */
 
 static struct {
     pthread_mutex_t lock;       /* guards attach and reaping within this process */
@@ -106,9 +108,13 @@ static struct {
     size_t map_size;
     const struct simgpu_profile *profile;
     int slot;
+    int forked;                 /* forked while holding a slot: a child may hold it too */
+    char dir[4096];             /* the state directory */
+    pthread_mutex_t shared_lock;   /* holds[] and every lock on a shared object's byte */
+    int holds[SIMGPU_MAX_SHARED];  /* this process's holds of each shared object */
     char error[512];
     int log;                    /* 0 unknown, 1 on, -1 off (SIMGPU_LOG) */
-} g = {.lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1, .slot = -1};
+} g = {.lock = PTHREAD_MUTEX_INITIALIZER, .fd = -1, .slot = -1, .shared_lock = PTHREAD_MUTEX_INITIALIZER};
 
 void simgpu_log(const char *fmt, ...)
 {
@@ -225,6 +231,7 @@ static int attach_locked(void)
                     "directory)", dir, strerror(errno));
     if ((size_t)snprintf(g.path, sizeof g.path, "%s/node", dir) >= sizeof g.path)
         return fail("state directory path too long: %s", dir);
+    snprintf(g.dir, sizeof g.dir, "%s", dir);
     int fd = open(g.path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
     if (fd < 0)
         return fail("cannot open %s: %s (set SIMGPU_STATE_DIR to a writable directory)", g.path,
@@ -281,16 +288,30 @@ static int attach_locked(void)
     return 0;
 }
 
+/* fork: what a process holds on the device lives as long as its descriptors.  A real
+ * driver's device memory belongs to the process's open descriptors of the device files,
+ * and a forked child inherits them: the memory stays held until every process holding
+ * them is gone, as with DataLoader workers that outlive their parent (NVIDIA/Megatron-LM
+ * #3684: "GPU memory remains non-zero in nvidia-smi, because the dataloader workers" keep
+ * /dev/nvidia* open; nvidia-smi then shows the memory under the dead parent's pid).  Here
+ * the parent's slot (its memory, its context) and its holds of shared objects are OFD
+ * locks of the parent's description of the node file: the child keeps that description
+ * open (unused; close-on-exec like the driver's) and takes a fresh one for itself. */
+static void atfork_parent(void)
+{
+    if (g.slot >= 0)
+        g.forked = 1;   /* a child may hold our slot now: no clearing it at exit */
+}
+
 static void atfork_child(void)
 {
-    /* The child shares the parent's open file description, and with it the parent's
-     * slot lock: it takes a fresh description and claims its own slot when it needs one. */
     pthread_mutex_init(&g.lock, NULL);
-    if (g.fd >= 0) {
-        close(g.fd);
-        g.fd = open(g.path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    }
+    pthread_mutex_init(&g.shared_lock, NULL);
+    if (g.fd >= 0)
+        g.fd = open(g.path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);   /* the inherited one stays open */
     g.slot = -1;
+    g.forked = 0;
+    memset(g.holds, 0, sizeof g.holds);
 }
 
 int simgpu_attach(void)
@@ -302,7 +323,7 @@ int simgpu_attach(void)
     if (g.attached == 0) {
         rc = attach_locked();
         if (rc == 0)
-            pthread_atfork(NULL, NULL, atfork_child);
+            pthread_atfork(NULL, atfork_parent, atfork_child);
         __atomic_store_n(&g.attached, rc == 0 ? 1 : -1, __ATOMIC_RELEASE);
     } else if (g.attached < 0) {
         rc = -1;
@@ -405,15 +426,18 @@ void simgpu_forget_context(int dev)
         atomic_fetch_and(&g.node->procs[g.slot].context_devices, ~(1u << dev));
 }
 
-/* At exit (or unload) our memory goes back at once; a crash leaves it to simgpu_reap_dead. */
+/* At exit (or unload) our memory goes back at once; a crash leaves it to simgpu_reap_dead,
+ * and so does the exit of a process that forked (a child may still hold it: the lock says). */
 __attribute__((destructor)) static void release_slot(void)
 {
-    if (g.slot < 0 || !g.node)
+    if (g.slot < 0 || !g.node || g.forked)
         return;
     clear_slot(&g.node->procs[g.slot]);
     slot_lock(g.slot, F_UNLCK);
     g.slot = -1;
 }
+
+static void shared_try_free(int i);
 
 void simgpu_reap_dead(void)
 {
@@ -431,6 +455,152 @@ void simgpu_reap_dead(void)
         }
     }
     pthread_mutex_unlock(&g.lock);
+    pthread_mutex_lock(&g.shared_lock);
+    for (int i = 0; i < SIMGPU_MAX_SHARED; i++)
+        if (!g.holds[i] && atomic_load(&g.node->shared[i].id))
+            shared_try_free(i);
+    pthread_mutex_unlock(&g.shared_lock);
+}
+
+/* === shared memory (struct simgpu_shared) ===
+ * As the driver API documents it: cuMemRelease — "The memory allocation will be freed when
+ * all outstanding mappings to the memory are unmapped and when all outstanding references
+ * to the handle (including it's shareable counterparts) are also released";
+ * cuMemExportToShareableHandle — "Once all shareable handles are closed and the allocation
+ * is released, the allocated memory referenced will be released back to the OS";
+ * cuIpcCloseMemHandle unmaps the importer's mapping when its reference count reaches 0.
+ * An object is freed by whoever finds it held by no process (its byte's lock free) and by
+ * no exported descriptor (its file's lock free): the last holder as it lets go, or the
+ * reaper after the last holder died.
+ * NVML charges the object to the process that allocated it, for as long as it exists, even
+ * after that process freed it or died while another keeps it alive.  What a real driver
+ * reports for memory an importer keeps alive is not documented; this is what it is seen to
+ * do for memory a forked child keeps alive (the memory stays under the dead parent's pid),
+ * applied to both. */
+
+static int lock_byte(int fd, off_t at, short type)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = at, .l_len = 1};
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+void simgpu_shared_path(int index, uint64_t id, char *out, size_t len)
+{
+    snprintf(out, len, "%s/shm-%d-%016llx", g.dir, index, (unsigned long long)id);
+}
+
+/* With the object's byte locked for writing (no process holds it): free it, unless an
+ * exported descriptor still holds its file.  0: freed (or was free), -1: still held. */
+static int shared_free_locked(int i)
+{
+    struct simgpu_shared *s = &g.node->shared[i];
+    uint64_t id = atomic_load(&s->id);
+    if (!id)
+        return 0;
+    char path[4200];
+    simgpu_shared_path(i, id, path, sizeof path);
+    int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd >= 0 && lock_byte(fd, 0, F_WRLCK)) {
+        close(fd);
+        return -1;   /* a shareable handle of it is still open somewhere */
+    }
+    simgpu_log("freeing shared object %d (%llu bytes)", i, (unsigned long long)atomic_load(&s->bytes));
+    unlink(path);
+    atomic_store(&s->bytes, 0);
+    atomic_store(&s->id, 0);
+    if (fd >= 0)
+        close(fd);
+    return 0;
+}
+
+/* With g.shared_lock held and no hold of ours on object i. */
+static void shared_try_free(int i)
+{
+    if (lock_byte(g.fd, SHARED_LOCK_BASE + i, F_WRLCK))
+        return;   /* a holder is alive */
+    shared_free_locked(i);
+    lock_byte(g.fd, SHARED_LOCK_BASE + i, F_UNLCK);
+}
+
+static uint64_t new_id(void)
+{
+    uint64_t id = 0;
+    if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id)
+        id = simgpu_now_ns() ^ (uint64_t)getpid() << 40;
+    return id | 1;
+}
+
+int simgpu_shared_new(int gpu, uint64_t bytes, uint64_t size, unsigned kind, uint64_t *id)
+{
+    int slot = simgpu_my_slot();
+    if (slot < 0)
+        return -1;
+    int found = -1;
+    pthread_mutex_lock(&g.shared_lock);
+    for (int i = 0; i < SIMGPU_MAX_SHARED && found < 0; i++) {
+        if (g.holds[i] || lock_byte(g.fd, SHARED_LOCK_BASE + i, F_WRLCK))
+            continue;   /* held */
+        if (shared_free_locked(i)) {   /* what a dead holder left, unless a descriptor holds it */
+            lock_byte(g.fd, SHARED_LOCK_BASE + i, F_UNLCK);
+            continue;
+        }
+        struct simgpu_shared *s = &g.node->shared[i];
+        s->size = size;
+        s->dev = gpu;
+        s->kind = kind;
+        s->owner_pid = nvml_pid();
+        s->owner_slot = slot;
+        memcpy(s->comm, g.node->procs[slot].comm, sizeof s->comm);
+        atomic_store(&s->bytes, bytes);   /* counted here first, then taken off the slot */
+        *id = new_id();
+        atomic_store(&s->id, *id);
+        lock_byte(g.fd, SHARED_LOCK_BASE + i, F_RDLCK);   /* converted at once: held from now on */
+        g.holds[i] = 1;
+        found = i;
+    }
+    pthread_mutex_unlock(&g.shared_lock);
+    if (found >= 0)
+        simgpu_mem_release(gpu, bytes);
+    return found;
+}
+
+int simgpu_shared_hold(int i, uint64_t id)
+{
+    if (i < 0 || i >= SIMGPU_MAX_SHARED || !id || simgpu_attach())
+        return -1;
+    struct simgpu_shared *s = &g.node->shared[i];
+    int ok = 0;
+    pthread_mutex_lock(&g.shared_lock);
+    if (g.holds[i]) {
+        ok = atomic_load(&s->id) == id;
+    } else {
+        /* a write lock is someone making or freeing it: wait to see which */
+        for (int t = 0; t < 500 && atomic_load(&s->id) == id; t++) {
+            if (lock_byte(g.fd, SHARED_LOCK_BASE + i, F_RDLCK) == 0) {
+                ok = atomic_load(&s->id) == id && atomic_load(&s->bytes);
+                if (!ok)
+                    lock_byte(g.fd, SHARED_LOCK_BASE + i, F_UNLCK);
+                break;
+            }
+            usleep(1000);
+        }
+    }
+    if (ok)
+        g.holds[i]++;
+    pthread_mutex_unlock(&g.shared_lock);
+    return ok ? 0 : -1;
+}
+
+void simgpu_shared_drop(int i)
+{
+    if (i < 0 || i >= SIMGPU_MAX_SHARED)
+        return;
+    pthread_mutex_lock(&g.shared_lock);
+    if (g.holds[i] > 0 && --g.holds[i] == 0) {
+        lock_byte(g.fd, SHARED_LOCK_BASE + i, F_UNLCK);
+        shared_try_free(i);
+    }
+    pthread_mutex_unlock(&g.shared_lock);
 }
 
 /* === memory === */
@@ -447,6 +617,9 @@ uint64_t simgpu_mem_used(int dev)
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++)
         if (atomic_load(&g.node->procs[i].pid))
             used += atomic_load(&g.node->procs[i].mem[dev]);
+    for (int i = 0; i < SIMGPU_MAX_SHARED; i++)
+        if (atomic_load(&g.node->shared[i].id) && g.node->shared[i].dev == dev)
+            used += atomic_load(&g.node->shared[i].bytes);
     return used;
 }
 

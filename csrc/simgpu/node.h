@@ -17,12 +17,13 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 2u                    /* 2: MIG state (mig.h) */
+#define SIMGPU_VERSION 3u                    /* 2: MIG state (mig.h); 3: shared memory */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
 #define SIMGPU_DEFAULT_KERNEL_US 5           /* kernels not named sim_<N>us */
 #define SIMGPU_QUEUE_DEPTH 1024              /* launches pending per stream before blocking */
+#define SIMGPU_MAX_SHARED 256                /* memory objects more than one process can hold */
 
 #include "simgpu/mig.h"                    /* MIG instances, kept in the node too */
 
@@ -60,6 +61,28 @@ struct simgpu_proc {
     struct simgpu_mig_proc mig;                /* what it holds in MIG instances */
 };
 
+/* Device memory more than one process can hold: an allocation exported with
+ * cuIpcGetMemHandle, or a cuMemCreate handle made shareable (a POSIX file descriptor).  Its
+ * bytes are counted here, not in a process slot, for as long as anything holds it, and
+ * NVML charges them to owner_pid, the process that allocated it (node.c says why).  Holders
+ * own it through OFD read locks on byte SHARED_LOCK_BASE + index of the node file: the
+ * allocating process while it holds its allocation, each importer while it has it open or
+ * mapped (the kernel drops a dead holder's).  An exported file descriptor holds it through
+ * a read lock on the backing file itself, <state dir>/shm-<index>-<id>, wherever that
+ * descriptor went.  Whoever finds no holder left frees it. */
+struct simgpu_shared {
+    _Atomic uint64_t id;                       /* 0: free; unique, names the backing file */
+    _Atomic uint64_t bytes;                    /* device memory it holds */
+    uint64_t size;                             /* what a mapping of it covers */
+    int32_t dev;                               /* the node's GPU */
+    int32_t owner_pid;                         /* as NVML reports the process that allocated it */
+    int32_t owner_slot;                        /* that process's slot when it made it */
+    uint32_t kind;                             /* SIMGPU_SHARED_* */
+    char comm[32];
+};
+#define SIMGPU_SHARED_IPC 1                    /* cuMemAlloc memory exported with cuIpcGetMemHandle */
+#define SIMGPU_SHARED_VMM 2                    /* a cuMemCreate handle with a POSIX fd handle type */
+
 struct simgpu_interval {
     uint64_t start_ns, end_ns;                 /* CLOCK_MONOTONIC */
     int32_t pid;
@@ -82,6 +105,7 @@ struct simgpu_node {
     struct simgpu_proc procs[SIMGPU_MAX_PROCS];
     struct simgpu_device devices[SIMGPU_MAX_DEVICES];
     struct simgpu_mig_gpu mig[SIMGPU_MAX_DEVICES];
+    struct simgpu_shared shared[SIMGPU_MAX_SHARED];
     /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
 };
 
@@ -104,6 +128,15 @@ void simgpu_reap_dead(void);
 /* Is the process in `slot` alive (its lock is held by someone else)? */
 int simgpu_slot_alive(int slot);
 
+/* Shared memory (struct simgpu_shared).  new: an object of `bytes` on node GPU `gpu`,
+ * held by this process, its bytes moved out of this process's slot (which holds them
+ * already); returns its index (id filled), or -1 when the table is full.  hold: hold
+ * object `index` again (an importer), 0, or -1 when it is no longer there.  drop: let go of
+ * one hold; the last hold of the last holder frees it.  path: its backing file. */
+int simgpu_shared_new(int gpu, uint64_t bytes, uint64_t size, unsigned kind, uint64_t *id);
+int simgpu_shared_hold(int index, uint64_t id);
+void simgpu_shared_drop(int index);
+void simgpu_shared_path(int index, uint64_t id, char *out, size_t len);
 /* Memory: reserve is check-and-add against the device's capacity across all processes. */
 int simgpu_mem_reserve(int dev, uint64_t bytes);   /* 0 ok, -1 out of memory / no slot */
 void simgpu_mem_release(int dev, uint64_t bytes);

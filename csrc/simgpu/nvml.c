@@ -192,6 +192,9 @@ SIMGPU_EXPORT nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name
     for (int i = 0; !comm[0] && pid && i < SIMGPU_MAX_PROCS; i++)
         if ((unsigned int)atomic_load(&n->procs[i].pid) == pid)
             snprintf(comm, sizeof comm, "%.*s", (int)sizeof n->procs[i].comm, n->procs[i].comm);
+    for (int i = 0; !comm[0] && pid && i < SIMGPU_MAX_SHARED; i++)
+        if (atomic_load(&n->shared[i].id) && (unsigned int)n->shared[i].owner_pid == pid)
+            snprintf(comm, sizeof comm, "%.*s", (int)sizeof n->shared[i].comm, n->shared[i].comm);
     if (!comm[0])
         return NVML_ERROR_NOT_FOUND;
     snprintf(name, length, "%s", comm);   /* the documented contract: at most length bytes */
@@ -469,7 +472,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
         return r;
     if (!infoCount)
         return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlProcessInfo_v2_t found[SIMGPU_MAX_PROCS];
+    nvmlProcessInfo_v2_t found[SIMGPU_MAX_PROCS + SIMGPU_MAX_SHARED];
     unsigned int count = 0;
     if (abi != GRAPHICS_NONE) {
         simgpu_reap_dead();   /* so a kill -9'ed process is gone now, not later */
@@ -487,6 +490,22 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *infoCou
                     simgpu_nvml_mig_process_ids(d, i, &found[count].gpuInstanceId, &found[count].computeInstanceId);
                 count++;
             }
+        }
+        /* memory more than one process holds: under the process that allocated it, dead
+         * or alive (node.h, struct simgpu_shared) */
+        for (int i = 0; i < SIMGPU_MAX_SHARED; i++) {
+            struct simgpu_shared *sh = &n->shared[i];
+            uint64_t mem = atomic_load(&sh->bytes);
+            if (!atomic_load(&sh->id) || sh->dev != d || !mem)
+                continue;
+            unsigned int k = 0;
+            while (k < count && found[k].pid != (unsigned int)sh->owner_pid)
+                k++;
+            if (k == count)
+                found[count++] = (nvmlProcessInfo_v2_t){
+                    .pid = (unsigned int)sh->owner_pid, .usedGpuMemory = 0,
+                    .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT, .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};
+            found[k].usedGpuMemory += mem;
         }
     }
     return vgpu_nvml_put_processes(found, count, infoCount, infos, abi == PROC_V1);

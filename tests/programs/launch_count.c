@@ -1,7 +1,8 @@
 /* Launch counters of a short-lived process: launches sim_1us kernels and exits at once.
  * usage: launch_count <launches> [<child launches after a fork> [<launches of a thread>]]
  * The main thread launches <launches>; with a second argument it then forks a child that
- * launches that many and exits (the parent waits); with a third, a thread launches that
+ * tries that many (each refused: the driver is not usable in a child forked after cuInit) and
+ * exits (the parent waits); with a third, a thread launches that
  * many and ends before the process exits.  Exits 0 when every call succeeded. */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -26,6 +27,16 @@ static int launch_n(long n)
         if (launch(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL))
             return 6;
     return sync_ctx() ? 7 : 0;
+}
+
+/* A child forked after cuInit cannot use the driver: every call is CUDA_ERROR_NOT_INITIALIZED
+ * (3), as a real driver answers.  0 when each of the child's launches was refused so. */
+static int refused_n(long n)
+{
+    for (long i = 0; i < n; i++)
+        if (launch(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL) != 3)
+            return 6;
+    return sync_ctx() != 3 ? 7 : 0;
 }
 
 static void *thread_main(void *arg)
@@ -61,7 +72,7 @@ int main(int argc, char **argv)
         if (child < 0)
             return 9;
         if (child == 0)
-            exit(launch_n(atol(argv[2])));   /* exit(), not _exit(): as a program ends */
+            exit(refused_n(atol(argv[2])));   /* exit(), not _exit(): as a program ends */
         int st;
         if (waitpid(child, &st, 0) != child || !WIFEXITED(st) || WEXITSTATUS(st))
             return 10;
