@@ -36,6 +36,10 @@
                                        without it (burst) the share is sm.request .. sm.max (board) */
 /* struct vgpu_usage_proc.flags */
 #define VGPU_PROC_FROM_FILE 1       /* its slice came from the slice identity file, not the environment */
+#define VGPU_PROC_SHARED 2          /* not a process: device memory shared between processes (an IPC or
+                                       shareable-handle export), charged here while any process holding it
+                                       lives (each holds the slot's lock shared); pid 0, state the
+                                       exporter's pid, start_ticks the export's key (a hash of its handle) */
 
 struct vgpu_quota_device {
     uint64_t memory_max;        /* bytes the container may hold on the device */

@@ -58,6 +58,20 @@
       (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,           \
        unsigned long long flags))                                                                  \
     X(cuMemUnmap, cuMemUnmap, 10020, 0, CUresult, (CUdeviceptr ptr, size_t size))                  \
+    X(cuMemRetainAllocationHandle, cuMemRetainAllocationHandle, 11000, 0, CUresult,                \
+      (CUmemGenericAllocationHandle *handle, void *addr))                                          \
+    /* === memory shared between processes: the exporter's slice pays while anyone holds it === */ \
+    X(cuIpcGetMemHandle, cuIpcGetMemHandle, 4010, 0, CUresult, (CUipcMemHandle *pHandle, CUdeviceptr dptr)) \
+    X(cuIpcOpenMemHandle, cuIpcOpenMemHandle, 4010, 0, CUresult,                                  \
+      (CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags))                             \
+    X(cuIpcOpenMemHandle_v2, cuIpcOpenMemHandle, 11000, 0, CUresult,                              \
+      (CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags))                             \
+    X(cuIpcCloseMemHandle, cuIpcCloseMemHandle, 4010, 0, CUresult, (CUdeviceptr dptr))             \
+    X(cuMemExportToShareableHandle, cuMemExportToShareableHandle, 10020, 0, CUresult,              \
+      (void *shareableHandle, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType handleType, \
+       unsigned long long flags))                                                                  \
+    X(cuMemImportFromShareableHandle, cuMemImportFromShareableHandle, 10020, 0, CUresult,          \
+      (CUmemGenericAllocationHandle *handle, void *osHandle, CUmemAllocationHandleType shHandleType)) \
     X(cuMemPoolCreate, cuMemPoolCreate, 11020, 0, CUresult,                                        \
       (CUmemoryPool *pool, const CUmemPoolProps *poolProps))                                       \
     X(cuDeviceGetDefaultMemPool, cuDeviceGetDefaultMemPool, 11020, 0, CUresult,                    \

@@ -57,7 +57,9 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
     X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))                 \
     X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))        \
-    X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))
+    X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))                                     \
+    X(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdeviceptr))               \
+    X(cuMemGetAllocationPropertiesFromHandle, CUresult, (CUmemAllocationProp *, CUmemGenericAllocationHandle))
 #define VGPU_NVML_CALLED(X)                                                                    \
     X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
     X(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t, char *, unsigned int))                   \
@@ -120,6 +122,9 @@ static inline void ensure_init(void)
 void nvml_resolve(void);
 uint64_t now_ns(void);
 int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
+int take_free_slot(void);     /* with S.lock held: a free slot, locked and drained; -1: none */
+int slot_lock(int fd, int slot, short type);   /* the OFD lock of a usage slot (F_OFD_SETLK) */
+void drain_slot(int i);       /* with slot i's lock held: its charges and pid to 0 */
 void reap_dead(void);
 void reap_dead_locked(void);  /* with S.lock held */
 void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
@@ -153,6 +158,7 @@ int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
 void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */
+int memory_holds_slot(int i);         /* with S.lock held: does this process hold shared slot i? */
 
 /* === compute.c === */
 

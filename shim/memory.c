@@ -7,12 +7,15 @@
 #include "footprint.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 /* === memory accounting === */
@@ -203,8 +206,11 @@ int memory_map_table(void)
     return (S.table = map_table()) ? 0 : -1;
 }
 
-/* VMM handles and pools, kept under a lock (not hot paths): see "where memory comes from" */
-struct vmm { uint64_t handle, bytes; int dev, mappings, released; };
+/* VMM handles and pools, kept under a lock (not hot paths): see "where memory comes from".
+ * refs: references the driver counts (cuMemCreate or an import, cuMemRetainAllocationHandle),
+ * each ended by a cuMemRelease.  shared: the shared slot its memory is charged to (-1: none,
+ * charged to this process); unpaid: imported from another slice, charged at its first map. */
+struct vmm { uint64_t handle, bytes; int dev, mappings, refs, shared, unpaid; };
 struct mapping { uint64_t ptr, size, handle; };
 static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct vmm *vmms;
@@ -242,10 +248,13 @@ static int location_device(const CUmemLocation *loc)
     }
 }
 
+static void shared_atfork_child(void);
+
 /* In a forked child: what the parent allocated is the parent's to free and refund. */
 void memory_atfork_child(void)
 {
     pthread_mutex_init(&vmm_lock, NULL);
+    shared_atfork_child();
     if (S.table)   /* a fresh, untouched mapping: no 16 MiB memset per fork */
         S.table = map_table();
     nvmm = nmappings = npools = 0;
@@ -254,6 +263,179 @@ void memory_atfork_child(void)
     memset(graph_charged, 0, sizeof graph_charged);
     pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
+}
+
+
+/* === memory shared between processes: the exporter's slice pays ===
+ * Memory a process exports (cuIpcGetMemHandle, cuMemExportToShareableHandle) stays on the
+ * device while any process holds it: the exporter until it frees it, each importer until
+ * it closes or releases and unmaps it (the driver's rules: docs/shim.md).  So its charge
+ * moves, at export, out of the exporter's slot into a slot of its own, a *shared slot*
+ * (flags VGPU_PROC_SHARED, pid 0, start_ticks the export's key: a hash of its handle,
+ * state the exporter's pid), and every process of the slice that holds the memory holds
+ * that slot's OFD lock shared (a read lock).  The kernel keeps the count: the slot lives
+ * while any holder does, whatever ends them (a release, exit, kill -9), and whoever finds
+ * its lock free drains it, as any dead process's slot — the last holder as it lets go,
+ * or a reaper.  One counter still: memory.current is the sum of the slots.
+ * An importer finds the shared slot by the key of the handle it was given.  One that finds
+ * none (the exporter is in another slice, or not under the shim) charges the slice itself
+ * for what it keeps alive, admitted against the cap like an allocation: each slice pays
+ * for what its own processes hold. */
+
+static int shared_holds[VGPU_MAX_PROCS];   /* this process's holds of each shared slot (S.lock) */
+
+int memory_holds_slot(int i)   /* with S.lock held */
+{
+    return i >= 0 && i < VGPU_MAX_PROCS && shared_holds[i] > 0;
+}
+
+static uint64_t key_of(const void *p, size_t n)   /* FNV-1a; never 0 */
+{
+    uint64_t h = 14695981039346656037ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ ((const unsigned char *)p)[i]) * 1099511628211ull;
+    return h | 1;
+}
+
+/* The key of a shareable handle: its bytes (fabric), or the file a descriptor is (POSIX:
+ * the importer receives the same open file); 0 when it has none. */
+static uint64_t shareable_key(const void *handle, CUmemAllocationHandleType type)
+{
+    struct stat st;
+    if (type == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && fstat((int)(intptr_t)handle, &st) == 0) {
+        uint64_t id[2] = {(uint64_t)st.st_dev, (uint64_t)st.st_ino};
+        return key_of(id, sizeof id);
+    }
+    return type == CU_MEM_HANDLE_TYPE_FABRIC && handle ? key_of(handle, CU_IPC_HANDLE_SIZE) : 0;
+}
+
+/* A shared slot for `bytes` on dev, moved out of this process's charge, held by this
+ * process: its index, or -1 when no slot is free. */
+static int shared_new(int dev, uint64_t bytes, uint64_t key)
+{
+    if (S.slot < 0 || S.usage_fd < 0)
+        return -1;
+    pthread_mutex_lock(&S.lock);
+    int s = take_free_slot();
+    if (s >= 0) {
+        struct vgpu_usage_proc *p = &S.usage->procs[s], *me = &S.usage->procs[S.slot];
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        memcpy(p->comm, me->comm, sizeof p->comm);
+        p->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        p->pid_ns = me->pid_ns;
+        p->cgroup_id = me->cgroup_id;
+        STORE(&p->state, (uint32_t)getpid());
+        STORE(&p->start_ticks, key);
+        STORE(&p->flags, (me->flags & VGPU_PROC_FROM_FILE) | VGPU_PROC_SHARED);
+        /* counted twice for an instant, never not at all */
+        __atomic_add_fetch(&S.usage->charge[dev][s], bytes, __ATOMIC_SEQ_CST);
+        __atomic_sub_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        slot_lock(S.usage_fd, s, F_RDLCK);   /* converted in place: held from now on, as by every holder */
+        shared_holds[s] = 1;
+    }
+    pthread_mutex_unlock(&S.lock);
+    if (s < 0)
+        ERR("no usage slot free for memory shared with other processes; the export is refused");
+    return s;
+}
+
+static int shared_slot_is(int i, uint64_t key)
+{
+    const struct vgpu_usage_proc *p = &S.usage->procs[i];
+    if (LOAD(&p->pid) || !(LOAD(&p->flags) & VGPU_PROC_SHARED) || LOAD(&p->start_ticks) != key)
+        return 0;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        if (LOAD(&S.usage->charge[d][i]))
+            return 1;
+    return 0;   /* drained: its memory is gone */
+}
+
+/* Hold the shared slot of export `key`: its index, or -1 when the slice has none. */
+static int shared_hold(uint64_t key)
+{
+    if (S.mode != MODE_ENFORCE || S.usage_fd < 0 || !key)
+        return -1;
+    pthread_mutex_lock(&S.lock);
+    int found = -1;
+    uint32_t n = LOAD(&S.usage->slots_used);
+    for (uint32_t i = 0; i < n && i < VGPU_MAX_PROCS && found < 0; i++) {
+        if (!shared_slot_is((int)i, key))
+            continue;
+        if (shared_holds[i]) {
+            found = (int)i;
+            break;
+        }
+        /* a write lock is its exporter making it or a holder draining it: see which */
+        for (int t = 0; t < 100; t++) {
+            if (slot_lock(S.usage_fd, (int)i, F_RDLCK) == 0) {
+                if (shared_slot_is((int)i, key))
+                    found = (int)i;
+                else
+                    slot_lock(S.usage_fd, (int)i, F_UNLCK);
+                break;
+            }
+            usleep(1000);
+        }
+    }
+    if (found >= 0)
+        shared_holds[found]++;
+    pthread_mutex_unlock(&S.lock);
+    return found;
+}
+
+/* Let go of one hold; the slice's last holder drains the slot: the memory is gone. */
+static void shared_release(int s)
+{
+    if (s < 0 || s >= VGPU_MAX_PROCS)
+        return;
+    pthread_mutex_lock(&S.lock);
+    if (shared_holds[s] > 0 && --shared_holds[s] == 0) {
+        slot_lock(S.usage_fd, s, F_UNLCK);
+        if (slot_lock(S.usage_fd, s, F_WRLCK) == 0) {
+            drain_slot(s);
+            STORE(&S.usage->procs[s].flags, 0);
+            STORE(&S.usage->procs[s].start_ticks, 0);
+            slot_lock(S.usage_fd, s, F_UNLCK);
+        }
+    }
+    pthread_mutex_unlock(&S.lock);
+}
+
+/* cuMemAlloc memory exported with cuIpcGetMemHandle, and IPC handles opened here (vmm_lock).
+ * An import's slot is the shared slot it holds, or -1: charged to this process (bytes). */
+struct shared_ptr { uint64_t ptr, bytes; int dev, slot, ctx, opens; };
+static struct shared_ptr *exports, *imports;
+static size_t nexports, nimports, exports_cap, imports_cap;
+
+static int shared_ptr_add(struct shared_ptr **v, size_t *n, size_t *cap, struct shared_ptr e)
+{
+    if (*n == *cap) {
+        struct shared_ptr *m = realloc(*v, (*cap ? 2 * *cap : 16) * sizeof *m);
+        if (!m)
+            return -1;
+        *v = m;
+        *cap = *cap ? 2 * *cap : 16;
+    }
+    (*v)[(*n)++] = e;
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    return 0;
+}
+
+static struct shared_ptr *shared_ptr_find(struct shared_ptr *v, size_t n, uint64_t ptr)
+{
+    for (size_t i = 0; i < n; i++)
+        if (v[i].ptr == ptr)
+            return &v[i];
+    return NULL;
+}
+
+/* A forked child holds nothing of its own: what it inherited holds through the parent's
+ * description, which it keeps open (shim.c). */
+static void shared_atfork_child(void)
+{
+    memset(shared_holds, 0, sizeof shared_holds);
+    nexports = nimports = 0;
 }
 
 /* === contexts: tearing one down frees what was allocated in it ===
@@ -337,6 +519,27 @@ static void refund_context(int id)
     if (n)
         INFO("context torn down: %llu allocations, %llu bytes given back", (unsigned long long)n,
              (unsigned long long)bytes);
+    /* its exports are freed (importers may keep them) and its imports closed */
+    int let_go[2 * VGPU_MAX_PROCS], nlet = 0;
+    pthread_mutex_lock(&vmm_lock);
+    for (int pass = 0; pass < 2; pass++) {
+        struct shared_ptr *v = pass ? imports : exports;
+        size_t *count = pass ? &nimports : &nexports;
+        for (size_t i = 0; i < *count;) {
+            if (v[i].ctx != id) {
+                i++;
+                continue;
+            }
+            if (v[i].slot >= 0 && nlet < (int)(sizeof let_go / sizeof let_go[0]))
+                let_go[nlet++] = v[i].slot;
+            else if (v[i].slot < 0)
+                refund(v[i].dev, v[i].bytes);
+            v[i] = v[--*count];
+        }
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    while (nlet)
+        shared_release(let_go[--nlet]);
     /* the process's last context on the device: its overhead goes too */
     pthread_mutex_lock(&vmm_lock);
     int dev = contexts[id].dev, others = 0;
@@ -397,7 +600,7 @@ SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 /* Lock-free open-addressing table: what each live allocation was charged, and where. */
 static inline uint32_t slot_of(uint64_t key) { return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - TABLE_BITS)); }
 
-static int remember(uint64_t key, int dev, uint64_t bytes)
+static int remember_in(uint64_t key, int dev, uint64_t bytes, int ctx)
 {
     if (!S.table)
         return -1;
@@ -405,14 +608,27 @@ static int remember(uint64_t key, int dev, uint64_t bytes)
         uint64_t k = LOAD(&S.table[i].key);
         if ((k == 0 || k == TOMBSTONE) &&
             __atomic_compare_exchange_n(&S.table[i].key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            STORE(&S.table[i].value, bytes << 8 | (uint64_t)context_id() << 4 | (uint64_t)dev);
+            STORE(&S.table[i].value, bytes << 8 | (uint64_t)ctx << 4 | (uint64_t)dev);
             return 0;
         }
     }
     return -1;
 }
 
+static int remember(uint64_t key, int dev, uint64_t bytes)
+{
+    return remember_in(key, dev, bytes, context_id());
+}
+
+static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx);
+
 static int forget(uint64_t key, int *dev, uint64_t *bytes)
+{
+    int ctx;
+    return forget_in(key, dev, bytes, &ctx);
+}
+
+static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
 {
     if (!S.table)   /* failed closed before the table existed: nothing was charged */
         return -1;
@@ -425,6 +641,7 @@ static int forget(uint64_t key, int *dev, uint64_t *bytes)
             if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE)) {
                 *dev = (int)(v & 15);
+                *ctx = (int)(v >> 4 & 15);
                 *bytes = v >> 8;
                 return 0;
             }
@@ -736,6 +953,8 @@ static CUresult after_release(CUresult r)
 }
 
 /* A stream-ordered free may also free a plain allocation (refunded as cuMemFree does). */
+static int export_freed(CUdeviceptr dptr, CUresult r);
+
 static CUresult free_stream_ordered(CUresult (*real)(CUdeviceptr, CUstream), CUdeviceptr dptr, CUstream hStream)
 {
     int dev;
@@ -746,6 +965,8 @@ static CUresult free_stream_ordered(CUresult (*real)(CUdeviceptr, CUstream), CUd
         refund(dev, bytes);
     else if (known)
         remember(KEY_PTR | dptr, dev, bytes);
+    else if (LOAD(&nexports))
+        export_freed(dptr, r);
     return after_release(r);
 }
 
@@ -894,19 +1115,23 @@ SHIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
         }
     }
     if (nvmm < vmm_cap)
-        vmms[nvmm++] = (struct vmm){*handle, size, dev, 0, 0};
+        vmms[nvmm++] = (struct vmm){*handle, size, dev, 0, 1, -1, 0};
     else
         ERR("VMM table full: %zu bytes stay charged", size);
     pthread_mutex_unlock(&vmm_lock);
     return r;
 }
 
-/* Called with vmm_lock held: give the budget back once released and unmapped. */
+/* Called with vmm_lock held: give the budget back once released and unmapped (shared:
+ * let go of the shared slot; the last holder of the slice drains it). */
 static void vmm_settle(size_t i)
 {
-    if (!vmms[i].released || vmms[i].mappings > 0)
+    if (vmms[i].refs > 0 || vmms[i].mappings > 0)
         return;
-    refund(vmms[i].dev, vmms[i].bytes);
+    if (vmms[i].shared >= 0)
+        shared_release(vmms[i].shared);
+    else
+        refund(vmms[i].dev, vmms[i].bytes);
     vmms[i] = vmms[--nvmm];
 }
 
@@ -924,12 +1149,31 @@ SHIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
                               unsigned long long flags)
 {
     ENTER(cuMemMap, ptr, size, offset, handle, flags);
-    CUresult r = real_cuMemMap(ptr, size, offset, handle, flags);
-    if (r != CUDA_SUCCESS)
-        return r;
-    pthread_mutex_lock(&vmm_lock);
+    /* memory imported from another slice is charged here, at its first mapping, for what is
+     * mapped (an importer is not told the allocation's size) */
     size_t i;
+    int dev = -1;
+    pthread_mutex_lock(&vmm_lock);
     struct vmm *v = vmm_find(handle, &i);
+    if (v && v->unpaid)
+        dev = v->dev;
+    pthread_mutex_unlock(&vmm_lock);
+    if (dev >= 0 && admit(dev, size) != CUDA_SUCCESS)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = real_cuMemMap(ptr, size, offset, handle, flags);
+    if (r != CUDA_SUCCESS) {
+        if (dev >= 0)
+            refund(dev, size);
+        return r;
+    }
+    pthread_mutex_lock(&vmm_lock);
+    v = vmm_find(handle, &i);
+    if (dev >= 0 && v && v->unpaid) {
+        v->unpaid = 0;
+        v->bytes = size;
+    } else if (dev >= 0) {
+        refund(dev, size);   /* another thread's mapping paid first */
+    }
     if (v && nmappings == mappings_cap) {
         struct mapping *n = realloc(mappings, (mappings_cap ? 2 * mappings_cap : 16) * sizeof *n);
         if (n) {
@@ -966,6 +1210,222 @@ SHIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         }
     }
     pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+
+/* === memory shared between processes: the hooks (see "the exporter's slice pays") === */
+
+SHIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    ENTER(cuMemRetainAllocationHandle, handle, addr);
+    CUresult r = real_cuMemRetainAllocationHandle(handle, addr);
+    if (r != CUDA_SUCCESS || !handle)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(*handle, &i);
+    if (v)
+        v->refs++;   /* one more cuMemRelease before its memory can go */
+    pthread_mutex_unlock(&vmm_lock);
+    return r;
+}
+
+/* cuIpcGetMemHandle: the allocation's charge moves to a shared slot of its own, which the
+ * exporter holds until it frees the allocation (or its context goes). */
+SHIM_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr)
+{
+    ENTER(cuIpcGetMemHandle, pHandle, dptr);
+    CUresult r = real_cuIpcGetMemHandle(pHandle, dptr);
+    if (r != CUDA_SUCCESS || !pHandle)
+        return r;
+    pthread_mutex_lock(&vmm_lock);
+    int exported = shared_ptr_find(exports, nexports, dptr) != NULL;
+    pthread_mutex_unlock(&vmm_lock);
+    int dev, ctx;
+    uint64_t bytes;
+    if (exported || forget_in(KEY_PTR | dptr, &dev, &bytes, &ctx))
+        return r;   /* exported already, or nothing of ours (nothing charged) */
+    int s = shared_new(dev, bytes, key_of(pHandle, sizeof *pHandle));
+    pthread_mutex_lock(&vmm_lock);
+    int ok = s >= 0 && shared_ptr_add(&exports, &nexports, &exports_cap,
+                                      (struct shared_ptr){dptr, bytes, dev, s, ctx, 1}) == 0;
+    pthread_mutex_unlock(&vmm_lock);
+    if (ok)
+        return r;
+    if (s >= 0) {   /* no room to remember it: back on our own charge */
+        __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        shared_release(s);
+    }
+    remember_in(KEY_PTR | dptr, dev, bytes, ctx);
+    return CUDA_ERROR_OUT_OF_MEMORY;   /* fail closed: an importer could keep it uncounted */
+}
+
+/* After the driver's free of an exported allocation: the exporter lets go of its slot. */
+static int export_freed(CUdeviceptr dptr, CUresult r)
+{
+    int s = -1;
+    pthread_mutex_lock(&vmm_lock);
+    struct shared_ptr *e = shared_ptr_find(exports, nexports, dptr);
+    if (e && r == CUDA_SUCCESS) {
+        s = e->slot;
+        *e = exports[--nexports];
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    shared_release(s);
+    return s;
+}
+
+static CUresult ipc_open(CUresult (*real)(CUdeviceptr *, CUipcMemHandle, unsigned int), CUdeviceptr *pdptr,
+                         CUipcMemHandle handle, unsigned int flags)
+{
+    int s = shared_hold(key_of(&handle, sizeof handle));   /* before the driver maps it */
+    CUresult r = real(pdptr, handle, flags);
+    if (r != CUDA_SUCCESS || !pdptr) {
+        shared_release(s);
+        return r;
+    }
+    pthread_mutex_lock(&vmm_lock);
+    struct shared_ptr *im = shared_ptr_find(imports, nimports, *pdptr);
+    if (im)
+        im->opens++;   /* opened again: the driver counts one more reference */
+    pthread_mutex_unlock(&vmm_lock);
+    if (im) {
+        shared_release(s);   /* held once per import */
+        return r;
+    }
+    struct shared_ptr rec = {*pdptr, 0, -1, s, context_id(), 1};
+    if (s < 0) {
+        /* the exporter is not in this slice: this slice pays while it holds it */
+        size_t size = 0;
+        int dev = current_device();
+        rec.ctx = context_id();
+        if (dev >= 0 && real_cuMemGetAddressRange_v2 && real_cuMemGetAddressRange_v2(NULL, &size, *pdptr) == 0 &&
+            size) {
+            if (admit(dev, vgpu_alloc_footprint(size)) != CUDA_SUCCESS) {
+                real_cuIpcCloseMemHandle(*pdptr);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            rec.dev = dev;
+            rec.bytes = vgpu_alloc_footprint(size);
+        }
+    }
+    pthread_mutex_lock(&vmm_lock);
+    int ok = shared_ptr_add(&imports, &nimports, &imports_cap, rec) == 0;
+    pthread_mutex_unlock(&vmm_lock);
+    if (!ok)
+        ERR("import table full: %llu bytes stay charged", (unsigned long long)rec.bytes);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+    ENTER(cuIpcOpenMemHandle, pdptr, handle, Flags);
+    return ipc_open(real_cuIpcOpenMemHandle, pdptr, handle, Flags);
+}
+
+SHIM_EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags)
+{
+    ENTER(cuIpcOpenMemHandle_v2, pdptr, handle, Flags);
+    return ipc_open(real_cuIpcOpenMemHandle_v2, pdptr, handle, Flags);
+}
+
+SHIM_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    ENTER(cuIpcCloseMemHandle, dptr);
+    CUresult r = real_cuIpcCloseMemHandle(dptr);
+    if (r != CUDA_SUCCESS)
+        return r;
+    struct shared_ptr gone = {0, 0, -1, -1, 0, 0};
+    pthread_mutex_lock(&vmm_lock);
+    struct shared_ptr *im = shared_ptr_find(imports, nimports, dptr);
+    if (im && --im->opens == 0) {   /* the driver unmaps it at its last close */
+        gone = *im;
+        *im = imports[--nimports];
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    if (gone.slot >= 0)
+        shared_release(gone.slot);
+    else if (gone.bytes)
+        refund(gone.dev, gone.bytes);
+    return r;
+}
+
+/* A shareable handle: the handle's charge moves to a shared slot, which the handle holds
+ * until it is released and unmapped.  (An exported descriptor that stays open after that
+ * keeps the memory too, as the driver documents; the shim does not see descriptors.) */
+SHIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                  CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    ENTER(cuMemExportToShareableHandle, shareableHandle, handle, handleType, flags);
+    CUresult r = real_cuMemExportToShareableHandle(shareableHandle, handle, handleType, flags);
+    if (r != CUDA_SUCCESS || !shareableHandle)
+        return r;
+    int posix = handleType == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    uint64_t key = shareable_key(posix ? (void *)(intptr_t) * (int *)shareableHandle : shareableHandle, handleType);
+    pthread_mutex_lock(&vmm_lock);
+    size_t i;
+    struct vmm *v = vmm_find(handle, &i);
+    int dev = v && v->shared < 0 && v->bytes && !v->unpaid ? v->dev : -1;
+    uint64_t bytes = dev >= 0 ? v->bytes : 0;
+    pthread_mutex_unlock(&vmm_lock);
+    if (dev < 0 || !key)
+        return r;   /* nothing of ours, shared already, or no key an importer could find */
+    int s = shared_new(dev, bytes, key);
+    pthread_mutex_lock(&vmm_lock);
+    v = vmm_find(handle, &i);
+    if (v && s >= 0)
+        v->shared = s;
+    pthread_mutex_unlock(&vmm_lock);
+    if (v && s >= 0)
+        return r;
+    if (s >= 0) {   /* released meanwhile: settled as its own charge */
+        __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        shared_release(s);
+        return r;
+    }
+    if (posix)
+        close(*(int *)shareableHandle);   /* fail closed: never handed out */
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SHIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                    CUmemAllocationHandleType shHandleType)
+{
+    ENTER(cuMemImportFromShareableHandle, handle, osHandle, shHandleType);
+    int s = shared_hold(shareable_key(osHandle, shHandleType));   /* before the driver imports it */
+    CUresult r = real_cuMemImportFromShareableHandle(handle, osHandle, shHandleType);
+    if (r != CUDA_SUCCESS || !handle) {
+        shared_release(s);
+        return r;
+    }
+    struct vmm rec = {*handle, 0, -1, 0, 1, s, 0};
+    CUmemAllocationProp prop;
+    if (s < 0 && real_cuMemGetAllocationPropertiesFromHandle &&
+        real_cuMemGetAllocationPropertiesFromHandle(&prop, *handle) == CUDA_SUCCESS) {
+        int dev = location_device(&prop.location);
+        if (dev == LOCATION_REFUSED) {
+            if (real_cuMemRelease)
+                real_cuMemRelease(*handle);
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+        rec.dev = dev;
+        rec.unpaid = dev >= 0;   /* from another slice: this slice pays for what it maps */
+    }
+    pthread_mutex_lock(&vmm_lock);
+    if (nvmm == vmm_cap) {
+        struct vmm *n = realloc(vmms, (vmm_cap ? 2 * vmm_cap : 16) * sizeof *n);
+        if (n) {
+            vmms = n;
+            vmm_cap = vmm_cap ? 2 * vmm_cap : 16;
+        }
+    }
+    int ok = nvmm < vmm_cap;
+    if (ok)
+        vmms[nvmm++] = rec;
+    pthread_mutex_unlock(&vmm_lock);
+    if (!ok)
+        ERR("VMM table full: an imported handle is not followed");
     return r;
 }
 
@@ -1051,8 +1511,10 @@ SHIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     ENTER(cuMemFree_v2, dptr);
     int dev;
     uint64_t bytes;
-    if (forget(KEY_PTR | dptr, &dev, &bytes)) {   /* not ours: maybe a pool's (settled) */
+    if (forget(KEY_PTR | dptr, &dev, &bytes)) {   /* not ours: maybe a pool's (settled), or exported */
         CUresult r = real_cuMemFree_v2(dptr);
+        if (LOAD(&nexports))
+            export_freed(dptr, r);
         return LOAD(&npools) ? after_release(r) : r;
     }
     CUresult r = real_cuMemFree_v2(dptr);
@@ -1073,7 +1535,8 @@ SHIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     size_t i;
     struct vmm *v = vmm_find(handle, &i);
     if (v) {
-        v->released = 1;
+        if (v->refs > 0)
+            v->refs--;
         vmm_settle(i);
     }
     pthread_mutex_unlock(&vmm_lock);
@@ -1260,10 +1723,17 @@ static nvmlReturn_t own_processes(nvmlDevice_t device, unsigned int *infoCount, 
     uint64_t left = memory_cap(dev);
     for (int i = 0; S.mode == MODE_ENFORCE && i < VGPU_MAX_PROCS; i++) {
         int32_t pid = LOAD(&S.usage->procs[i].pid);
+        if (!pid && (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED))
+            pid = (int32_t)LOAD(&S.usage->procs[i].state);   /* shared memory: under its exporter */
         uint64_t mem = LOAD(&S.usage->charge[dev][i]);
         mem = mem < left ? mem : left;
         left -= mem;
-        if (pid > 0 && mem)
+        unsigned int k = 0;
+        while (k < count && found[k].pid != (unsigned int)pid)
+            k++;
+        if (pid > 0 && mem && k < count)
+            found[k].usedGpuMemory += mem;
+        else if (pid > 0 && mem)
             found[count++] = (nvmlProcessInfo_v2_t){.pid = (unsigned int)pid, .usedGpuMemory = mem,
                                                     .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
                                                     .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};

@@ -339,7 +339,7 @@ static struct vgpu_usage *map_usage(const char *path)
  * (reap, status, metrics) and the node agent.  No exit handler, no signal handler:
  * exit, kill -9 and SIGTERM all end the same way. */
 
-static int slot_lock(int fd, int slot, short type)
+int slot_lock(int fd, int slot, short type)
 {
     struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = LOCK_BASE + slot, .l_len = 1};
     return fcntl(fd, F_OFD_SETLK, &fl);
@@ -347,7 +347,7 @@ static int slot_lock(int fd, int slot, short type)
 
 /* With slot i's lock held (its owner is dead, or it is ours and new): its process holds
  * nothing.  A drain cut short by a kill is finished by the next one. */
-static void drain_slot(int i)
+void drain_slot(int i)
 {
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
         if (LOAD(&S.usage->charge[d][i]))
@@ -435,10 +435,13 @@ static uint64_t self_cgroup_id(void)
 
 static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
 
-int claim_slot(void)
+/* A free slot, its lock taken, drained, and inside slots_used; -1 when none is free.
+ * With S.lock held: our own description would re-grant a lock it holds (our slot, the
+ * shared slots we hold), so those are skipped. */
+int take_free_slot(void)
 {
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
-        if (slot_lock(S.usage_fd, i, F_WRLCK))
+        if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;   /* a live process holds it */
         drain_slot(i);   /* whatever its previous owner held went with it */
         /* the sum in admissions covers slots below slots_used: widen it before the
@@ -448,6 +451,15 @@ int claim_slot(void)
                !__atomic_compare_exchange_n(&S.usage->slots_used, &used, (uint32_t)i + 1, 1, __ATOMIC_SEQ_CST,
                                             __ATOMIC_SEQ_CST))
             ;
+        return i;
+    }
+    return -1;
+}
+
+int claim_slot(void)
+{
+    int i = take_free_slot();
+    if (i >= 0) {
         struct vgpu_usage_proc *p = &S.usage->procs[i];
         memset(p->comm, 0, sizeof p->comm);
         prctl(PR_GET_NAME, p->comm);   /* at most 16 bytes */
@@ -476,7 +488,7 @@ void reap_dead_locked(void)
     if (S.usage_fd < 0)
         return;
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
-        if (i == S.slot || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+        if (i == S.slot || memory_holds_slot(i) || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
         INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
         drain_slot(i);
@@ -511,14 +523,18 @@ void maybe_reap(void)
 
 static void atfork_child(void)
 {
-    /* The child shares the parent's lock (same open file description): it gets its own,
-     * and a slot of its own on its first allocation. */
+    /* The child shares the parent's open file description, and with it the locks of the
+     * parent's slot and of the shared slots it holds.  It keeps that description open,
+     * unused: a child forked from a process with a CUDA context holds the driver's
+     * descriptors it inherited, and with them the parent's device memory, until it exits
+     * (DataLoader workers; docs/shim.md), so the parent's charge must stay as long as
+     * the child does.  Close-on-exec, like the driver's.  It takes a description of its
+     * own, and a slot of its own on its first allocation. */
     pthread_mutex_init(&S.lock, NULL);
     S.slot = -1;
     S.next_claim_ns = 0;
     if (S.usage_fd >= 0) {
-        close(S.usage_fd);
-        S.usage_fd = open(S.usage_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        S.usage_fd = open(S.usage_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);   /* the inherited one stays open */
         if (S.usage_fd < 0)
             deny("cannot reopen %s after fork: %s", S.usage_path, strerror(errno));
     }

@@ -35,7 +35,7 @@ from vgpu.paths import SHIM
 GiB = 1 << 30
 MiB = 1 << 20
 A10_MEMORY = 24 * GiB
-SUCCESS, INVALID_VALUE, OUT_OF_MEMORY = 0, 1, 2
+SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 0, 1, 2, 3
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
 USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
 
@@ -731,45 +731,200 @@ def test_exit_with_live_allocations_returns_the_budget_at_once(node):
     run_python(PRELUDE + "context(); ok(cu.cuMemAlloc(GiB))", node.env(limit="1Gi"))
 
 
-FORK_CHILD = PRELUDE + """
+FORKED = PRELUDE + """
+import time
+release = sys.argv[1]
 context()
-parent_mem = ok(cu.cuMemAlloc(GiB))
-to_child, from_parent = os.pipe()
-from_child, to_parent = os.pipe()
-pid = os.fork()
-if pid == 0:
-    res = cu.cuMemAlloc(512 * MiB)
-    os.write(to_parent, json.dumps(rc(res)).encode())
-    os.read(to_child, 1)
-    sys.exit(0)                        # a normal exit: its allocation is still live
-child_alloc = json.loads(os.read(from_child, 64))
-step({"parent": os.getpid(), "child": pid, "child_alloc": child_alloc})
-os.write(from_parent, b"x")
-_, status = os.waitpid(pid, 0)
-step({"child_status": status})
-ok(cu.cuMemFree(parent_mem))
-step({"parent_freed": True})
+held = ok(cu.cuMemAlloc(GiB))
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(r)
+    calls = [rc(cu.cuMemAlloc(512 * MiB)), rc(cu.cuMemFree(held)), rc(cu.cuMemGetInfo())]
+    os.write(w, json.dumps(calls).encode())
+    os.close(w)
+    while not os.path.exists(release):   # a DataLoader worker outliving its parent
+        time.sleep(0.02)
+    os._exit(0)
+os.close(w)
+step({"parent": os.getpid(), "child": child, "child_calls": json.loads(os.fdopen(r).read())})
 """
 
 
-def test_forked_child_gets_its_own_slot_and_returns_only_its_memory(node, spawn):
-    p = spawn(node.env(limit="2Gi"), FORK_CHILD)
+def wait_gone(pid, timeout=10.0):
+    """Until `pid` has exited (gone, or a zombie: its descriptors are closed either way)."""
+    def gone():
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return True
+    wait_for(gone, timeout)
+
+
+@pytest.mark.parametrize("parent_ends", ["exit", "kill -9"])
+def test_forked_child_keeps_its_parents_charge_until_it_exits(node, spawn, tmp_path, parent_ends):
+    """A child forked after CUDA was initialised cannot use it, but holds the driver's
+    descriptors it inherited, and with them the parent's memory: the charge stays while
+    either lives, and the slice's cap counts it."""
+    release = tmp_path / "release"
+    p = spawn(node.env(limit="2Gi"), FORKED, args=(release,))
     r = p.read()
     parent, child = r["parent"], r["child"]
-    assert r["child_alloc"] == SUCCESS
-    assert node.usage().procs == {parent: GiB, child: 512 * MiB}
-    assert node.usage().current == GiB + 512 * MiB
-    referee = node.referee()
-    assert (referee.used, referee.procs[parent], referee.procs[child]) == (GiB + 512 * MiB, GiB, 512 * MiB)
+    assert r["child_calls"] == [NOT_INITIALIZED] * 3
+    assert (node.usage().procs, node.referee().procs) == ({parent: GiB}, {parent: GiB})
 
-    p.send()
-    assert p.read() == {"child_status": 0}
-    assert node.usage().procs == {parent: GiB}
-    assert node.usage().current == GiB
-    assert node.referee().used == GiB
+    if parent_ends == "exit":
+        p.send()
+        assert p.proc.wait(10) == 0
+    else:
+        p.kill()
+    usage, referee = node.usage(), node.referee()        # (dead slots reaped first)
+    assert (usage.current, usage.procs) == (GiB, {parent: GiB})
+    assert (referee.used, referee.procs) == (GiB, {parent: GiB})
+    assert probe(node.env(limit="2Gi"), GiB + MiB, GiB)[0]["allocs"] == [OUT_OF_MEMORY, SUCCESS]
 
-    p.send()
-    assert p.read() == {"parent_freed": True}
+    release.touch()
+    wait_gone(child)
+    assert (node.usage().current, node.usage().procs, node.referee().used) == (0, {}, 0)
+
+
+# === memory shared between processes (IPC, shareable handles): the exporter pays ===
+
+IPC_EXPORTER = PRELUDE + """
+import ctypes
+context()
+p = ok(cu.cuMemAlloc(512 * MiB))
+h = ok(cu.cuIpcGetMemHandle(p))
+step({"pid": os.getpid(), "handle": ctypes.string_at(h.getPtr(), 64).hex()})
+ok(cu.cuMemFree(p))
+step({"freed": True})
+"""
+
+IPC_IMPORTER = PRELUDE + """
+import ctypes
+context()
+h = cu.CUipcMemHandle()
+ctypes.memmove(h.getPtr(), bytes.fromhex(sys.argv[1]), 64)
+res = cu.cuIpcOpenMemHandle(h, 1)
+step({"pid": os.getpid(), "open": rc(res)})
+step({"close": rc(cu.cuIpcCloseMemHandle(res[1]))})
+"""
+
+
+@pytest.mark.parametrize("exporter_ends", ["free", "kill -9"])
+def test_ipc_memory_stays_charged_to_the_exporters_slice_until_its_last_holder_lets_go(node, spawn,
+                                                                                       exporter_ends):
+    e = spawn(node.env(limit="1Gi"), IPC_EXPORTER)
+    er = e.read()
+    i = spawn(node.env(limit="1Gi"), IPC_IMPORTER, args=(er["handle"],))
+    assert i.read()["open"] == SUCCESS
+    usage, referee = node.usage(), node.referee()
+    assert (usage.current, referee.used, referee.procs[e.pid]) == (512 * MiB, 512 * MiB, 512 * MiB)
+    assert usage.procs == {e.pid: 0, i.pid: 0}   # in a slot of its own, held by both
+
+    if exporter_ends == "free":
+        assert e.call() == {"freed": True}
+    else:
+        e.kill()
+    # the importer keeps it on the device: still the slice's, and its cap counts it
+    usage, referee = node.usage(), node.referee()
+    assert (usage.current, referee.used, referee.procs.get(e.pid)) == (512 * MiB, 512 * MiB, 512 * MiB)
+    assert probe(node.env(limit="1Gi"), 512 * MiB + MiB, 512 * MiB)[0]["allocs"] == [OUT_OF_MEMORY, SUCCESS]
+
+    assert i.call() == {"close": SUCCESS}
+    assert (node.usage().current, node.referee().used) == (0, 0)
+
+
+def test_ipc_memory_a_holder_killed_keeps_is_given_back_when_the_last_one_goes(node, spawn):
+    """Importer killed -9 while the exporter holds the memory; then the exporter frees it."""
+    e = spawn(node.env(limit="1Gi"), IPC_EXPORTER)
+    er = e.read()
+    i = spawn(node.env(limit="1Gi"), IPC_IMPORTER, args=(er["handle"],))
+    assert i.read()["open"] == SUCCESS
+    i.kill()
+    assert (node.usage().current, node.referee().used) == (512 * MiB, 512 * MiB)
+    assert e.call() == {"freed": True}
+    assert (node.usage().current, node.referee().used) == (0, 0)
+
+
+def test_ipc_import_from_another_slice_is_charged_to_the_importers_slice(node, spawn):
+    """The importer's slice cannot see the exporter's: it pays for what it keeps alive,
+    admitted against its own cap."""
+    e = spawn(node.env("c1", limit="1Gi"), IPC_EXPORTER)
+    er = e.read()
+    small = spawn(node.env("c3", limit="256Mi"), IPC_IMPORTER, args=(er["handle"],))
+    assert small.read()["open"] == OUT_OF_MEMORY
+    i = spawn(node.env("c2", limit="1Gi"), IPC_IMPORTER, args=(er["handle"],))
+    assert i.read()["open"] == SUCCESS
+    assert (node.usage("c1").current, node.usage("c2").current, node.usage("c3").current) == \
+        (512 * MiB, 512 * MiB, 0)
+    assert e.call() == {"freed": True}
+    assert (node.usage("c1").current, node.usage("c2").current) == (0, 512 * MiB)
+    assert node.referee().used == 512 * MiB
+    assert i.call() == {"close": SUCCESS}
+    assert (node.usage("c2").current, node.referee().used) == (0, 0)
+
+
+VMM_SHARING = PRELUDE + """
+import socket
+context()
+size = 64 * MiB
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+loc = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type, prop.location.id, prop.requestedHandleTypes = loc, 0, POSIX_FD
+
+def mapped(handle):
+    va = ok(cu.cuMemAddressReserve(size, 0, 0, 0))
+    ok(cu.cuMemMap(va, size, 0, handle, 0))
+    return va
+
+if sys.argv[1] == "export":
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(sys.argv[2])
+    srv.listen(1)
+    h = ok(cu.cuMemCreate(size, prop, 0))
+    va = mapped(h)
+    step({"pid": os.getpid()})
+    conn, _ = srv.accept()
+    fd = ok(cu.cuMemExportToShareableHandle(h, POSIX_FD, 0))
+    socket.send_fds(conn, [b"x"], [fd])
+    os.close(fd)
+    step({"sent": True})
+    ok(cu.cuMemUnmap(va, size))
+    ok(cu.cuMemRelease(h))
+    step({"released": True})
+else:
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(sys.argv[2])
+    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+    h = ok(cu.cuMemImportFromShareableHandle(fds[0], POSIX_FD))
+    os.close(fds[0])
+    va = mapped(h)
+    again = ok(cu.cuMemRetainAllocationHandle(va))
+    ok(cu.cuMemRelease(h))
+    step({"imported": True})
+    ok(cu.cuMemUnmap(va, size))
+    step({"unmapped": True})          # the retained reference still holds it
+    ok(cu.cuMemRelease(again))
+    step({"released": True})
+"""
+
+
+def test_shareable_vmm_memory_stays_charged_while_an_importer_holds_it(node, spawn, tmp_path):
+    path = tmp_path / "sock"
+    e = spawn(node.env(limit="1Gi"), VMM_SHARING, args=("export", path))
+    pid = e.read()["pid"]
+    i = spawn(node.env(limit="1Gi"), VMM_SHARING, args=("import", path))
+    assert e.call() == {"sent": True}
+    assert i.read() == {"imported": True}
+    assert (node.usage().current, node.referee().used, node.referee().procs[pid]) == (64 * MiB,) * 3
+    assert e.call() == {"released": True}    # released and unmapped by its exporter
+    assert (node.usage().current, node.referee().used) == (64 * MiB, 64 * MiB)
+    assert i.call() == {"unmapped": True}
+    assert (node.usage().current, node.referee().used) == (64 * MiB, 64 * MiB)
+    assert i.call() == {"released": True}
     assert (node.usage().current, node.referee().used) == (0, 0)
 
 

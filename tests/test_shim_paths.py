@@ -59,6 +59,10 @@ HOOKED = {
     ("cuMemMap", 12000, 0): "cuMemMap",
     ("cuMemUnmap", 12000, 0): "cuMemUnmap",
     ("cuMemRelease", 12000, 0): "cuMemRelease",
+    ("cuIpcGetMemHandle", 4010, 0): "cuIpcGetMemHandle",
+    ("cuIpcOpenMemHandle", 4010, 0): "cuIpcOpenMemHandle",
+    ("cuIpcOpenMemHandle", 11000, 0): "cuIpcOpenMemHandle_v2",
+    ("cuIpcCloseMemHandle", 4010, 0): "cuIpcCloseMemHandle",
     ("cuMemAlloc", 13000, 0): "cuMemAlloc_v2",
     ("cuMemGetInfo", 12000, 2): "cuMemGetInfo_v2",   # no per-thread variant: the default one
     ("cuMemAllocAsync", 11020, 1): "cuMemAllocAsync",  # legacy stream: the default variant
@@ -71,6 +75,10 @@ HOOKED = {
     ("cuGraphLaunch", 10000, 0): "cuGraphLaunch",
     ("cuGraphLaunch", 10000, 2): "cuGraphLaunch_ptsz",
     ("cuLaunchKernel", 12000, 2): "cuLaunchKernel_ptsz",
+    # not asked for by cudart
+    ("cuMemExportToShareableHandle", 10020, 0): "cuMemExportToShareableHandle",
+    ("cuMemImportFromShareableHandle", 10020, 0): "cuMemImportFromShareableHandle",
+    ("cuMemRetainAllocationHandle", 11000, 0): "cuMemRetainAllocationHandle",
 }
 # Older ABIs of hooked entry points are not the hook's ABI: they must not get the hook.
 NOT_HOOKED = [("cuMemAlloc", 2000, 0), ("cuMemGetInfo", 2000, 0), ("cuDeviceTotalMem", 2000, 0),
@@ -185,7 +193,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 39   # every hooked entry point cudart asks for
+    assert hooked_seen == 43   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -225,7 +233,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 39
+    assert len(hooked) == 43
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")
