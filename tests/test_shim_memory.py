@@ -865,6 +865,56 @@ def test_ipc_import_from_another_slice_is_charged_to_the_importers_slice(node, s
     assert (node.usage("c2").current, node.referee().used) == (0, 0)
 
 
+IPC_PEER = PRELUDE + """
+import ctypes
+context()
+held = {}
+
+def export(size):
+    p = ok(cu.cuMemAlloc(size))
+    h = ok(cu.cuIpcGetMemHandle(p))
+    held[0] = p
+    return ctypes.string_at(h.getPtr(), 64).hex()
+
+def open_(handle):
+    h = cu.CUipcMemHandle()
+    ctypes.memmove(h.getPtr(), bytes.fromhex(handle), 64)
+    res = cu.cuIpcOpenMemHandle(h, 1)
+    held[0] = res[1]
+    return rc(res)
+
+def free():
+    return rc(cu.cuMemFree(held.pop(0)))
+
+def close():
+    return rc(cu.cuIpcCloseMemHandle(held.pop(0)))
+
+COMMANDS = {"export": export, "open": open_, "free": free, "close": close}
+print(json.dumps({"pid": os.getpid()}), flush=True)
+for line in sys.stdin:
+    cmd, *args = json.loads(line)
+    print(json.dumps(COMMANDS[cmd](*args)), flush=True)
+"""
+
+
+def test_exporter_and_importer_letting_go_at_once_leave_nothing_charged(node, spawn):
+    """The last two holders let go at the same moment, 200 times: one of them drains the
+    shared slot, never neither (a charge with no holder) nor a slot drained under a holder."""
+    e, i = spawn(node.env(limit="1Gi"), IPC_PEER), spawn(node.env(limit="1Gi"), IPC_PEER)
+    for peer in (e, i):
+        assert peer.read()["pid"] == peer.pid
+    for n in range(200):
+        handle = e.call("export", 64 * MiB)
+        assert i.call("open", handle) == SUCCESS
+        first, second = (e, i) if n % 2 else (i, e)
+        first.send(["free" if first is e else "close"])
+        second.send(["free" if second is e else "close"])
+        assert (first.read(), second.read()) == (SUCCESS, SUCCESS)
+        if n % 50 == 49:
+            assert (node.usage().current, node.referee().used) == (0, 0)
+    assert node.usage(reap=False).current == 0   # drained by its last holder, not by a reaper
+
+
 VMM_SHARING = PRELUDE + """
 import socket
 context()
