@@ -475,7 +475,7 @@ static int pace(int dev, uint64_t key)
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     __atomic_add_fetch(&u->sm_charged_ns, cost, __ATOMIC_RELAXED);
     if (b) {
-        STORE(&b->paid_until_ns, next);
+        STORE(&b->paid_until_ns, next > now ? next : now);   /* (a clock lagging now still launched now) */
         __atomic_add_fetch(&b->charged_ns, cost, __ATOMIC_RELAXED);
     }
     count_launch(dev, cost, next > now + SM_BURST_NS);
