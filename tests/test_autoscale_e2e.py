@@ -322,3 +322,26 @@ def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp
         [("b", True)]                             # once, not every interval
     slices.delete(d, "a", force=True)
     assert run(1.0) == [] and set(scaler.reader.views) == set()
+
+
+def test_a_burst_slice_yielding_to_a_guarantee_is_not_starved_but_one_held_at_its_ceiling_is(node, c_program):
+    """Burst mode: a (guaranteed 30%, ceiling 50%, autoscale limit 90%) next to b (70%,
+    saturating) is held at 30% by b's guarantee: that wait is `yielded`, which growing a's
+    ceiling would not help, and the autoscaler leaves it.  Once b is gone, a bursts to its
+    ceiling and waits there (`throttled`): the autoscaler grows it."""
+    node.ctl("create", "a", "--memory", "1Gi", "--sm", "50%", "--sm-request", "30%", "--sm-limit", "90%")
+    node.ctl("create", "b", "--memory", "1Gi", "--sm", "70%")
+    exe = str(c_program("duty"))
+    a = subprocess.Popen([exe, "2000", "12"], env=node.workload_env("a"), stdout=subprocess.DEVNULL)
+    b = subprocess.Popen([exe, "2000", "4"], env=node.workload_env("b"), stdout=subprocess.DEVNULL)
+    node.procs += [a, b]
+    scaler = node.autoscale("--window", "1s", "--interval", "250ms")
+    assert b.wait(timeout=30) == 0
+    u = slices.read_usage(node.dir, "a").devices[0]
+    assert node.quota("a").sm_max == 5000, decisions(scaler)    # 4 s of yielding: no growth
+    assert u["yielded_ns"] > 1.5e9 and u["throttled_ns"] < 0.2e9, u
+    node.ctl("delete", "b")     # (its 70% ceiling no longer takes the room a would grow into)
+    node.wait_for(lambda: node.quota("a").sm_max > 5000, 10, "a's ceiling to grow once it waits at it")
+    node.stop()
+    grows = [d for d in decisions(scaler) if d["event"] == "resize" and d["container"] == "a"]
+    assert grows and all(d["action"] == "grow" and "throttling" in d["reason"] for d in grows), grows
