@@ -35,7 +35,8 @@ from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_tr
                      restart, Bounds)
 from .quantities import UNLIMITED
 
-RESCAN_S = 10.0        # look for new / removed slices at least this often (and when the directory changes)
+RESCAN_S = 30.0        # look for new / removed slices at least this often (and when the directory changes)
+RECENT_NS = 100_000_000   # a directory changed this recently (0.1 s: timestamps move by the jiffy) is scanned again next time
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
 SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples
 _COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
@@ -197,7 +198,10 @@ class NodeReader:
             mtime = None
         if mtime == self._mtime and now - self._scanned < RESCAN_S:
             return self.views
-        self._mtime, self._scanned = mtime, now
+        # (timestamps are coarse: a slice made within the same tick as the scan would leave
+        # the mtime as it was, so a recent one is not trusted and the next call scans again)
+        self._mtime = None if mtime is not None and time.time_ns() - mtime < RECENT_NS else mtime
+        self._scanned = now
         found = {}               # name -> (st_dev, st_ino) of its quota file
         node_fd = None
         if mtime is not None:

@@ -59,6 +59,7 @@ RECHECK_S = 10.0                # a process found in no slice is looked at again
 ORPHAN_S = 2.0                  # temporary slices' owners are checked this often
 SLACK_S = 0.005
 SWEEP_LOOKS = 30                # and every slice once in 30 looks (a net under the inotify events)
+RECENT_NS = 100_000_000         # a directory changed this recently is looked at again (coarse timestamps)
 MIG_RESCAN_S = 30.0             # a MIG-mode GPU's MIG devices are listed again this often
 MIG_FORCED_S = 2.0              # ... and out of turn (a new instance, one gone) at most this often
 
@@ -487,6 +488,33 @@ def _inotify():
 
 # === the observer ===
 
+class _Poller:
+    """epoll where there is one (Linux), else poll: register(fd), unregister(fd),
+    poll(timeout in seconds) -> [(fd, events)]."""
+
+    def __init__(self):
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._poll = None if self._epoll is not None else select.poll()
+
+    def register(self, fd):
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLIN)
+        else:
+            self._poll.register(fd, select.POLLIN)
+
+    def unregister(self, fd):
+        (self._epoll or self._poll).unregister(fd)
+
+    def poll(self, timeout=0.0):
+        if self._epoll is not None:
+            return self._epoll.poll(timeout, 256)
+        return self._poll.poll(timeout * 1000)
+
+    def close(self):
+        if self._epoll is not None:
+            self._epoll.close()
+
+
 class _SliceFiles:
     """A slice's files as the observer keeps them: the usage descriptor (the reader's),
     the usage and identity files' inodes."""
@@ -500,7 +528,7 @@ class _SliceFiles:
         self.devices = tuple(d for d, _ in view.held)
         self.gen = view.gen
         self.want_full = False
-        self.same = None         # (state, slots, table rows, watched): what an unchanged look gives
+        self.same = None         # (state, slots, table rows, watched, tracked version if all are): an unchanged look
         self.keys = ((), ())     # its keys in the observer's table and slot index
         self.rw = None           # a read-write descriptor for reaping, opened when first needed
         _SliceFiles.made += 1
@@ -520,7 +548,22 @@ class _SliceFiles:
             os.close(self.rw)
             self.rw = None
 
+    def changed(self, directory) -> bool:
+        """Has the slice's directory changed since the last check_identity (a file made in it:
+        the identity file by `env`, the DRA driver's labels)?  One stat."""
+        try:
+            mtime = os.stat(os.path.join(directory, self.view.name), follow_symlinks=False).st_mtime_ns
+        except OSError:
+            return True
+        return mtime != self.dir_mtime
+
     def check_identity(self, directory, now=None):
+        try:
+            self.dir_mtime = os.stat(os.path.join(directory, self.view.name), follow_symlinks=False).st_mtime_ns
+            if time.time_ns() - self.dir_mtime < RECENT_NS:
+                self.dir_mtime = None    # (timestamps are coarse: a file made in the same tick would go unseen)
+        except OSError:
+            self.dir_mtime = None
         try:
             st = os.stat(os.path.join(directory, self.view.name, slices.IDENTITY), follow_symlinks=False)
             self.identity_inode = (st.st_dev, st.st_ino)
@@ -559,11 +602,13 @@ class Observer:
         self._attention, self._ended = set(), set()
         self._read_problems = {}
         self._version = 0         # bumped whenever what _groups reads changes
+        self._tracked_version = 0  # bumped whenever a process is tracked or dropped
         self._files_version = 0   # bumped whenever a slice's files (their inodes) change
         self._by_inode = None
         self._maps_index = None
         self._invisible = set()
         self._attr_cache = (None, {})
+        self._rows = {}           # (Place, pid) -> what its row was made from, and the row (see _observe)
         self._groups_cache = None
         self._buckets = [set() for _ in range(SWEEP_LOOKS)]
         # where NVML lists processes: whole GPUs, and the MIG devices of GPUs in MIG mode
@@ -572,11 +617,13 @@ class Observer:
         self._migs = {}           # GPU in MIG mode -> (when listed, [nvml.MigDevice])
         self._mig_forced = {}     # GPU -> when its MIG devices were last listed out of turn
         self.mig_places = {}      # MIG UUID -> Place, of every MIG device listed
-        self.poller = select.poll()   # every tracked process's pidfd: readable once it ended
+        # every tracked process's pidfd (readable once it ended) and the inotify descriptor, in an
+        # epoll set: registered once, and a wait costs what is ready, not what is watched
+        self.poller = _Poller()
         self._by_fd = {}
         self.inotify = _inotify()
         if self.inotify is not None:
-            self.poller.register(self.inotify.fd, select.POLLIN)
+            self.poller.register(self.inotify.fd)
 
     # --- processes ---
 
@@ -585,16 +632,18 @@ class Observer:
         t = self.tracked.get(pid)
         if t is None:
             self._version += 1
+            self._tracked_version += 1
             t = self.tracked[pid] = Tracked(pid)
             if not t.visible:
                 self._invisible.add(pid)     # looked at again next time
             if t.pidfd is not None:
-                self.poller.register(t.pidfd, select.POLLIN)
+                self.poller.register(t.pidfd)
                 self._by_fd[t.pidfd] = t
         return t
 
     def _drop(self, t):
         self._version += 1
+        self._tracked_version += 1
         if t.pidfd is not None:
             self.poller.unregister(t.pidfd)
             self._by_fd.pop(t.pidfd, None)
@@ -820,10 +869,13 @@ class Observer:
                     self._attention.add(name)   # no watch (the kernel's limit): looked at every time
             elif (f.identity_inode is None or f.pod_uid is None) and \
                     (f.checked is None or now - f.checked >= RECHECK_S):
-                before = (f.identity_inode, f.pod_uid)
-                f.check_identity(self.directory, now)
-                if (f.identity_inode, f.pod_uid) != before:
-                    self._files_version += 1
+                if f.changed(self.directory):    # (a file is made in the slice's directory, never edited)
+                    before = (f.identity_inode, f.pod_uid)
+                    f.check_identity(self.directory, now)
+                    if (f.identity_inode, f.pod_uid) != before:
+                        self._files_version += 1
+                else:
+                    f.checked = now
             v.refresh_quota()
             if v.gen != f.gen:       # (the autoscaler, sharing the reader, may have read it first)
                 f.devices, f.gen = tuple(d for d, _ in v.held), v.gen
@@ -835,6 +887,9 @@ class Observer:
             if same is not None and same[0] == state and not f.want_full and now - f.reader.full_at < RECHECK_S:
                 head = os.pread(v._ufd, len(f.reader.head), 0)
                 if head == f.reader.head:
+                    if same[4] == self._tracked_version:   # every slot watched, and no process came or went
+                        self._attention.discard(name)
+                        continue
                     ss, rows_, watched = same[1], same[2], same[3]
                     if all(tracked.get(pid) is t for pid, t in watched):
                         stale, more, unwatched = False, None, False
@@ -850,7 +905,9 @@ class Observer:
                                 stale = True
                                 break
                         if more and not stale:
-                            f.same = (same[0], ss, rows_, watched | more)
+                            watched = watched | more
+                            f.same = (same[0], ss, rows_, watched,
+                                      self._tracked_version if len(watched) == len(ss) else None)
                         if not stale:
                             (self._attention.add if unwatched else self._attention.discard)(name)
                             continue
@@ -901,8 +958,8 @@ class Observer:
             files_gone[name] = f.keys[0]
             watched = frozenset((sl.pid, tracked[sl.pid]) for sl in ss if sl.alive and sl.pid > 0 and
                                 sl.pid_ns == my_pid_ns and sl.pid in tracked)
-            f.same = (state, ss, mine, watched) if v._ufd is not None and all(sl.alive for sl in ss) and \
-                f.reader.head is not None else None
+            f.same = (state, ss, mine, watched, self._tracked_version if len(watched) == len(ss) else None) \
+                if v._ufd is not None and all(sl.alive for sl in ss) and f.reader.head is not None else None
         for name in list(files):
             if name not in views:
                 f = files.pop(name)
@@ -935,8 +992,8 @@ class Observer:
                     pods[uid] = name
         gpu_pids = sorted({p for procs in per_device.values() for p in procs})
         for pid in gpu_pids:
-            t = self.track(pid)
-            if t.visible:
+            t = tracked.get(pid) or self.track(pid)
+            if t.visible and (t.usage is None or not t.usage and now - t.usage_at >= RECHECK_S):
                 self._usage_of(t, by_usage, now)
         for sl in newly:             # found without NVML: their end is seen at once
             if sl.pid in tracked:
@@ -961,20 +1018,44 @@ class Observer:
             attribution[pid] = a
         self._attr_cache = (key, attribution)
 
-        # the driver's figures per slice and device
+        # the driver's figures per slice and device.  A process whose figures, attribution and
+        # slice files are as they were at the last look keeps its row from then
         rows, active = [], {}
+        before, kept = self._rows, {}
         for place, procs in per_device.items():
             u = util.get(place)      # None: NVML cannot say (a MIG device)
             pd = place.device
             for pid, used in sorted(procs.items()):
                 a = attribution[pid]
                 t = tracked.get(pid)
-                row = ProcRow(pid, pd, used, None if u is None else u.get(pid, 0), a,
-                              comm=t.comm if t and t.visible else None, place=place)
+                uv = None if u is None else u.get(pid, 0)
+                f = files.get(a.slice) if a.state == "sliced" else None
+                same = f.same if f is not None else None
+                c = before.get((place, pid))
+                if c is not None and same is not None and c[4] is same and c[0] == used and c[1] == uv and \
+                        c[2] is a and c[3] is t:
+                    row, d = c[5], c[6]
+                    kept[(place, pid)] = c
+                    rows.append(row)
+                    sd = table.get((a.slice, d))
+                    if sd is None:
+                        sd = table[(a.slice, d)] = SliceDevice(a.slice, d, 0, 0, 0, 0, None if u is None else 0, 0,
+                                                               st, place=place)
+                    elif sd.shared:
+                        sd = table[(a.slice, d)] = sd.copy()
+                    active[(a.slice, d)] = sd
+                    if row.context:
+                        sd.context += used
+                    sd.processes.append(row)
+                    if sd.driver is not None:
+                        sd.driver = None if used is None else sd.driver + used
+                    if sd.sm_nvml is not None and uv is not None:
+                        sd.sm_nvml += uv * 100
+                    continue
+                row = ProcRow(pid, pd, used, uv, a, comm=t.comm if t and t.visible else None, place=place)
                 rows.append(row)
                 if a.state != "sliced":
                     continue
-                f = files.get(a.slice)
                 d = f.by_place.get(place) if f is not None and f.by_place is not None else None
                 if d is None:        # a place the slice was not given: a GPU its quota denies, another MIG device
                     d = place.gpu if place.mig is None and (f is None or f.view.mig is None) else place.label
@@ -985,9 +1066,11 @@ class Observer:
                 elif sd.shared:      # kept from an earlier look for an idle slice: this one has processes
                     sd = table[(a.slice, d)] = sd.copy()
                 active[(a.slice, d)] = sd
+                keep = a.method != "usage-file"
                 if t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
+                        keep = True
                         row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
                         if row.charge:
                             t.charged.add(d)
@@ -996,11 +1079,14 @@ class Observer:
                             sd.context += used
                     elif a.slice in files:     # its slot's record may be newer than what was read
                         files[a.slice].want_full = True
+                if keep and same is not None:
+                    kept[(place, pid)] = (used, uv, a, t, same, row, d)
                 sd.processes.append(row)
                 if sd.driver is not None:
                     sd.driver = None if used is None else sd.driver + used
-                if sd.sm_nvml is not None and row.util is not None:
-                    sd.sm_nvml += row.util * 100
+                if sd.sm_nvml is not None and uv is not None:
+                    sd.sm_nvml += uv * 100
+        self._rows = kept
         self._active = {r.attribution.slice for r in rows if r.attribution.slice}
         snap = Snapshot(now, ok, note, {p.device: why for p, why in errors.items()}, table, rows, slots, problems)
         snap.dead = dead
@@ -1065,8 +1151,10 @@ class Observer:
         for f in self.files.values():
             f.close()
         if self.inotify is not None:
+            self.poller.unregister(self.inotify.fd)
             self.inotify.close()
             self.inotify = None
+        self.poller.close()
 
 
 # === judging ===
@@ -1096,6 +1184,39 @@ def _utc(t=None):
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
+class _Ring:
+    """A window of (t, NVML share, charged share) samples with their running sums (the
+    agent judges 1,000 slices a second: no sum over the window each time)."""
+    __slots__ = ("q", "nv", "ch")
+
+    def __init__(self):
+        self.q = collections.deque()
+        self.nv = self.ch = 0.0
+
+    def add(self, t, nv, ch, window):
+        q = self.q
+        q.append((t, nv, ch))
+        self.nv += nv
+        self.ch += ch
+        while q and t - q[0][0] > window:
+            _, a, b = q.popleft()
+            self.nv -= a
+            self.ch -= b
+        if len(q) == 1:          # (no drift carried from one window to the next)
+            self.nv, self.ch = float(nv), float(ch)
+
+    def full(self, window) -> bool:
+        q = self.q
+        return len(q) >= 2 and q[-1][0] - q[0][0] >= window * 0.9
+
+    def means(self):
+        n = len(self.q)
+        return self.nv / n, self.ch / n
+
+    def __len__(self):
+        return len(self.q)
+
+
 def _where(x) -> dict:
     """Where NVML lists a SliceDevice's or ProcRow's device: nvml_device (its label) and,
     on a MIG device, mig_uuid."""
@@ -1113,7 +1234,7 @@ class Judge:
         self.settings = settings
         self.pending = {}        # (kind, key) -> Violation (condition seen, not yet a violation)
         self.active = {}         # (kind, key) -> Violation
-        self.compute = collections.defaultdict(collections.deque)   # (slice, device) -> [(t, nvml, charged)]
+        self.compute = collections.defaultdict(_Ring)   # (slice, device) -> its window of (t, nvml, charged)
         self._gpu = {}           # (slice, device) -> (t, gpu_time_ns)
         self.counts = collections.Counter()   # (container, kind) -> violations started
 
@@ -1152,12 +1273,9 @@ class Judge:
                 continue
             charged = max(0, sd.gpu_time_ns - prev[1]) / ((snap.t - prev[0]) * 1e9) * SHARE_FULL
             ring = compute[key]
-            ring.append((snap.t, sd.sm_nvml, charged))
-            while ring and snap.t - ring[0][0] > st.window:
-                ring.popleft()
-            if len(ring) >= 2 and ring[-1][0] - ring[0][0] >= st.window * 0.9:
-                nv = sum(x[1] for x in ring) / len(ring)
-                ch = sum(x[2] for x in ring) / len(ring)
+            ring.add(snap.t, sd.sm_nvml, charged, st.window)
+            if ring.full(st.window):
+                nv, ch = ring.means()
                 if nv - sd.sm_max > st.compute_margin and nv - ch > st.compute_margin:
                     busy = [p for p in sd.processes if p.util and p.attribution.certain]
                     unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
@@ -1611,7 +1729,7 @@ class Agent:
             if left <= 0:
                 return True
             obs = self.observer
-            events = obs.poller.poll(min(left, 1.0) * 1000)
+            events = obs.poller.poll(min(left, 1.0))
             if not events:
                 continue
             names = set()

@@ -130,6 +130,7 @@ _SAMPLE = struct.Struct("<I4xQII8x")
 _PROC = struct.Struct("<I4xQII")
 _FIRST = 64              # entries asked for in the first call: one call, not two, in the common case
 _fns = {}
+_sizes = {}              # (call, handle) -> entries its last answer had (the next call asks for a few more)
 
 
 def _fn(n, name):
@@ -145,12 +146,14 @@ def _samples(n, handle, since) -> list:
     import ctypes
     assert ctypes.sizeof(n.c_nvmlProcessUtilizationSample_t) == _SAMPLE.size
     fn = _fn(n, "nvmlDeviceGetProcessUtilization")
-    size = _FIRST
+    key = ("util", ctypes.cast(handle, ctypes.c_void_p).value)
+    size = max(_FIRST, _sizes.get(key, 0) + 16)
     for _ in range(4):   # processes may start between two calls
         array = (n.c_nvmlProcessUtilizationSample_t * size)()
         count = ctypes.c_uint(size)
         ret = fn(handle, array, ctypes.byref(count), ctypes.c_ulonglong(since))
         if ret == n.NVML_SUCCESS:
+            _sizes[key] = count.value
             return [s[:3] for s in _SAMPLE.iter_unpack(memoryview(array).cast("B")[:count.value * _SAMPLE.size])]
         if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
             raise n.NVMLError(ret)
@@ -201,12 +204,14 @@ def _process_infos(n, name, handle) -> list:
     assert ctypes.sizeof(n.c_nvmlProcessInfo_v3_t) == _PROC.size
     fn = _fn(n, name)
     na = n.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
-    size = _FIRST
+    key = (name, ctypes.cast(handle, ctypes.c_void_p).value)
+    size = max(_FIRST, _sizes.get(key, 0) + 16)
     for _ in range(4):       # processes may start between two calls
         array = (n.c_nvmlProcessInfo_v3_t * size)()
         count = ctypes.c_uint(size)
         ret = fn(handle, ctypes.byref(count), array)
         if ret == n.NVML_SUCCESS:
+            _sizes[key] = count.value
             return [(pid, None if used == na else used, gi, ci) for pid, used, gi, ci in
                     _PROC.iter_unpack(memoryview(array).cast("B")[:count.value * _PROC.size])]
         if ret != n.NVML_ERROR_INSUFFICIENT_SIZE:
