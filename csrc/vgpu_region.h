@@ -80,12 +80,13 @@ struct vgpu_usage_device {
     uint64_t sm_vtime_ns;       /* CLOCK_MONOTONIC */
     uint64_t sm_correction;     /* scale on estimated cost, 16.16 fixed point (0 = 1.0) */
     uint64_t sm_check_ns;       /* when the correction was last computed (CLOCK_MONOTONIC) */
-    uint64_t reserved_check;    /* (unused since the correction compares charged time) */
-    uint64_t sm_check_charged_ns;     /* sm_charged_ns at that moment */
+    uint64_t sm_measured_sum;   /* correction: NVML-measured GPU time, a sum decaying per check */
+    uint64_t sm_check_raw_ns;   /* sm_raw_ns at the last check */
     uint64_t yielded_ns;        /* time launches waited below sm.max, for neighbours' guarantees
                                    (burst mode; throttled_ns is the wait at sm.max itself) */
-    uint64_t sm_charged_ns;     /* GPU time charged to paced launches, unbatched (the correction's) */
-    uint64_t reserved[4];
+    uint64_t sm_raw_ns;         /* paced launches' estimated GPU time before correction, unbatched */
+    uint64_t sm_raw_sum;        /* correction: sm_raw_ns over the same checks, decaying alike */
+    uint64_t reserved[3];
 };
 
 /* Who a slot's process is, as it said when it claimed the slot.  The node agent uses

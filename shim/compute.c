@@ -16,11 +16,11 @@
  *   estimate: per (function, grid) the lower envelope of sampled CUDA event timings
  *             (one launch in SAMPLE_EVERY, a bounded number of samples in flight);
  *             graph launches likewise per executable graph;
- *   correction: every SM_CHECK_NS, while the container is held back by its share, one of
- *             its processes compares the GPU time NVML measured for the container with
- *             what its launches were charged and moves a cost scale half way to what
- *             would have matched (event timings also count time spent waiting behind
- *             other tenants' kernels; NVML does not).
+ *   correction: every SM_CHECK_NS one of its processes sets a cost scale to the ratio
+ *             of the GPU time NVML measured for the container to the estimates of
+ *             what it launched, both summed over the last few seconds (event timings
+ *             also count time spent waiting behind other tenants' kernels; NVML does
+ *             not).
  * Unpaced (sm.max = 100%, and in burst mode sm.request = 100% too) a launch costs a
  * generation check and a branch. */
 
@@ -329,9 +329,10 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
 #define BACKLOG_NS 40000000ull
 #define BACKLOG_POLL_NS 500000ull
 #define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
-static uint64_t bound_backlog(uint64_t now)
+static uint64_t bound_backlog(int dev, uint64_t now)
 {
     uint64_t waited = 0;
+    struct vgpu_board_slice *b = board_entry(dev);
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
         if (LOAD(&sp->busy) != 2 || now - LOAD(&sp->launched_ns) < BACKLOG_NS || now < LOAD(&sp->launched_ns))
@@ -342,6 +343,13 @@ static uint64_t bound_backlog(uint64_t now)
             struct timespec ts = {0, (long)BACKLOG_POLL_NS};
             nanosleep(&ts, NULL);
             waited += BACKLOG_POLL_NS;
+            if (b) {   /* kept from launching is wanting more, not idle: the board must see it */
+                uint64_t t = now_ns();
+                STORE(&b->paid_until_ns, t);
+                __atomic_add_fetch(&b->waited_ns, BACKLOG_POLL_NS, __ATOMIC_RELAXED);
+                if (n % 40 == 39)
+                    board_update(dev, b, LOAD(&sm_guarantee[dev]), LOAD(&sm_ceiling[dev]), t);
+            }
         }
     }
     return waited;
@@ -401,38 +409,50 @@ static uint64_t measured_ns(int dev, uint64_t window_ns)
 }
 
 /* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
- * compares the GPU time NVML measured for the container's processes with what their
- * launches were charged, and nudges the cost scale.  Whenever it launched something:
- * a slice held back by the device (its queue full) rather than by its share is charged
- * too little just the same, and would otherwise queue work in front of its neighbours. */
+ * adds the GPU time NVML measured for the container's processes, and the estimates of
+ * what they launched, to two sums that lose an eighth each check (about four
+ * seconds of memory), and sets the cost scale to their ratio: what the device really spent per
+ * estimated nanosecond.  Over a few windows the integer percentages NVML reports and the
+ * few long kernels of a half-second window average out (a single window of 20 ms
+ * kernels is a handful of them).  Whenever the container launched something: one held
+ * back by the device (its queue full) rather than by its share is mis-estimated just
+ * the same, and would queue work in front of its neighbours. */
 static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
 {
     uint64_t last = LOAD(&u->sm_check_ns);
     if (now - last < SM_CHECK_NS ||
         !__atomic_compare_exchange_n(&u->sm_check_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
-    uint64_t charged_total = LOAD(&u->sm_charged_ns);
-    uint64_t charged = charged_total - __atomic_exchange_n(&u->sm_check_charged_ns, charged_total, __ATOMIC_ACQ_REL);
+    uint64_t raw_total = LOAD(&u->sm_raw_ns);
+    uint64_t raw = raw_total - __atomic_exchange_n(&u->sm_check_raw_ns, raw_total, __ATOMIC_ACQ_REL);
     uint64_t window = now - last;
     uint64_t mine = LOAD(&first_paced_ns);
-    if (!last || window > 4 * SM_CHECK_NS || charged < window / 100 || !mine || last < mine)
-        return;   /* first period, a long pause, too little launched to judge, or a window
-                   * that began before this process (what ran then NVML no longer shows) */
+    if (!mine || last < mine) {   /* the sums are another process's (its estimates, its pids) */
+        STORE(&u->sm_measured_sum, 0);
+        STORE(&u->sm_raw_sum, 0);
+        return;
+    }
+    if (!last || window > 4 * SM_CHECK_NS || raw < window / 100 || last < mine + 2 * SM_CHECK_NS)
+        return;   /* first period, a long pause, too little launched to judge, or the process's
+                   * first second (its first kernels queue and wait to be measured) */
     uint64_t actual = measured_ns(dev, window);
     if (actual == NOT_MEASURED)
         return;
-    uint64_t corr = LOAD(&u->sm_correction);
-    if (!corr)
-        corr = CORR_ONE;
-    /* half way to the scale that would have charged exactly what the device measured */
-    corr = corr / 2 + (uint64_t)((double)corr * actual / charged / 2);
+    uint64_t m = LOAD(&u->sm_measured_sum), r = LOAD(&u->sm_raw_sum);
+    m = m - m / 8 + actual;
+    r = r - r / 8 + raw;
+    STORE(&u->sm_measured_sum, m);
+    STORE(&u->sm_raw_sum, r);
+    uint64_t old = LOAD(&u->sm_correction), corr = (uint64_t)((double)CORR_ONE * m / r);
+    old = old ? old : CORR_ONE;
+    corr = corr > old * 2 ? old * 2 : corr < old / 2 ? old / 2 : corr;   /* one window moves it at most 2x */
     if (corr < CORR_ONE / 16)
         corr = CORR_ONE / 16;
     if (corr > CORR_ONE * 16)
         corr = CORR_ONE * 16;
     STORE(&u->sm_correction, corr);
-    DEBUG("device %d: measured %.1f%%, charged %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
-          100.0 * charged / window, (double)corr / CORR_ONE);
+    DEBUG("device %d: measured %.1f%%, estimated %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
+          100.0 * raw / window, (double)corr / CORR_ONE);
 }
 
 /* Wait for the container's share, charge the launch, and say whether to sample it
@@ -455,7 +475,7 @@ static int pace(int dev, uint64_t key)
     uint64_t now = now_ns();
     if (UNLIKELY(!LOAD(&first_paced_ns)))
         STORE(&first_paced_ns, now);
-    if (LOAD(&in_flight) && bound_backlog(now))
+    if (LOAD(&in_flight) && bound_backlog(dev, now))
         now = now_ns();
     /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
      * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
@@ -473,7 +493,7 @@ static int pace(int dev, uint64_t key)
     do
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    __atomic_add_fetch(&u->sm_charged_ns, cost, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
     if (b) {
         STORE(&b->paid_until_ns, next > now ? next : now);   /* (a clock lagging now still launched now) */
         __atomic_add_fetch(&b->charged_ns, cost, __ATOMIC_RELAXED);
