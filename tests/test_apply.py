@@ -322,3 +322,23 @@ def test_export_leaves_out_a_slice_it_cannot_read_and_says_so(node, tmp_path):
     assert r.exit_code == 0
     assert "  # bad: not readable (" in r.stdout and "  good:\n    memory: 1Gi\n" in r.stdout
     assert r.stderr.startswith("warning: bad left out: ")
+
+
+def test_sm_mode_is_applied_switched_in_place_exported_and_checked(node, tmp_path):
+    f = write(tmp_path, "slices:\n  batch: {sm: 100%, sm-request: 30%}\n  steady: {sm: 40%, sm-mode: ceiling}\n")
+    assert ctl("apply", "-f", f, "--dir", node).exit_code == 0
+    assert slices.read_quota(node, "batch").sm_mode == "burst"       # the default
+    steady = slices.read_quota(node, "steady")
+    assert steady.sm_mode == "ceiling"
+    exported = ctl("export", "--dir", node).output
+    assert "    sm-mode: ceiling" in exported and exported.count("sm-mode") == 1
+    f2 = write(tmp_path, "slices:\n  batch: {sm: 100%, sm-request: 30%}\n  steady: {sm: 40%}\n", "b.yaml")
+    r = ctl("apply", "-f", f2, "--dir", node)
+    assert r.exit_code == 0 and "~ resize    steady  sm mode: ceiling" in r.output, r.output
+    after = slices.read_quota(node, "steady")
+    assert after.sm_mode == "burst" and after.generation > steady.generation   # in place: a live switch
+    assert "nothing to change" in ctl("apply", "-f", f2, "--dir", node).output
+    bad = write(tmp_path, "slices:\n  x:\n    sm-mode: fast\n", "bad.yaml")
+    r = ctl("apply", "-f", bad, "--dir", node)
+    assert r.exit_code == 2 and "bad.yaml:3: slices.x.sm-mode: 'fast' is not one of burst, ceiling" in r.output
+    assert "x" not in slices.list_names(node)

@@ -1125,6 +1125,8 @@ def apply_cmd(path, prune, dry_run, overcommit, parents, directory, as_json):
         elif c.action == "resize":
             details = [f"device {d}: {_changes(c.old[d].to_json(), c.new[d].to_json(), arrow)}"
                        for d in sorted(c.new) if c.new[d] != c.old[d]]
+            if c.sm_mode[0] != c.sm_mode[1]:
+                details.append(f"sm mode: {c.sm_mode[0]} {arrow} {c.sm_mode[1]}")
         else:
             details = []
         notes = [f"({c.note})"] if c.note else []

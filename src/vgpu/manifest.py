@@ -11,12 +11,18 @@
         limit: 6Gi
         sm: 20%
         sm-limit: 60%
+      batch:
+        sm: 100%
+        sm-request: 30%       # burst mode (the default): guaranteed 30%, idle time up to 100%
+      steady:
+        sm: 40%
+        sm-mode: ceiling      # never above 40%, idle GPU or not
       two-gpus:
         devices: [0, 1]       # the same quota on each; or a mapping, device -> fields
         memory: 8Gi
 
 Fields are `vgpu-ctl create`'s options: memory, request, limit, sm, sm-request, sm-limit,
-device or devices, user.  Values are read as the text written (`4Gi`, `50%`, `1000:1000`),
+sm-mode, device or devices, user.  Values are read as the text written (`4Gi`, `50%`, `1000:1000`),
 never as YAML's numbers or dates, and parsed as on the command line.
 
 read() checks the whole file first -- every name, field and value, with the line it is on
@@ -34,7 +40,7 @@ from typing import Optional
 from . import slices
 from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share, parse_memory, parse_share
 
-FIELDS = ("memory", "request", "limit", "sm", "sm-request", "sm-limit", "device", "devices", "user")
+FIELDS = ("memory", "request", "limit", "sm", "sm-request", "sm-limit", "sm-mode", "device", "devices", "user")
 _QUOTA_FIELDS = ("memory", "request", "limit", "sm", "sm-request", "sm-limit")
 
 
@@ -55,6 +61,7 @@ class Wanted:
     devices: dict                  # index -> DeviceQuota
     owner: Optional[tuple] = None  # (uid, gid)
     line: int = 0
+    sm_mode: str = slices.BURST
 
 
 def _yaml():
@@ -221,7 +228,13 @@ def _slice(name, line, spec, shown) -> Wanted:
     if "user" in fields:
         uline, unode = fields["user"]
         owner = _owner(_scalar(unode, shown, f"{where}.user"), shown, uline, f"{where}.user")
-    return Wanted(name, devices, owner, line)
+    mode = slices.BURST
+    if "sm-mode" in fields:
+        mline, mnode = fields["sm-mode"]
+        mode = _scalar(mnode, shown, f"{where}.sm-mode")
+        if mode not in slices.SM_MODES:
+            raise FileError(shown, mline, f"{where}.sm-mode", f"{mode!r} is not one of {', '.join(slices.SM_MODES)}")
+    return Wanted(name, devices, owner, line, mode)
 
 
 def _owner(text, shown, line, where):
@@ -247,9 +260,11 @@ class Change:
     new: dict = field(default_factory=dict)    # index -> DeviceQuota (what the file says)
     owner: Optional[tuple] = None
     note: str = ""
+    sm_mode: tuple = (None, None)     # (the node's, the file's)
 
     def to_json(self):
         return {"name": self.name, "action": self.action, "note": self.note or None,
+                "sm_mode": {"old": self.sm_mode[0], "new": self.sm_mode[1]},
                 "devices": [{"index": d, "old": self.old[d].to_json() if d in self.old else None,
                              "new": self.new[d].to_json() if d in self.new else None}
                             for d in sorted(set(self.old) | set(self.new))]}
@@ -301,7 +316,7 @@ def plan(directory, wanted: dict, prune=False, capacity=None, overcommit=False) 
                                   note="not in the file" + (f" ({problem})" if problem else "")))
             continue
         if name not in current:
-            changes.append(Change(name, "create", new=want.devices, owner=want.owner))
+            changes.append(Change(name, "create", new=want.devices, owner=want.owner, sm_mode=(None, want.sm_mode)))
             continue
         if quota is None:
             raise slices.BadFile(f"{name} cannot be read ({problem})",
@@ -315,10 +330,12 @@ def plan(directory, wanted: dict, prune=False, capacity=None, overcommit=False) 
                     f"{', '.join(map(str, sorted(want.devices)))}: a slice's devices change only by making it "
                     f"again, and it has {live} live process(es)", "stop them first, or keep its devices")
             changes.append(Change(name, "replace", old=old, new=want.devices, owner=want.owner,
-                                  note="other devices: deleted and created again"))
+                                  note="other devices: deleted and created again",
+                                  sm_mode=(quota.sm_mode, want.sm_mode)))
         else:
-            same = all(old[d] == want.devices[d] for d in held)
-            changes.append(Change(name, "unchanged" if same else "resize", old=old, new=want.devices))
+            same = all(old[d] == want.devices[d] for d in held) and quota.sm_mode == want.sm_mode
+            changes.append(Change(name, "unchanged" if same else "resize", old=old, new=want.devices,
+                                  sm_mode=(quota.sm_mode, want.sm_mode)))
             if want.owner and want.owner != _usage_owner(directory, name):
                 changes[-1].note = (f"user {want.owner[0]}:{want.owner[1]} applies when a slice is created: "
                                     f"delete {name} to make it so")
@@ -392,11 +409,15 @@ def apply(directory, changes, capacity=None, overcommit=False, log=lambda change
                                sm_limit=q.sm_limit, overcommit=overcommit, capacity=capacity)
         warnings += result["warnings"]
     for c in changes:
+        if c.action == "resize" and c.sm_mode[0] != c.sm_mode[1]:   # the mode alone: no capacity at stake
+            slices.resize(directory, c.name, sm_mode=c.sm_mode[1], overcommit=True)
+    for c in changes:
         if c.action == "resize":
             finish(c)
     for c in changes:
         if c.action in ("create", "replace"):
-            slices.create(directory, c.name, c.new, overcommit=overcommit, capacity=capacity, owner=c.owner)
+            slices.create(directory, c.name, c.new, overcommit=overcommit, capacity=capacity, owner=c.owner,
+                          sm_mode=c.sm_mode[1])
             finish(c)
     return warnings
 
@@ -485,6 +506,8 @@ def export(directory) -> tuple:
             for d in held:
                 f = _fields(devs[d])
                 body.append(f"      {d}: {{{', '.join(f'{k}: {v}' for k, v in f)}}}" if f else f"      {d}: {{}}")
+        if quota.sm_mode != slices.BURST:
+            body.append(f"    sm-mode: {quota.sm_mode}")
         owner = _usage_owner(directory, name)
         if owner:
             body.append(f'    user: "{owner[0]}:{owner[1]}"')
