@@ -338,7 +338,7 @@ def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_t
     assert node_.usage("a").devices[0]["memory_current"] == GiB
 
     agent = agents(node_)
-    agent.wait_for(lambda e: e.get("event") == "reaped", 5)
+    agent.wait_for(lambda e: e.get("event") == "reaped", 30)      # its first look (start-up is not timed)
     t2 = spawn(node_.shim_env("a"))
     assert t2.call(alloc=GiB) == 0
     t2.proc.send_signal(sig)
@@ -348,6 +348,52 @@ def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_t
     assert back and took < 1.0, f"memory back after {took:.3f}s"
     e = agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == t2.pid, 5)
     assert (e["container"], e["memory"]) == ("a", {"0": GiB})
+
+
+# A slot's owner, by hand (the shim's protocol, shim.c): its lock on a read-only descriptor,
+# its record and a charge written through a writable one, which it closes first.
+LATE_LOCK = r"""
+import fcntl, os, struct, sys, time
+from vgpu import slices
+path, slot = sys.argv[1], 7
+rw = os.open(path, os.O_RDWR)             # closing it is the agent's inotify event (a close after writing)
+ro = os.open(path, os.O_RDONLY)           # the slot's lock lives here: its close is no event
+fcntl.fcntl(ro, fcntl.F_OFD_SETLK, slices._flock_struct(fcntl.F_RDLCK, slot))
+os.pwrite(rw, struct.pack("<i", os.getpid()), slices.pid_offset(slot))
+os.pwrite(rw, struct.pack("<Q", 1 << 30), slices.charge_offset(0, slot))
+print("ready", flush=True)
+sys.stdin.readline()
+os.close(rw)
+time.sleep(0.05)
+os.close(ro)
+print(time.time(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_slot_whose_lock_outlives_its_close_event_is_reaped_at_once(node_, agents):
+    """The kernel sends a close's inotify event just before it drops the closing file's
+    locks (a dying process's last close), so the agent may find the slot still locked when
+    the event comes.  Here the owner stretches that moment to 50 ms, and stays alive (no
+    pidfd says anything): the slot is looked at again after the event, not at the next look."""
+    node_.ctl("create", "a", "--memory", "4Gi")
+    agent = agents(node_)
+    time.sleep(1.2)                                # past its first look
+    owner = subprocess.Popen([sys.executable, "-c", LATE_LOCK, str(node_.dir / "a" / "usage")], env=node_.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        assert node_.usage("a").devices[0]["memory_current"] == GiB
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        dropped = float(owner.stdout.readline())
+        e = agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("slot") == 7, 5)
+        took = _ts(e["ts"]) - dropped
+        assert took < 0.5, f"reaped {took:.3f}s after its lock was free"
+        assert node_.usage("a").devices[0]["memory_current"] == 0
+    finally:
+        owner.kill()
+        owner.wait(10)
 
 
 # === unsliced processes ===

@@ -61,6 +61,7 @@ SLACK_S = 0.005
 SWEEP_LOOKS = 30                # and every slice once in 30 looks (a net under the inotify events)
 RECENT_NS = 100_000_000         # a directory changed this recently is looked at again (coarse timestamps)
 MIG_RESCAN_S = 30.0             # a MIG-mode GPU's MIG devices are listed again this often
+RECHECK_AFTER = (0.005, 0.03, 0.1, 0.3)   # s after an open or close of a usage file: its slice looked at again
 MIG_FORCED_S = 2.0              # ... and out of turn (a new instance, one gone) at most this often
 
 
@@ -671,6 +672,41 @@ class Observer:
         f = self.files.get(name)
         if f is None or f.view._ufd is None:
             return slices.reap_slice(self.directory, name)
+        return self._reap(f, name)[1]
+
+    def recheck(self, name, now=None):
+        """Between looks, after an inotify event on the slice's usage file (a process
+        joined or left): reap its dead slots, and watch through a pidfd each process of our
+        pid namespace that claimed a slot since, so its end is seen at once.  Returns (what
+        was reclaimed, unsure): unsure while a slot's process is alive by its lock alone --
+        the kernel sends a close's event just before it drops the closing process's lock, so
+        such a slot is looked at again (Agent: RECHECK_AFTER).  A slice not looked at yet:
+        ([], True), the next look reads it."""
+        f = self.files.get(name)
+        if f is None or f.view._ufd is None:
+            return [], True
+        now = time.monotonic() if now is None else now
+        ss, reclaimed = self._reap(f, name)
+        tracked, not_slots, unsure = self.tracked, self._not_slots, False
+        by_usage = self._by_inode[1] if self._by_inode is not None else None
+        for sl in ss:
+            if not sl.alive:
+                continue
+            t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == self.my_pid_ns else None
+            if t is None and sl.pid > 0 and sl.pid_ns == self.my_pid_ns and by_usage is not None and \
+                    not_slots.get(sl.pid) != sl.start_ticks:
+                t = self.track(sl.pid)
+                if t.visible and t.start == sl.start_ticks:
+                    self._usage_of(t, by_usage, now)
+                else:            # another process has that pid now, or none: not the slot's
+                    self._drop(t)
+                    not_slots[sl.pid] = sl.start_ticks
+                    t = None
+            if t is None or not t.visible or t.start != sl.start_ticks:
+                unsure = True
+        return reclaimed, unsure
+
+    def _reap(self, f, name):
         if f.rw is None:
             shown = os.path.join(self.directory, name, slices.USAGE)
             fd = os.open(shown, slices._RW)
@@ -686,8 +722,8 @@ class Observer:
         ss, _, _ = UsageReader().read(f.rw, f.devices)
         f.same = None            # the next look reads it again
         self._ended.add(name)
-        return [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
-                for r in (slices._reap_slot(f.rw, sl) for sl in ss if not sl.alive) if r]
+        return ss, [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
+                    for r in (slices._reap_slot(f.rw, sl) for sl in ss if not sl.alive) if r]
 
     def alive(self, pid, pid_ns, start_ticks) -> bool:
         """Is the slot's process one this observer watches, still running?  (Only for
@@ -1465,6 +1501,8 @@ class Agent:
         self._state_written = None
         self._nvml_note = None
         self._acted = set()      # (pid, start) already killed
+        self._soon = {}          # slice -> [monotonic times it is looked at again] (after inotify events)
+        self._joined = {}        # slice -> when a process last opened its usage file
 
     def _sm_of(self, name, device):
         snap = self.latest
@@ -1514,16 +1552,27 @@ class Agent:
         for name in snap.dead:
             self.reap(name)
 
-    def reap(self, name):
+    def reap(self, name, recheck=False):
+        """Reap the slice's dead slots (recheck: and watch its new processes, see
+        Observer.recheck); True while the slice is worth looking at again soon."""
         try:
-            for rec in self.observer.reap(name):
-                self.reaped_total += 1
-                self.log("reaped", container=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
-                         memory=rec["memory"])
+            if recheck:
+                recs, unsure = self.observer.recheck(name)
+            else:
+                recs, unsure = self.observer.reap(name), False
+            self._log_reaped(name, recs)
+            return unsure
         except slices.NotFound:
             pass
         except (slices.VgpuError, OSError) as e:
             self.log("error", container=name, error=f"reap: {e}")
+        return False
+
+    def _log_reaped(self, name, recs):
+        for rec in recs:
+            self.reaped_total += 1
+            self.log("reaped", container=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
+                     memory=rec["memory"])
 
     def _started(self, v, snap):
         record = {"kind": v.kind, "container": v.container or None, "device": v.device, "action": v.action,
@@ -1723,26 +1772,47 @@ class Agent:
 
     def _wait(self, stop, until):
         """Sleep until `until`, waking at once when a tracked process ends (its slice is
-        reaped then); False when `stop` was set."""
+        reaped then) and when a process opens or closes a usage file (the slice is looked
+        at again at once and RECHECK_AFTER: a close's slot once its lock is free, a
+        newcomer's to watch it through a pidfd); False when `stop` was set."""
+        obs = self.observer
+        soon = self._soon            # slice -> when it is looked at again, soonest first
         while not stop.is_set():
-            left = until - time.monotonic()
+            now = time.monotonic()
+            if soon:
+                for name in [n for n, at in soon.items() if at[0] <= now]:
+                    with obs.lock:
+                        unsure = self.reap(name, recheck=True)
+                    at = [x for x in soon[name] if x > now]
+                    if at and (unsure or self._joined.get(name, 0) > now - RECHECK_AFTER[-1]):
+                        soon[name] = at
+                    else:
+                        del soon[name]
+                        self._joined.pop(name, None)
+            left = until - now
             if left <= 0:
                 return True
-            obs = self.observer
+            if soon:
+                left = min(left, max(0.0, min(at[0] for at in soon.values()) - now))
             events = obs.poller.poll(min(left, 1.0))
             if not events:
                 continue
             names = set()
+            now = time.monotonic()
             with obs.lock:
                 if obs.inotify is not None and any(fd == obs.inotify.fd for fd, _ in events):
                     for name, mask in obs.inotify.events():
                         if mask & IN_CLOSE_WRITE:
                             names.add(name)        # a process of it ended (or let go of the file)
+                        else:
+                            self._joined[name] = now   # a process joined: its slot is claimed just after
                         obs._ended.add(name)       # looked at next time: a process joined or left
+                        if name not in soon:
+                            soon[name] = [now + x for x in RECHECK_AFTER]
                 for t in obs.forget_ended(events):
                     names |= set(t.usage or ())
                 for name in sorted(names):
-                    self.reap(name)
+                    self.reap(name, recheck=name in soon)
         return False
 
 
