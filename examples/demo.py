@@ -11,7 +11,10 @@ run three times, on a fresh simulated node each time:
      adding up to 130%), and halfway through, training is resized live to 40%;
   3. with vgpu and the autoscaler: training starts at 40% with room to grow, the inference
      services are guaranteed 10% with a ceiling of 20%; `vgpu-ctl autoscale` moves the
-     ceilings with the load.
+     ceilings with the load;
+  4. with vgpu in burst mode: training guaranteed 40% with a ceiling of 100%, inference 20%
+     each -- whatever inference leaves idle goes to training at once, and comes back the
+     moment inference wants it (no windows).
 
 Every change goes through the `vgpu-ctl` command line, printed as it runs.  Shares are
 measured from outside (vgpu.referee: NVML per-process utilization), work and latency by
@@ -45,7 +48,7 @@ TENANTS = [
     ("infer-leaky", 2, 20, "leak"),
 ]
 INFER = [t[0] for t in TENANTS if t[3] != "train"]
-AUTOSCALE = ["--window", "2s", "--interval", "250ms", "--low", "60%", "--target", "80%"]
+AUTOSCALE = ["--window", "2s", "--interval", "250ms", "--low", "70%", "--target", "80%"]
 
 
 class Timing:
@@ -224,7 +227,7 @@ def _percentiles(latencies, t0, a, b):
     return (pick(0.50), pick(0.99))
 
 
-# === the three phases ===
+# === the phases ===
 
 def demand_alone(tmp, timing):
     """What one inference service uses with the GPU to itself: its demand."""
@@ -287,6 +290,16 @@ def phase_autoscaled(tmp, timing, vgpu_dir):
     return res, final
 
 
+def phase_burst(tmp, timing):
+    vgpu_dir = os.path.join(tmp, "vgpu-burst")
+    env = node_env(os.path.join(tmp, "node-4"), vgpu_dir)
+    print(f"  $ export VGPU_DIR={vgpu_dir}")
+    ctl(["create", "train", "--memory", "8Gi", "--sm", "100%", "--sm-request", "40%"], env)
+    for name in INFER:
+        ctl(["create", name, "--memory", "2Gi", "--sm", "20%"], env, quiet=True)
+    return run_phase("burst       ", env, timing, [t[0] for t in TENANTS], True)
+
+
 def _ts(text):
     from datetime import datetime
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=__import__("datetime").timezone.utc
@@ -295,31 +308,34 @@ def _ts(text):
 
 # === the report ===
 
-def report(timing, demand, without, with_, auto, ceilings3):
+def report(timing, demand, without, with_, auto, ceilings3, burst):
     w0, w1 = timing.before, timing.after
     print(f"\nSM share: % of the GPU's time, measured by NVML; before the resize = {w0[0]:g}-{w0[1]:g} s, "
           f"after = {w1[0]:g}-{w1[1]:g} s of each phase.")
     print(f"Demand: an inference service alone on the GPU uses {demand[0]:.1f}%; training takes all it can get.\n")
-    cols = ["ceiling", "without", "with vgpu", "ceiling", "after resize", "ceiling", "autoscaled"]
+    cols = ["ceiling", "without", "with vgpu", "ceiling", "after resize", "ceiling", "autoscaled", "share", "burst"]
     print(f"{'tenant':12} | {cols[0]:>7} {cols[1]:>8} {cols[2]:>9} | {cols[3]:>7} {cols[4]:>12} | "
-          f"{cols[5]:>7} {cols[6]:>10}")
-    busy = {"without": 0.0, "with": 0.0, "after": 0.0, "auto": 0.0}
+          f"{cols[5]:>7} {cols[6]:>10} | {cols[7]:>7} {cols[8]:>6}")
+    busy = {"without": 0.0, "with": 0.0, "after": 0.0, "auto": 0.0, "burst": 0.0}
     for name, _, share, role in TENANTS:
         after_ceiling = 40 if role == "train" else share
         c3 = ceilings3.get(name, 40 if role == "train" else share)
-        a, b, c, d = (without[name]["share"]["before"], with_[name]["share"]["before"],
-                      with_[name]["share"]["after"], auto[name]["share"]["after"])
-        for k, v in zip(busy, (a, b, c, d)):
+        c4 = "40-100%" if role == "train" else f"{share}%"
+        a, b, c, d, e = (without[name]["share"]["before"], with_[name]["share"]["before"],
+                         with_[name]["share"]["after"], auto[name]["share"]["after"], burst[name]["share"]["after"])
+        for k, v in zip(busy, (a, b, c, d, e)):
             busy[k] += v
-        print(f"{name:12} | {share:>6}% {a:8.1f} {b:9.1f} | {after_ceiling:>6}% {c:12.1f} | {c3:>6g}% {d:10.1f}")
+        print(f"{name:12} | {share:>6}% {a:8.1f} {b:9.1f} | {after_ceiling:>6}% {c:12.1f} | {c3:>6g}% {d:10.1f} | "
+              f"{c4:>7} {e:6.1f}")
     print(f"{'GPU busy':12} | {'':7} {busy['without']:8.1f} {busy['with']:9.1f} | {'':7} {busy['after']:12.1f} | "
-          f"{'':7} {busy['auto']:10.1f}")
+          f"{'':7} {busy['auto']:10.1f} | {'':7} {busy['burst']:6.1f}")
 
     print("\nWork per second and inference latency (ms, p50/p99), by the same windows:")
-    print(f"{'tenant':12} | {'without':>18} | {'with vgpu':>18} | {'after resize':>18} | {'autoscaled':>18}")
+    print(f"{'tenant':12} | {'without':>18} | {'with vgpu':>18} | {'after resize':>18} | {'autoscaled':>18} | "
+          f"{'burst':>18}")
     for name, _, _, role in TENANTS:
         cells = []
-        for res, k in ((without, "before"), (with_, "before"), (with_, "after"), (auto, "after")):
+        for res, k in ((without, "before"), (with_, "before"), (with_, "after"), (auto, "after"), (burst, "after")):
             r = res[name]
             if role == "train":
                 cells.append(f"{r['rate'][k]:6.0f} steps/s".rjust(18))
@@ -337,19 +353,18 @@ def report(timing, demand, without, with_, auto, ceilings3):
     return busy
 
 
-def summary(timing, demand, without, with_, auto, ceilings3, busy):
+def summary(timing, demand, without, with_, auto, ceilings3, busy, burst):
     lk, tr = "infer-leaky", "train"
 
     def gain(new, old):
         return (new / old - 1) * 100 if old else 0.0
 
     inf = [n for n in INFER if n != lk]
+    phases = (("without", without), ("with", with_), ("auto", auto), ("burst", burst))
     rate = {(res_name, k): sum(res[n]["rate"][k] for n in inf) / len(inf)
-            for res_name, res in (("without", without), ("with", with_), ("auto", auto))
-            for k in ("before", "after")}
+            for res_name, res in phases for k in ("before", "after")}
     p99 = {(res_name, k): max(res[n]["latency"][k][1] for n in inf)
-           for res_name, res in (("without", without), ("with", with_), ("auto", auto))
-           for k in ("before", "after")}
+           for res_name, res in phases for k in ("before", "after")}
     print("\nWhat this run measured:")
     bullet(f"Memory: without vgpu the leak grew to {without[lk]['final'].get('peak', 0)} GiB and training's "
           f"allocations were refused {without[tr]['final'].get('ooms', 0)} times; with vgpu the leak stopped at "
@@ -371,6 +386,13 @@ def summary(timing, demand, without, with_, auto, ceilings3, busy):
           f"20% -> {'/'.join(f'{v:g}%' for v in i3)} (their guaranteed 10% stays), p99 "
           f"{p99['with', 'after']:.1f} -> {p99['auto', 'after']:.1f} ms; and, by the policy (not measured here), a "
           f"burst above the new ceiling waits one window (2 s here) before the ceiling can grow back.")
+    bullet(f"Burst mode gave training the idle time at once, without windows: guaranteed 40%, it measured "
+          f"{burst[tr]['share']['after']:.1f}% (steps {gain(burst[tr]['rate']['after'], with_[tr]['rate']['after']):+.0f}% "
+          f"against the 40% ceiling), the GPU {busy['burst']:.0f}% busy against {busy['after']:.0f}% with ceilings; "
+          f"inference still got what it asks for ({burst[inf[0]]['share']['after']:.1f}% each, {demand[0]:.1f}% alone) "
+          f"and served {gain(rate['burst', 'after'], rate['with', 'after']):+.0f}% requests a second, p99 "
+          f"{p99['with', 'after']:.1f} -> {p99['burst', 'after']:.1f} ms (a request now queues behind training's "
+          f"kernels: the price of lending on a GPU that runs one kernel at a time).")
 
 
 def bullet(text):
@@ -426,10 +448,12 @@ def main():
         with_, vgpu_dir, _ = phase_with_vgpu(tmp, timing)
         print("\n3. With vgpu and the autoscaler: ceilings follow the load, within requests and limits.")
         auto, ceilings3 = phase_autoscaled(tmp, timing, vgpu_dir)
-    busy = report(timing, demand, without, with_, auto, ceilings3)
-    summary(timing, demand, without, with_, auto, ceilings3, busy)
+        print("\n4. With vgpu in burst mode: training guaranteed 40%, idle time lent to it up to 100%.")
+        burst = phase_burst(tmp, timing)
+    busy = report(timing, demand, without, with_, auto, ceilings3, burst)
+    summary(timing, demand, without, with_, auto, ceilings3, busy, burst)
     png = plot([("without vgpu", without), ("with vgpu (resize at the line)", with_),
-                ("with vgpu, autoscaled", auto)],
+                ("with vgpu, autoscaled", auto), ("with vgpu, burst", burst)],
                timing, args.plot) if args.plot else None
     print(f"\n{time.monotonic() - started:.0f} s." + (f"  Timeline of shares and memory: {png}." if png else
                                                       "  (pip install matplotlib for a timeline plot)"))

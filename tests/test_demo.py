@@ -1,7 +1,8 @@
-"""examples/demo.py (`make demo`), in its short form: it runs its three phases through
+"""examples/demo.py (`make demo`), in its short form: it runs its four phases through
 the real command line, prints every vgpu-ctl command it runs, and what it reports holds:
 the memory facts exactly (caps are exact), the measured shares within a few points of the
-ceilings, the autoscaler's move in the direction it says.  About 30 s.
+ceilings, the autoscaler's move in the direction it says, burst mode filling the idle time.
+About 40 s.
 """
 import importlib.util
 import re
@@ -23,7 +24,7 @@ def test_the_demo_runs_its_phases_prints_its_commands_and_reports_what_it_measur
                             "create infer-b --memory 2Gi --sm 20%", "create infer-leaky --memory 2Gi --sm 20%",
                             "resize train --sm 40%"]
     assert commands[5] == "reap" and commands[6].startswith("apply -f ")
-    assert commands[7] == "autoscale --window 2s --interval 250ms --low 60% --target 80% &"
+    assert commands[7] == "autoscale --window 2s --interval 250ms --low 70% --target 80% &"
     assert "warning: SM shares on device 0 add up to 130%" in text       # the ceilings, said as vgpu-ctl says them
 
     memory = {name: re.findall(r"(\d+) G,\s+(\d+) OOM", line)       # without, with vgpu, autoscaled
@@ -33,12 +34,16 @@ def test_the_demo_runs_its_phases_prints_its_commands_and_reports_what_it_measur
     assert [int(o) for _, o in memory["train"][1:]] == [0, 0]                 # with vgpu training never failed
     assert all(int(p) <= 2 for p, _ in memory["infer-a"])
 
-    share = re.search(r"^train\s+\|\s+70%\s+([\d.]+)\s+([\d.]+) \|\s+40%\s+([\d.]+) \|\s+(\d+)%\s+([\d.]+)$", text,
-                      re.M)
+    share = re.search(r"^train\s+\|\s+70%\s+([\d.]+)\s+([\d.]+) \|\s+40%\s+([\d.]+) \|\s+(\d+)%\s+([\d.]+)"
+                      r" \|\s+40-100%\s+([\d.]+)$", text, re.M)
     assert share, text
-    without, before, after, ceiling3, auto = map(float, share.groups())
+    without, before, after, ceiling3, auto, burst = map(float, share.groups())
     assert abs(before - 70) < 5 and abs(after - 40) < 5      # the ceilings and the live resize, from outside
     assert ceiling3 > 40 and auto > after + 3                  # the autoscaler gave training idle time
+    assert burst > after + 10                                  # burst mode gave it the idle time at once
+    busy = re.search(r"^GPU busy\s+\|.*\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)$", text, re.M)
+    assert busy and float(busy.group(3)) > float(busy.group(1)) + 10, text   # less of the GPU idle than with ceilings
+    assert "create train --memory 8Gi --sm 100% --sm-request 40%" in commands
     assert "GPU busy" in text and "p50/p99" in text
     assert re.search(r"^- The resize to 40% \(live, no restart\): training's share went", text, re.M)
     if importlib.util.find_spec("matplotlib"):

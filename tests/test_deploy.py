@@ -65,7 +65,8 @@ def test_env_k8s_with_an_installed_shim_makes_a_valid_pod(node):
     mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in fragment["volumeMounts"]}
     assert mounts == {"vgpu-shim": (CONTAINER_SHIM, True), "vgpu-train-quota": ("/run/vgpu/train/quota", True),
                       "vgpu-train-usage": ("/run/vgpu/train/usage", False),
-                      "vgpu-train-slice": ("/run/vgpu/.slice", True)}
+                      "vgpu-train-slice": ("/run/vgpu/.slice", True),
+                      "vgpu-sm-board": ("/run/vgpu/.sm-board", False)}
     assert {v["name"]: v["hostPath"]["path"] for v in fragment["volumes"]}["vgpu-shim"] == "/opt/vgpu/libvgpu.so"
     assert {e["name"]: e["value"] for e in fragment["env"]}["LD_PRELOAD"] == CONTAINER_SHIM
 
@@ -86,7 +87,7 @@ def test_two_slices_fit_in_one_pod_whatever_their_names(node):
                                     "volumeMounts": f["volumeMounts"]} for i, f in enumerate(fragments.values())],
                     "volumes": list(volumes.values())}}
     k8s_schema.manifest(pod)                      # every volume name a DNS-1123 label
-    assert len(volumes) == 1 + 3 * len(fragments)  # one shim; a quota, a usage and an identity per slice
+    assert len(volumes) == 2 + 3 * len(fragments)  # one shim and one board; a quota, a usage and an identity per slice
 
 
 def test_env_k8s_with_ld_so_preload_mounts_it_read_only_and_leaves_ld_preload_alone(node):
@@ -104,7 +105,7 @@ def test_env_docker_with_ld_so_preload(node):
     assert [args[i + 1] for i, a in enumerate(args) if a == "-v"] == [
         f"/opt/vgpu/libvgpu.so:{CONTAINER_SHIM}:ro", "/run/vgpu/infer/quota:/run/vgpu/infer/quota:ro",
         "/run/vgpu/infer/usage:/run/vgpu/infer/usage:rw", "/run/vgpu/infer/identity:/run/vgpu/.slice:ro",
-        "/opt/vgpu/ld.so.preload:/etc/ld.so.preload:ro"]
+        "/run/vgpu/.sm-board:/run/vgpu/.sm-board:rw", "/opt/vgpu/ld.so.preload:/etc/ld.so.preload:ro"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "-e"] == [
         "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=infer", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 

@@ -797,14 +797,21 @@ def test_pids_the_agent_cannot_see_are_unknown_and_never_acted_on(node_, spawn, 
     loose = spawn(node_.env)
     assert loose.call(alloc=GiB) == 0
     # the agent in a pid namespace of its own, with its own /proc: NVML's host pids mean nothing there
+    # (unshare blocks SIGTERM while it waits for its child: the agent is stopped by killing
+    # unshare, whose end --kill-child passes on to it; without it the agent outlived the test)
     agent = agents(node_, "--require-slices", "--on-violation", "kill", "--metrics-port", 0,
                    "--metrics-address", "127.0.0.1",
-                   prefix=["unshare", "--pid", "--fork", "--mount-proc"])
-    time.sleep(2.5)
-    assert loose.alive() and agent.events("violation") == [] and agent.events("action") == []
-    m = agent.metrics()
-    assert m[("vgpu_unknown_processes", (("device", "0"),))] == 1
-    assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 0
+                   prefix=["unshare", "--pid", "--fork", "--kill-child=SIGTERM", "--mount-proc"])
+    try:
+        time.sleep(2.5)
+        assert loose.alive() and agent.events("violation") == [] and agent.events("action") == []
+        m = agent.metrics()
+        assert m[("vgpu_unknown_processes", (("device", "0"),))] == 1
+        assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 0
+    finally:
+        agent.proc.kill()
+        agent.proc.wait(10)
+        agent.wait_for(lambda e: e.get("event") == "stopped", 10)
 
 
 class FakeNvml:
