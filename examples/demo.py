@@ -244,7 +244,7 @@ def phase_with_vgpu(tmp, timing):
     print(f"  $ export VGPU_DIR={vgpu_dir}")
     for name, mem, share, _ in TENANTS:
         ctl(["create", name, "--memory", f"{mem}Gi", "--sm", f"{share}%"], env, quiet=name != "infer-leaky")
-    print("    (the SM shares add up to 130%: they are ceilings, not guarantees)")
+    print("    (the SM shares add up to 130%: more than the GPU, so they cannot all be guaranteed)")
     resized = []
 
     def during(elapsed):

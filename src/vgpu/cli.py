@@ -276,8 +276,8 @@ def _warn_sm_ceilings(directory, devices):
         total = sum(shares.values())
         if d in devices and total > 10000:
             each = ", ".join(f"{n} {format_share(v)}" for n, v in sorted(shares.items()))
-            _warn(f"SM shares on device {d} add up to {format_share(total)} ({each}): sm.max is a ceiling, "
-                  "not a guarantee; when every slice wants its share at once, each gets less")
+            _warn(f"SM shares on device {d} add up to {format_share(total)} ({each}): more than the device, so "
+                  "they cannot all be guaranteed; when every slice wants its share at once, each gets less")
 
 
 # === capacity (for overcommit checks) ===
