@@ -142,13 +142,15 @@ static struct vgpu_board_slice *board_slice(struct vgpu_board_device *d, uint64_
     for (int i = 0; i < VGPU_BOARD_SLICES && !e; i++) {
         struct vgpu_board_slice *c = &d->slices[i];
         uint64_t k = LOAD(&c->key), at = LOAD(&c->period_ns);
-        if (k != 0 && !(at < now && now - at > BOARD_REUSE_NS))
+        /* (period 0: just taken by a slice that has not computed yet -- not silent) */
+        if (k != 0 && !(at != 0 && at < now && now - at > BOARD_REUSE_NS))
             continue;
         if (!__atomic_compare_exchange_n(&c->key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
-        STORE(&c->period_ns, 0);
+        STORE(&c->period_ns, 0);   /* its first update is a waking one */
         STORE(&c->paid_until_ns, 0);
         STORE(&c->demand, 0);
+        STORE(&c->allowance, 0);
         e = c;
     }
     if (!e)
@@ -247,6 +249,13 @@ static uint32_t allowance_from(struct vgpu_board_device *d, struct vgpu_board_sl
     return got_self;
 }
 
+/* GPU time used over a span, in 1/100 percent (several streams may charge more than the
+ * span: capped at twice the device, so nothing overflows) */
+static uint64_t share_of(uint64_t used, uint64_t span)
+{
+    return used >= 2 * span ? 2 * SM_FULL : used * SM_FULL / span;
+}
+
 /* The slice's allowance on the device, recomputed once a period by whichever process
  * gets there first; the others keep pacing at the one in the entry. */
 uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now)
@@ -269,10 +278,10 @@ uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, u
     } else if (waking || (woke <= now && now - woke < BOARD_WAKE_NS)) {
         /* waking: at least its guarantee until its launches say more (the first ones
          * wait for the device to measure them, which is not wanting less) */
-        uint64_t share = waking ? 0 : used * SM_FULL / span;
+        uint64_t share = waking ? 0 : share_of(used, span);
         demand = share > guarantee ? (share > ceiling ? ceiling : (uint32_t)share) : guarantee;
     } else {
-        uint64_t share = used * SM_FULL / span;
+        uint64_t share = share_of(used, span);
         share += share / 32 + 25;   /* a quarter point and 3%: noise, not hoarding */
         demand = share > ceiling ? ceiling : (uint32_t)share;
     }

@@ -250,3 +250,63 @@ def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path
     [d] = c["devices"]
     assert c["sm_mode"] == "burst" and d["sm_guaranteed"] == 2000 and d["sm_max"] == 8000
     assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(tmp_path, c_program, round_):
+    """16 standalone processes of 4 containers start together in a fresh directory: the
+    first shim makes the board (complete or not at all), and each container ends with one
+    entry on the device however its processes raced for it."""
+    from vgpu import board
+    exe = c_program("duty")
+    envs = [tenant_env(tmp_path, f"c{i % 4}", f"{20 + i % 4}%") for i in range(16)]
+    procs = [subprocess.Popen([str(exe), "200", "0.6"], env=env, stdout=subprocess.DEVNULL) for env in envs]
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    vgpu_dir = tmp_path / "vgpu"
+    assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]   # no temporaries
+    entries = board.read(vgpu_dir)
+    assert sorted(entries) == sorted(board.slice_key(f"c{i}") for i in range(4))
+    assert all(len(v) == 1 for v in entries.values()), entries
+    assert {e["ceiling"] for v in entries.values() for e in v} == {2000, 2100, 2200, 2300}
+
+
+def test_a_hostile_board_entry_keeps_a_burst_slice_at_its_guarantee_never_below(tmp_path, c_program):
+    """Another tenant writes an entry that asks for the whole device and keeps it fresh: the
+    burst slice gets no idle time lent (it cannot know the time is idle), and keeps its
+    guaranteed 30%."""
+    from vgpu import board
+    env = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    exe = c_program("duty")
+    stop = []
+
+    def forge(t0):   # once the slice's section exists, a second entry beside it, kept live
+        path = tmp_path / "vgpu" / board.BOARD
+        fd = os.open(path, os.O_RDWR)
+        with mmap.mmap(fd, board.BOARD_SIZE) as m:
+            b = ffi.from_buffer("struct vgpu_board *", m)
+            while time.time() < t0 + 3.8:
+                dev = next((b.devices[i] for i in range(64) if b.devices[i].claimed == 1), None)
+                if dev is not None:
+                    e = dev.slices[63]
+                    now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                    e.key, e.guarantee, e.ceiling, e.demand = 12345, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF
+                    e.period_ns, e.paid_until_ns = now, now + 10**9
+                time.sleep(0.05)
+            ffi.release(b)
+        os.close(fd)
+
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 4, [[1.5, 3.5]], during=forge)
+    assert abs(got - 30) <= MARGIN, got
+
+
+def test_a_broken_board_is_no_crash_and_a_burst_slice_runs_at_its_guarantee(tmp_path, c_program):
+    from vgpu import board
+    env = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "40%")
+    (tmp_path / "vgpu" / board.BOARD).write_bytes(b"not a board")   # a tenant's doing
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 40) <= MARGIN, got          # fail closed for bursting: lends nothing it cannot see
+    r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
+                           env=make_sim_env(tmp_path / "node"))
+    assert r.exit_code == 0, r.output
+    [d] = json.loads(r.output)["containers"][0]["devices"]
+    assert d["sm_allowance"] is None and d["sm_guaranteed"] == 4000
