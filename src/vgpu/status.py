@@ -218,15 +218,15 @@ def sm_shares(directory) -> dict:
         if has_mig(directory, name):   # its share is of its MIG instance, not of the GPU
             continue
         for d in quota.held():
+            out.setdefault(d, {})[name] = quota.guaranteed_sm(d)
+    return out
+
+
 def _device_uuid(nv_devices, d, mig):
     """NVML's UUID of a software slice's device d (a MIG slice's board entry is its only one)."""
     if mig is not None or not nv_devices or d >= len(nv_devices):
         return None
     return nv_devices[d].get("uuid")
-
-
-            out.setdefault(d, {})[name] = quota.guaranteed_sm(d)
-    return out
 
 
 def _guaranteed(row):
@@ -259,6 +259,10 @@ def _percent(v):
 
 
 def _describe_violation(v):
+    from .node import describe_violation
+    return describe_violation(v)
+
+
 def _share_text(c, cd) -> str:
     """sm.max, or in burst mode with a guarantee below it guarantee-ceiling and, while it
     paces, what it is allowed now: 30-100% (now 72%)."""
@@ -268,10 +272,6 @@ def _share_text(c, cd) -> str:
     now = cd.get("sm_allowance")
     return f"{format_share(g).rstrip('%')}-{format_share(cd['sm_max'])}" + \
         ("" if now is None else f" (now {format_share(now)})")
-
-
-    from .node import describe_violation
-    return describe_violation(v)
 
 
 def render(data: dict, wide=True) -> str:
