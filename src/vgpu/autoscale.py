@@ -112,9 +112,10 @@ class SliceView:
         changes (a slice made again is a new view).  A MIG slice's quota device 0 is its
         MIG device, not the node's GPU 0."""
         if self._mig is _UNREAD:
-            try:
+            try:                 # (one stat for a software slice: a node's first look opens 1,000 of them)
+                os.stat(os.path.join(slices.node_dir(self.directory), self.name, slices.MIG), follow_symlinks=False)
                 self._mig = slices.read_mig(self.directory, self.name)
-            except slices.NotFound:
+            except (FileNotFoundError, NotADirectoryError, slices.NotFound):
                 self._mig = None
             except (slices.VgpuError, OSError):
                 self._mig = {}
