@@ -73,6 +73,13 @@ class Node:
                      str(tmp / "kubeconfig"), "--rescan", "300ms"]
         self.agents, self.kubelets = [], []
 
+    def close(self):
+        """Stop what the node started: its kubelet stand-ins and its agents (SIGKILL)."""
+        for k in self.kubelets:
+            k.close()
+        for a in self.agents:
+            a.stop(signal.SIGKILL)
+
     def start(self, *extra, env=None):
         agent = Agent(self, *extra, env=env)
         self.agents.append(agent)

@@ -37,7 +37,18 @@ def plugin_node(tmp_path, api, rules, node=NODE, token="plugin-token"):
     n = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="a10", devices=2))
     # the agent's own identity (the kubelet stand-in keeps the admin's kubeconfig)
     n.args += ["--kubeconfig", str(api.write_user_kubeconfig(tmp_path / "plugin-kubeconfig", token))]
+    _NODES.append(n)
     return n
+
+
+_NODES = []   # every node a test made: its agents are stopped when the test ends, pass or fail
+
+
+@pytest.fixture(autouse=True)
+def _stop_nodes():
+    yield
+    while _NODES:
+        _NODES.pop().close()
 
 
 def pod_claim(node, name, pod="train-0", container="train", memory="4Gi", sm="50"):

@@ -31,10 +31,7 @@ def node(tmp_path):
     with FakeApiServer() as api:
         n = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="a10", devices=2))
         yield n
-        for k in n.kubelets:
-            k.close()
-        for a in n.agents:
-            a.stop(signal.SIGKILL)
+        n.close()
 
 
 def cdi_spec(node, uid):
