@@ -17,6 +17,9 @@ Checks:
   launch_overhead   a tiny-kernel loop: time per iteration without the shim, with it at
                     100%, and limited at 90% (within budget)
   graph_replay      a CUDA graph replayed in a loop at 30%: its NVML share
+  burst             the 30/70 pair again with the 30% slice in burst mode (guaranteed 30%, up
+                    to 100%): alone it takes the GPU, next to the 70% slice it gets 30%; needs
+                    the vgpu package built here (`make venv`) to make the slices
 """
 import json
 import os
@@ -174,6 +177,23 @@ def run_side_by_side(code, envs, seconds):
     return [(shares.get(p.pid), o) for p, o in zip(procs, outs)]
 
 
+def burst_check(shim, vdir):
+    """The 30/70 pair with the 30% slice in burst mode, through the package's own slices."""
+    try:
+        sys.path.insert(0, str(ROOT / "src"))
+        from vgpu import slices
+    except ImportError as e:
+        return {"skipped": f"the vgpu package is not built here ({e}): run `make venv` first"}
+    slices.create(vdir, "b30", {0: slices.device_quota(sm=10000, sm_request=3000)}, overcommit=True)
+    slices.create(vdir, "c70", {0: slices.device_quota(sm=7000)}, overcommit=True)
+    [(alone, _)] = run_side_by_side(MATMUL, [under_shim(shim, vdir, "b30")], SHARE_S)
+    pair = run_side_by_side(MATMUL, [under_shim(shim, vdir, "b30"), under_shim(shim, vdir, "c70")], SHARE_S)
+    shared = [share for share, _ in pair]
+    ok = alone is not None and alone >= 90 and None not in shared and abs(shared[0] - 30) <= 5 and \
+        abs(shared[1] - 70) <= 5
+    return {"ok": ok, "alone_nvml_percent": alone, "with_70_nvml_percent": shared}
+
+
 def main():
     gpu = gpu_present()
     if not gpu:
@@ -223,6 +243,7 @@ def main():
 
         [(g_share, g)] = run_side_by_side(GRAPH, [under_shim(shim, vdir, "graph", VGPU_SM_LIMIT="30%")], SHARE_S)
         checks["graph_replay"] = {"ok": g_share is not None and abs(g_share - 30) <= 5, "nvml_percent": g_share, **g}
+        checks["burst"] = burst_check(shim, Path(tmp) / "vgpu-burst")
     result["ok"] = all(c.get("ok", True) for c in checks.values())
     print(json.dumps(result, indent=2))
     return 0
