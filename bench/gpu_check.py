@@ -17,6 +17,11 @@ Checks:
   launch_overhead   a tiny-kernel loop: time per iteration without the shim, with it at
                     100%, and limited at 90% (within budget)
   graph_replay      a CUDA graph replayed in a loop at 30%: its NVML share
+  footprint         what the shim charges against what the driver holds (NVML's per-process
+                    used memory, read from outside): after a context and 256 MiB, and after a
+                    1 GiB cuMemAllocAsync block is freed into a pool that keeps it (release
+                    threshold UINT64_MAX): the pool's reserve must still be charged; within
+                    the agent's tolerance (the larger of 64 MiB and 2%)
   burst             the 30/70 pair again with the 30% slice in burst mode (guaranteed 30%, up
                     to 100%): alone it takes the GPU, next to the 70% slice it gets 30%; needs
                     the vgpu package built here (`make venv`) to make the slices
@@ -126,6 +131,69 @@ while time.time() - t0 < seconds:
 torch.cuda.synchronize()
 print(json.dumps({"replays_per_s": n / (time.time() - t0)}))
 """
+
+FOOTPRINT = """
+import ctypes, json, sys
+cu = ctypes.CDLL("libcuda.so.1")      # the driver API itself (the shim answers for it)
+MiB, GiB = 1 << 20, 1 << 30
+RELEASE_THRESHOLD = 4                 # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (cuda.h)
+def ok(r):
+    if r:
+        raise SystemExit(f"CUresult {r}")
+def used():
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    ok(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))   # the shim's view: cap - charge
+    return total.value - free.value
+def say(stage):
+    print(json.dumps({"stage": stage, "shim_used": used()}), flush=True)
+    sys.stdin.readline()              # the parent reads the driver's figure meanwhile
+ctx, dev, pool = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_void_p()
+ok(cu.cuInit(0)); ok(cu.cuDeviceGet(ctypes.byref(dev), 0))
+ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)); ok(cu.cuCtxSetCurrent(ctx))
+a = ctypes.c_uint64()
+ok(cu.cuMemAlloc_v2(ctypes.byref(a), ctypes.c_size_t(256 * MiB)))
+say("context and 256 MiB")
+ok(cu.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev))
+keep = ctypes.c_uint64(2 ** 64 - 1)
+ok(cu.cuMemPoolSetAttribute(pool, RELEASE_THRESHOLD, ctypes.byref(keep)))
+b = ctypes.c_uint64()
+ok(cu.cuMemAllocAsync(ctypes.byref(b), ctypes.c_size_t(GiB), None))
+ok(cu.cuMemFreeAsync(b, None))
+ok(cu.cuStreamSynchronize(None))
+say("a 1 GiB pool block freed, kept by the pool")
+"""
+
+
+def footprint_check(shim, vdir):
+    """Each stage: the shim's charge and the driver's per-process figure for the child."""
+    try:
+        import pynvml
+    except ImportError as e:
+        return {"skipped": f"needs nvidia-ml-py ({e})"}
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    env = under_shim(shim, vdir, "footprint", VGPU_MEMORY_LIMIT="8Gi")
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FOOTPRINT)], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stages = []
+    try:
+        for line in p.stdout:
+            if not line.startswith("{"):
+                continue
+            got = json.loads(line)
+            driver = next((x.usedGpuMemory for x in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                           if x.pid == p.pid), None)
+            got["driver_used"] = driver
+            got["ok"] = driver is not None and abs(got["shim_used"] - driver) <= max(64 << 20, driver // 50)
+            stages.append(got)
+            p.stdin.write("\n")
+            p.stdin.flush()
+    finally:
+        p.wait(timeout=60)
+    if p.returncode or len(stages) != 2:
+        return {"ok": False, "stages": stages, "error": p.stderr.read().strip()[-400:]}
+    return {"ok": all(st["ok"] for st in stages), "stages": stages}
+
 
 TINY = """
 import json, time, torch
@@ -243,6 +311,7 @@ def main():
 
         [(g_share, g)] = run_side_by_side(GRAPH, [under_shim(shim, vdir, "graph", VGPU_SM_LIMIT="30%")], SHARE_S)
         checks["graph_replay"] = {"ok": g_share is not None and abs(g_share - 30) <= 5, "nvml_percent": g_share, **g}
+        checks["footprint"] = footprint_check(shim, Path(tmp) / "vgpu-footprint")
         checks["burst"] = burst_check(shim, Path(tmp) / "vgpu-burst")
     result["ok"] = all(c.get("ok", True) for c in checks.values())
     print(json.dumps(result, indent=2))
