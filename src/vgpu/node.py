@@ -21,6 +21,11 @@ How a process is attributed (the first that applies; see docs/node-agent.md):
   cgroup         it shares its cgroup with a process attributed above that lives in a
                  container (its own mount or pid namespace), of this slice only;
   pid-namespace  likewise its pid namespace (never the agent's own).
+And a pid that is gone (or a zombie) here but whose memory a live process keeps on the
+device is "held-slot": a slot of the slice still held (its lock taken: a forked child
+inherited it) records that pid, or a shared slot (memory an importer keeps) records it as
+its exporter -- only slots of the agent's own pid namespace.  Its memory counts in the
+slice's driver figure; it is never acted on (there is no process to act on).
 Two slices claiming a process is "ambiguous": reported with both, never acted on.  A pid
 the agent cannot read is "unknown": reported, never acted on.  Nothing the usage file says
 about its processes is taken as proof: its slots only help find them.
@@ -139,6 +144,8 @@ class Slot:
     comm: str
     charges: dict            # device -> bytes
     alive: bool
+    shared: bool = False     # a shared slot (VGPU_PROC_SHARED): memory `exporter` exported, pid 0
+    exporter: int = 0        # its exporter's pid, as it saw itself (in pid_ns)
 
 
 _ZERO_ROW = (0,) * slices.MAX_PROCS
@@ -170,10 +177,11 @@ def _parse_usage(head, procs, devices):
             rec = _PROC.unpack_from(procs, i * _PROC.size)
         else:                # charged beyond the slots it says are used: a drain cut short
             rec = (0, 0, 0, b"", 0, 0, 0, 0)
-        pid, _, _, comm, ticks, pns, cg, flags = rec
+        pid, state, _, comm, ticks, pns, cg, flags = rec
+        shared = not pid and bool(flags & lib.VGPU_PROC_SHARED)
         out.append(Slot(i, pid, ticks, pns, cg, bool(flags & lib.VGPU_PROC_FROM_FILE),
                         comm.split(b"\0", 1)[0].decode(errors="replace"),
-                        {d: r[i] for d, r in rows.items() if r[i]}, False))
+                        {d: r[i] for d, r in rows.items() if r[i]}, False, shared, state if shared else 0))
     return current, counters, out
 
 
@@ -273,7 +281,7 @@ class Tracked:
 @dataclass
 class Attribution:
     slice: str = None
-    method: str = None       # usage-file, identity-file, pod, cgroup, pid-namespace; None: unsliced/unknown
+    method: str = None       # usage-file, identity-file, pod, cgroup, pid-namespace, held-slot; None: unsliced/unknown
     state: str = "unsliced"  # sliced, unsliced, unknown, ambiguous
     note: str = None
     candidates: tuple = ()
@@ -599,6 +607,9 @@ class Observer:
         self._active = set()      # slices that had processes on the GPU at the last look
         # what the looks keep between them (only the slices looked at change; see _observe)
         self._table, self._slot_of, self._slots, self._table_keys = {}, {}, {}, {}
+        self._shared_of = {}      # slice -> {(pid_ns, exporter pid): [its live shared Slots]}
+        self._held_pids = {}      # slice -> pids its live slots of our pid namespace name (a shared one: its exporter)
+        self._pid_slices = {}     # and back: pid -> {slice}
         self._state, self._dirty_all = None, True
         self._attention, self._ended = set(), set()
         self._read_problems = {}
@@ -877,6 +888,8 @@ class Observer:
             for key in files_gone.pop(name, ()):
                 ptable.pop(key, None)
             pslots.pop(name, None)
+            self._shared_of.pop(name, None)
+            self._note_held(name, ())
         if state != self._state or len(pslots) != len(views) or self._dirty_all or self.inotify is None:
             todo = list(views)
             self._state, self._dirty_all = state, False
@@ -961,10 +974,17 @@ class Observer:
             pslots[name] = ss
             slot_keys = []
             unwatched = False
+            shared, held_pids = None, set()
             for sl in ss:
                 if not sl.alive:
                     if name not in dead:
                         dead.append(name)
+                    continue
+                if sl.pid_ns == my_pid_ns:
+                    held_pids.add(sl.exporter if sl.shared else sl.pid)
+                if sl.shared:
+                    shared = shared or {}
+                    shared.setdefault((sl.pid_ns, sl.exporter), []).append(sl)
                 elif sl.pid > 0:
                     key = (name, sl.pid_ns, sl.pid)
                     pslot_of[key] = sl
@@ -974,6 +994,11 @@ class Observer:
                     if sl.pid_ns != my_pid_ns or sl.pid not in tracked:
                         unwatched = True
             (self._attention.add if unwatched else self._attention.discard)(name)
+            if shared:
+                self._shared_of[name] = shared
+            else:
+                self._shared_of.pop(name, None)
+            self._note_held(name, held_pids)
             standalone = ok and len(held) == slices.MAX_DEVICES
             places = f.places = self.places_of(v)
             f.by_place = {p: d for d, p in places.items()}
@@ -1007,6 +1032,8 @@ class Observer:
                 for key in f.keys[1]:
                     pslot_of.pop(key, None)
                 self._attention.discard(name)
+                self._shared_of.pop(name, None)
+                self._note_held(name, ())
         for name in [n for n in self._read_problems if n not in views]:
             del self._read_problems[name]
         problems.update(self._read_problems)
@@ -1053,6 +1080,18 @@ class Observer:
                 a = self._attribute(tracked.get(pid), by_identity, pods, groups)
             attribution[pid] = a
         self._attr_cache = (key, attribution)
+        # a pid that is gone, whose memory a live process keeps: a held slot records it
+        held_of, pid_slices = {}, self._pid_slices
+        for pid in gpu_pids:
+            a = attribution[pid]
+            if a.state in ("unknown", "unsliced") and pid in pid_slices:
+                found = self._held(pid, tracked.get(pid), [
+                    (n, sl) for n in sorted(pid_slices[pid]) for sl in slots.get(n, ())
+                    if sl.alive and sl.pid_ns == my_pid_ns and (sl.exporter if sl.shared else sl.pid) == pid])
+                if found is not None:
+                    if not held_of:  # (not in the cache: the slots it rests on change without a version)
+                        attribution = dict(attribution)
+                    attribution[pid], held_of[pid] = found
 
         # the driver's figures per slice and device.  A process whose figures, attribution and
         # slice files are as they were at the last look keeps its row from then
@@ -1090,6 +1129,7 @@ class Observer:
                     continue
                 row = ProcRow(pid, pd, used, uv, a, comm=t.comm if t and t.visible else None, place=place)
                 rows.append(row)
+                hs = held_of.get(pid) if a.method == "held-slot" else None
                 if a.state != "sliced":
                     continue
                 d = f.by_place.get(place) if f is not None and f.by_place is not None else None
@@ -1103,11 +1143,18 @@ class Observer:
                     sd = table[(a.slice, d)] = sd.copy()
                 active[(a.slice, d)] = sd
                 keep = a.method != "usage-file"
-                if t is not None and t.visible and a.method == "usage-file":
+                if hs:               # gone: what its held slots (and those of what it exported) charge
+                    row.slot, row.charge = hs[0].slot, sum(x.charges.get(d, 0) for x in hs)
+                    row.comm = row.comm or hs[0].comm
+                elif t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
                         keep = True
                         row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
+                        sh = self._shared_of.get(a.slice)
+                        if sh:       # memory it exported, in shared slots: NVML lists it under the exporter
+                            row.charge += sum(x.charges.get(d, 0) for x in
+                                              sh.get((sl.pid_ns, t.inner), ()))
                         if row.charge:
                             t.charged.add(d)
                         elif d not in t.charged and used is not None and used <= st.context_allowance:
@@ -1129,6 +1176,48 @@ class Observer:
         snap.places = list(per_device)
         snap.active = active
         return snap
+
+    def _note_held(self, name, pids):
+        """The pids the slice's live slots of our pid namespace name now (for _held)."""
+        old = self._held_pids.pop(name, ())
+        new = frozenset(p for p in pids if p > 0)
+        if new:
+            self._held_pids[name] = new
+        for pid in old:
+            if pid not in new:
+                names = self._pid_slices.get(pid)
+                if names is not None:
+                    names.discard(name)
+                    if not names:
+                        del self._pid_slices[pid]
+        for pid in new:
+            self._pid_slices.setdefault(pid, set()).add(name)
+
+    def _held(self, pid, t, found):
+        """(Attribution, [Slot]) of an NVML pid that is gone here (or a zombie: dead, not yet
+        waited for) whose memory held slots keep -- its own slot, held by a child that
+        inherited the lock, or shared slots of memory it exported, held by an importer --
+        or None when the pid is a live process (then the attribution it has stands)."""
+        if t is not None and t.visible:
+            if procfs.state(pid) not in ("Z", "X"):
+                return None
+            start = t.start
+        elif procfs.exists(pid):
+            return None      # there, but not readable from here: as it was
+        else:
+            start = None
+        # a zombie's own slot only if it started when the slot says (a shared slot records no start)
+        found = [(n, sl) for n, sl in found if sl.shared or start is None or sl.start_ticks in (0, start)]
+        names = sorted({n for n, _ in found})
+        if not names:
+            return None
+        if len(names) > 1:
+            return Attribution(state="ambiguous", note="gone; held slots of several slices name it",
+                               candidates=tuple(names)), None
+        own = [sl for _, sl in found if not sl.shared]
+        note = ("gone; its slot is held by a process that inherited it (a forked child)" if own else
+                "gone; memory it exported is held by another process (an importer)")
+        return Attribution(names[0], "held-slot", "sliced", note), own + [sl for _, sl in found if sl.shared]
 
     def _groups(self, by_identity):
         """{("cgroup", path) | ("pid_ns", inode): {slice}} over processes attributed by the
@@ -1295,6 +1384,10 @@ class Judge:
                                   "tolerance": tol, "gap": gap, **_where(sd)}
                         offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
                                      p.gap is not None and p.gap > threshold]
+                        gone = [p.host_pid for p in sd.processes if p.attribution.method == "held-slot" and
+                                p.gap is not None and p.gap > threshold]
+                        if gone:     # above their slots' charge, but gone: nothing to act on
+                            detail["gone"] = gone
                         out[("gap", key)] = (sd.name, sd.device, detail, offenders)
                         if sd.memory_max != UNLIMITED and sd.driver > sd.memory_max + tol:
                             out[("over-cap", key)] = (sd.name, sd.device, detail, offenders)
@@ -1501,6 +1594,7 @@ class Agent:
         self._state_written = None
         self._nvml_note = None
         self._acted = set()      # (pid, start) already killed
+        self._held_seen = set()  # (slice, host pid) of the gone processes attributed by a held slot
         self._soon = {}          # slice -> [monotonic times it is looked at again] (after inotify events)
         self._joined = {}        # slice -> when a process last opened its usage file
 
@@ -1528,6 +1622,7 @@ class Agent:
             self._nvml_note = None if snap.nvml_ok else snap.nvml_note
         if self.reap_enabled:
             self._reap(snap)
+        self._log_held(snap)
         started, ended = self.judge.update(snap, self.observer, held=lambda k: k in self.holder.groups)
         for v in started:
             self._started(v, snap)
@@ -1547,6 +1642,21 @@ class Agent:
             self.autoscaler.tick(now)
         self.last_iteration_cpu_s = time.process_time() - t0
         return snap
+
+    def _log_held(self, snap):
+        """One line for each gone process NVML still lists whose memory a held slot keeps,
+        as it is first attributed that way."""
+        seen = set()
+        for p in snap.processes:
+            if p.attribution.method != "held-slot":
+                continue
+            key = (p.attribution.slice, p.host_pid)
+            if key not in self._held_seen and key not in seen:
+                self.log("held-slot", container=p.attribution.slice, device=p.device, pid=p.host_pid,
+                         memory_driver=p.driver, slot=p.slot, memory_charged=p.charge,
+                         note=f"{p.attribution.note}: its memory counts in the slice; never acted on")
+            seen.add(key)
+        self._held_seen = seen
 
     def _reap(self, snap):
         for name in snap.dead:
@@ -1598,6 +1708,9 @@ class Agent:
                          result="no process the agent is sure of: reported only")
 
     def _kill(self, v):
+        for pid in v.detail.get("gone", ()):
+            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
+                     result="not killed: the process is gone (its memory is kept by a process that holds its slot)")
         if not v.offenders:
             self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device,
                      result="no process the agent is sure of: reported only")

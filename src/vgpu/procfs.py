@@ -35,6 +35,17 @@ def start_ticks(pid):
         return None
 
 
+def state(pid):
+    """Its state letter (/proc/<pid>/stat field 3: "R", "S", ..., "Z" a zombie)."""
+    data = _read(f"/proc/{pid}/stat", 2048)
+    if not data:
+        return None
+    try:
+        return data[data.rindex(b")") + 2:].split()[0].decode()
+    except (ValueError, IndexError):
+        return None
+
+
 def pid_ns(pid="self"):
     """The inode of the process's pid namespace."""
     try:

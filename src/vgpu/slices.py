@@ -421,11 +421,19 @@ class Proc:
     pid_ns: int = 0
     cgroup_id: int = 0
     from_file: bool = False  # its slice came from the identity file, not the environment
+    # a shared slot (VGPU_PROC_SHARED): no process, memory exported by `exporter` (its pid
+    # as it saw itself, in pid_ns) and held by every process of the slice that holds it
+    # (alive: one still does); pid is 0
+    shared: bool = False
+    exporter: int = 0
 
     def to_json(self):
-        return {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
-                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
-                "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
+        out = {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
+               "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
+               "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
+        if self.shared:
+            out.update(shared=True, exporter_pid=self.exporter)
+        return out
 
 
 USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns",
@@ -483,9 +491,10 @@ def _read_usage_fd(fd, shown) -> Usage:
         p = u.procs[i]
         memory = {d: charges[d * MAX_PROCS + i] for d in range(MAX_DEVICES) if charges[d * MAX_PROCS + i]}
         if p.pid or memory:
+            shared = not p.pid and bool(p.flags & lib.VGPU_PROC_SHARED)
             procs.append(Proc(i, p.pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
                               memory, slot_alive(fd, i), p.start_ticks, p.pid_ns, p.cgroup_id,
-                              bool(p.flags & lib.VGPU_PROC_FROM_FILE)))
+                              bool(p.flags & lib.VGPU_PROC_FROM_FILE), shared, p.state if shared else 0))
     return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
 
 

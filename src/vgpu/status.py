@@ -9,7 +9,7 @@ gives the pid inside the container.  No assumption that the two pid spaces agree
 import os
 import time
 
-from . import board, nvml, podlabels
+from . import board, nvml, podlabels, procfs
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import CEILING, MAX_DEVICES, USAGE_COUNTERS, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 
@@ -48,12 +48,15 @@ def _inner_pid(pid):
 def host_pids(usage) -> dict:
     """{pid in the container: host pid} for the live processes of a usage file."""
     dev, ino = usage.inode
-    wanted = {p.pid for p in usage.procs if p.alive}
+    wanted = {p.pid for p in usage.procs if p.alive and p.pid > 0}   # (a shared slot is no process: pid 0)
     found = {}
     for pid in wanted:   # the common case: the same pid namespace as the controller
         if _maps_inode(pid, dev, ino) and _inner_pid(pid) == pid:
             found[pid] = pid
-    missing = wanted - set(found)
+    # a slot of our own pid namespace whose process was not found there is gone (held by a
+    # child that inherited its lock): no other namespace to look in
+    mine = procfs.pid_ns()
+    missing = wanted - set(found) - {p.pid for p in usage.procs if p.alive and mine and p.pid_ns == mine}
     if missing:
         for entry in os.scandir("/proc"):
             if not entry.name.isdigit():
@@ -149,10 +152,20 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
                                      "throttled_ns_per_s": throttled_rate,
                                      "sm_guaranteed": quota.guaranteed_sm(d),
                                      "sm_allowance": board.allowance(on_board, _device_uuid(nv_devices, d, mig))})
+        entry["shared"] = []    # memory shared between processes, in shared slots: no process of its own
+        my_ns = procfs.pid_ns()
         for p in procs:
+            if p.shared:
+                entry["shared"].append(_shared_entry(p, hosts, my_ns))
+                continue
             host = hosts.get(p.pid) if p.alive else None
+            # alive by its lock, but its process gone: a child it forked holds its slot (and its memory)
+            gone = p.alive and host is None and bool(my_ns) and p.pid_ns == my_ns and _gone(p.pid, p.start_ticks)
+            if gone:
+                host = p.pid    # what NVML lists its memory under
             entry["processes"].append({
-                **p.to_json(), "host_pid": host, "command": _command(host, p.comm) if p.alive else p.comm,
+                **p.to_json(), "host_pid": host, "gone": gone,
+                "command": _command(host, p.comm) if p.alive and not gone else p.comm,
                 "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host and mig is None
                 else None})
 
@@ -189,6 +202,25 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     from . import node   # the driver's view: who holds what, slices or not, and the agent's verdicts
     data = node.annotate(data, use_nvml=ok)   # (a MIG slice's driver figure: its processes on its MIG device)
     return data
+
+
+def _gone(pid, start_ticks) -> bool:
+    """Is the process that claimed a slot of our pid namespace gone (or a zombie)?"""
+    if start_ticks and not procfs.same_process(pid, start_ticks):
+        return True
+    return procfs.state(pid) in (None, "Z", "X")
+
+
+def _shared_entry(p, hosts, my_ns) -> dict:
+    """A shared slot as status shows it: memory of the slice that processes share, under
+    its exporter (as NVML lists it), held while `held`."""
+    host = hosts.get(p.exporter)
+    if host is None and my_ns and p.pid_ns == my_ns:
+        host = p.exporter
+    alive = p.exporter in hosts     # (its own slot is live: it runs the shim still)
+    return {"slot": p.slot, "exporter_pid": p.exporter, "exporter_host_pid": host, "exporter_alive": alive,
+            "memory": {str(d): b for d, b in p.memory.items()}, "held": p.alive, "comm": p.comm,
+            "started_ns": p.started_ns, "pid_ns": p.pid_ns}
 
 
 def _mig_entry(directory, name):
@@ -284,15 +316,16 @@ def render(data: dict, wide=True) -> str:
         if c["problem"]:
             rows.append([c["name"], *pod, "-", "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
             continue
-        live = sum(1 for p in c["processes"] if p["alive"])
-        dead = len(c["processes"]) - live
+        live = sum(1 for p in c["processes"] if p["alive"] and not p.get("gone"))
+        held = sum(1 for p in c["processes"] if p.get("gone"))
+        dead = len(c["processes"]) - live - held
         for cd in c["devices"]:
             mem_cap = cd["memory_max"]
             gpu_mem = f"{format_memory(cd['memory_current'])}/{_mem(mem_cap)}"
             if mem_cap:
                 gpu_mem += f" ({cd['memory_current'] * 100 // mem_cap}%)"
             util = f"{_percent(cd['sm_used'])}/{_share_text(c, cd)}"
-            procs = str(live) + (f" (+{dead} dead)" if dead else "")
+            procs = str(live) + (f" (+{held} held)" if held else "") + (f" (+{dead} dead)" if dead else "")
             rate = cd.get("throttled_ns_per_s")
             throttled = format_duration_ns(cd["throttled_ns"]) if rate is None else f"{rate / 1e6:.0f}ms/s"
             driver = "-" if cd.get("memory_driver") is None else format_memory(cd["memory_driver"])
@@ -312,8 +345,16 @@ def render(data: dict, wide=True) -> str:
                             for d, b in p["memory"].items()) or "0"
             sm = "-" if p["sm_util"] is None else ", ".join(_percent(v) for v in p["sm_util"].values())
             cmd = p["command"] if p["alive"] else f"{p['command']} (dead: vgpu-ctl reap)"
+            if p.get("gone"):
+                cmd = f"(gone: held by a forked child) {p['command']}"
             prow.append([c["name"], p["pid"], p["host_pid"] if p["host_pid"] is not None else "-", mem, sm,
                          cmd if len(cmd) <= 60 else cmd[:57] + "..."])
+        for s in c.get("shared", []):   # memory its processes share: under its exporter, held by them
+            mem = ", ".join(f"{format_memory(b)}" + (f" on {d}" if len(s["memory"]) > 1 else "")
+                            for d, b in s["memory"].items()) or "0"
+            by = f"pid {s['exporter_pid']}" + ("" if s["exporter_alive"] else ", gone")
+            cmd = f"(shared: exported by {by})" if s["held"] else f"(shared, not held: vgpu-ctl reap) by {by}"
+            prow.append([c["name"], "-", "-", mem, "-", cmd if len(cmd) <= 60 else cmd[:57] + "..."])
         for p in c.get("driver_only", []):   # the driver lists it as the slice's; it holds no slot (no shim)
             mem = "-" if p["memory_driver"] is None else format_memory(p["memory_driver"])
             cmd = f"(no slot: by {p['method']}) {p.get('command') or p.get('comm') or '?'}"

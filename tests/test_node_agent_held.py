@@ -1,0 +1,224 @@
+"""The node agent and `status` on memory whose process is gone but which a live process
+keeps on the device (docs/shim.md "Memory shared between processes, and forked
+children"): a forked child holding its dead parent's slot, an importer holding memory its
+dead exporter shared.  simgpu's NVML lists that memory under the dead pid, as a real
+driver does; the agent must count it in the slice (method held-slot), raise nothing for
+it, and act on nothing.  Real processes on simgpu under the shim, the agent as its own
+process (the pieces of tests/test_node_agent.py), the programs of tests/test_shim_memory.py.
+"""
+import json
+import os
+import signal
+import struct
+import time
+
+import pytest
+
+from conftest import run_python
+from test_node_agent import GiB, MiB, Node, agents, wait_until  # noqa: F401 (agents: a fixture)
+from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, SUCCESS, Child, wait_gone
+from vgpu import slices
+
+
+@pytest.fixture
+def node_(tmp_path):
+    n = Node(tmp_path)
+    n.dir.mkdir()
+    return n
+
+
+@pytest.fixture
+def children():
+    started = []
+
+    def start(code, env, args=()):
+        started.append(Child(code, env, args))
+        return started[-1]
+
+    yield start
+    for c in started:
+        c.kill()
+
+
+# the agent at its strictest: every GPU process must be in a slice, and every violation is a kill
+STRICT = ("--require-slices", "--on-violation", "kill")
+
+
+def _quiet(agent):
+    """Nothing judged, nothing done: no violation, no action."""
+    assert agent.events("violation") == [] and agent.events("action") == []
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _rows(node_):
+    """The agent's rows of the GPU's processes, from one look by an Observer of its own."""
+    out = run_python("import json, sys\nfrom vgpu import node\no = node.Observer(sys.argv[1])\n"
+                     "print(json.dumps([p.to_json() for p in o.observe().processes]))", node_.env,
+                     args=[str(node_.dir)])
+    return {p["host_pid"]: p for p in json.loads(out.stdout.splitlines()[-1])}
+
+
+def _forked(node_, children, tmp_path, name="a"):
+    """A parent of slice `name` holding 1 GiB, with a forked child that sleeps until
+    `release` exists: (Child, parent pid, child pid, release)."""
+    release = tmp_path / "release"
+    p = children(FORKED, node_.shim_env(name), args=(release,))
+    r = p.read()
+    return p, r["parent"], r["child"], release
+
+
+def _driver_view(node_, name="a"):
+    s = node_.status()
+    (c,) = [c for c in s["containers"] if c["name"] == name]
+    return s, c, c["devices"][0]
+
+
+@pytest.mark.parametrize("parent_ends", ["exit", "kill -9", "kill -9, not waited for"])
+def test_memory_a_forked_child_keeps_after_its_parent_ends_is_the_slice_s(node_, agents, children, tmp_path,
+                                                                          parent_ends):
+    """The parent allocates 1 GiB and forks a child that sleeps; the parent ends (exits,
+    or is killed -9 and reaped, or killed -9 and left a zombie).  NVML lists 1 GiB under
+    the parent's pid; the child holds the parent's slot: the slice's memory, the driver's
+    figure of the slice, never an unknown or unsliced process, and nobody is killed."""
+    node_.ctl("create", "a", "--memory", "2Gi")
+    agent = agents(node_, *STRICT)
+    p, parent, child, release = _forked(node_, children, tmp_path)
+    if parent_ends == "exit":
+        p.send()
+        assert p.proc.wait(10) == 0
+    elif parent_ends == "kill -9":
+        p.kill()
+    else:
+        p.proc.send_signal(signal.SIGKILL)
+        assert wait_until(lambda: _state(parent) == "Z", 5)
+
+    e = agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
+    assert (e["container"], e["device"], e["memory_driver"], e["memory_charged"]) == ("a", 0, GiB, GiB)
+    assert "forked child" in e["note"] and "never acted on" in e["note"]
+    row = _rows(node_)[parent]
+    assert (row["state"], row["container"], row["method"], row["memory_driver"], row["memory_charged"]) == \
+        ("sliced", "a", "held-slot", GiB, GiB)
+
+    s, c, d = _driver_view(node_)
+    assert (d["memory_current"], d["memory_driver"], d["driver_processes"]) == (GiB, GiB, [parent])
+    assert s["unknown"] == [] and s["unsliced"] == [] and c["driver_only"] == []
+    (proc,) = c["processes"]
+    assert (proc["pid"], proc["alive"], proc["gone"], proc["host_pid"]) == (parent, True, True, parent)
+    table = node_.ctl("status").stdout
+    row = next(line for line in table.splitlines() if line.startswith("a ") and "(gone: held by a forked child)"
+               in line)
+    assert row.split()[1:4] == [str(parent), str(parent), "1Gi"]
+    assert "(+1 held)" in next(line for line in table.splitlines() if line.startswith("a "))
+    assert "(unknown)" not in table and "(unsliced)" not in table
+
+    time.sleep(2)                                  # past the grace period, several looks
+    _quiet(agent)
+    assert _state(child) not in (None, "Z")       # the child lives on, unharmed
+
+    # the child lets go: the memory leaves the device and the slice
+    release.touch()
+    wait_gone(child)
+    agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == parent, 5)
+    assert wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 3)
+    s, c, d = _driver_view(node_)
+    assert d["memory_driver"] == 0 and d["driver_processes"] == [] and s["unknown"] == []
+    _quiet(agent)
+
+
+@pytest.mark.parametrize("exporter_ends", ["free", "kill -9"])
+def test_ipc_memory_an_importer_keeps_after_its_exporter_lets_go_is_the_exporter_s_slice_s(node_, agents, children,
+                                                                                           exporter_ends):
+    """512 MiB exported over IPC and opened by a process of the same slice; the exporter
+    frees it (and lives on) or is killed -9.  NVML lists it under the exporter's pid, the
+    shim charges it in a shared slot: the slice's driver figure, a shared row in status
+    (not a process with pid 0), no violation, nothing killed."""
+    node_.ctl("create", "a", "--memory", "1Gi")
+    agent = agents(node_, *STRICT)
+    e = children(IPC_EXPORTER, node_.shim_env("a"))
+    er = e.read()
+    i = children(IPC_IMPORTER, node_.shim_env("a"), args=(er["handle"],))
+    assert i.read()["open"] == SUCCESS
+    exporter = er["pid"]
+
+    def shared_seen():
+        s, c, d = _driver_view(node_)
+        return (d["memory_driver"] == d["memory_current"] == 512 * MiB and exporter in d["driver_processes"]) and c
+
+    c = wait_until(shared_seen, 5)
+    assert c, node_.status()
+    (sh,) = c["shared"]
+    assert (sh["exporter_pid"], sh["exporter_alive"], sh["held"], sh["memory"]) == (exporter, True, True,
+                                                                                     {"0": 512 * MiB})
+    assert sorted(p["pid"] for p in c["processes"]) == sorted([exporter, i.pid])     # no pid 0
+
+    if exporter_ends == "free":
+        assert e.call() == {"freed": True}
+    else:
+        e.kill()
+    time.sleep(1.5)                                # a look or two after
+    s, c, d = _driver_view(node_)
+    assert (d["memory_current"], d["memory_driver"]) == (512 * MiB, 512 * MiB)
+    assert exporter in d["driver_processes"] and s["unknown"] == [] and s["unsliced"] == []
+    (sh,) = c["shared"]
+    assert (sh["exporter_pid"], sh["held"], sh["exporter_alive"]) == (exporter, True, exporter_ends == "free")
+    assert 0 not in [p["pid"] for p in c["processes"]]
+    table = node_.ctl("status").stdout
+    row = next(line for line in table.splitlines() if "(shared: exported by" in line)
+    assert row.split()[:4] == ["a", "-", "-", "512Mi"]
+    assert f"pid {exporter}" in row and (", gone" in row) == (exporter_ends == "kill -9")
+    assert "(unknown)" not in table
+    row = _rows(node_)[exporter]      # its own slot charges nothing now: the shared slot, under it, does
+    assert (row["container"], row["method"], row["memory_driver"], row["memory_charged"]) == \
+        ("a", "usage-file" if exporter_ends == "free" else "held-slot", 512 * MiB, 512 * MiB)
+    if exporter_ends == "kill -9":
+        ev = agent.wait_for(lambda x: x.get("event") == "held-slot" and x.get("pid") == exporter, 5)
+        assert (ev["container"], ev["memory_driver"], ev["memory_charged"]) == ("a", 512 * MiB, 512 * MiB)
+        assert "importer" in ev["note"]
+    else:
+        assert agent.events("held-slot") == []     # alive: attributed as ever, by its maps
+    time.sleep(1)
+    _quiet(agent)
+    assert i.proc.poll() is None and (exporter_ends != "free" or e.proc.poll() is None)
+
+    assert i.call() == {"close": SUCCESS}
+    assert wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 3)
+    assert node_.status()["containers"][0]["shared"] == []
+    _quiet(agent)
+
+
+def test_a_gap_on_memory_a_gone_process_left_is_reported_and_nothing_killed(node_, agents, children, tmp_path):
+    """The dead parent's slot, held by its child, rewritten to charge nothing: the slice's
+    driver figure is 1 GiB above the shim's, a gap -- with kill as the action, nothing is
+    killed: the process whose memory it is is gone (and the log says so), its child lives."""
+    node_.ctl("create", "a", "--memory", "2Gi")
+    agent = agents(node_, *STRICT)
+    p, parent, child, release = _forked(node_, children, tmp_path)
+    p.kill()
+    agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
+    fd = os.open(node_.dir / "a" / "usage", os.O_RDWR)
+    try:
+        (slot,) = [x.slot for x in node_.usage("a").procs if x.pid == parent]
+        os.pwrite(fd, struct.pack("<Q", 0), slices.charge_offset(0, slot))
+    finally:
+        os.close(fd)
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
+    assert (v["container"], v["memory_driver"], v["memory_current"], v["offenders"], v["gone"]) == \
+        ("a", GiB, 0, [], [parent])
+    (held,) = [x for x in v["processes"] if x["host_pid"] == parent]
+    assert (held["method"], held["memory_charged"]) == ("held-slot", 0)
+    acts = [agent.wait_for(lambda e: e.get("event") == "action" and "gone" in e.get("result", ""), 5),
+            agent.wait_for(lambda e: e.get("event") == "action" and "reported only" in e.get("result", ""), 5)]
+    assert acts[0]["pid"] == parent and acts[0]["result"].startswith("not killed")
+    time.sleep(1)
+    assert all(not e.get("result", "").startswith("killed") for e in agent.events("action"))
+    assert _state(child) not in (None, "Z")
+    release.touch()
+    wait_gone(child)
+    agent.wait_for(lambda e: e.get("event") == "violation-end" and e.get("kind") == "gap", 5)
