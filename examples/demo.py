@@ -53,7 +53,7 @@ AUTOSCALE = ["--window", "2s", "--interval", "250ms", "--low", "70%", "--target"
 
 class Timing:
     def __init__(self, quick):
-        self.run_s = 7.0 if quick else 14.0               # each phase
+        self.run_s = 6.0 if quick else 14.0               # each phase
         self.resize_at = self.run_s / 2                    # phase 2: training 70% -> 40%
         self.before = (1.5, self.resize_at - 0.5) if quick else (2.0, self.resize_at - 0.5)
         self.after = (self.resize_at + 1.0, self.run_s - 0.5)
