@@ -143,13 +143,12 @@ struct vgpu_board_slice {
     uint32_t demand;            /* what it wanted over its last period (= ceiling: held back) */
     uint32_t allowance;         /* the share it paces at now */
     uint64_t paid_until_ns;     /* its virtual clock (CLOCK_MONOTONIC): launches paid up to here */
-    uint64_t charged_ns;        /* GPU time its launches were charged, a running total */
-    uint64_t waited_ns;         /* time its launches waited, a running total */
+    uint64_t waited_ns;         /* time its launches waited, a running total (slow paths only) */
+    uint64_t period_used_ns;    /* what its launches had cost in all (usage file, corrected) then */
     uint64_t period_ns;         /* when its allowance was last computed (CLOCK_MONOTONIC) */
-    uint64_t period_charged_ns; /* charged_ns then */
     uint64_t period_waited_ns;  /* waited_ns then */
     uint64_t woke_ns;           /* when it last woke from idle (it asks for its guarantee a while) */
-    uint64_t reserved[3];
+    uint64_t reserved[4];
 };
 
 struct vgpu_board_device {

@@ -2,7 +2,8 @@
  * other idle time (burst mode) without a lock on the launch path.
  *
  * Each slice that paces launches on a device keeps one entry in that device's section:
- * its guarantee and ceiling, what its launches were charged and how long they waited.
+ * its guarantee and ceiling, how far its launches are paid for and how long they waited
+ * (what they cost is the usage file's running total, read once a period).
  * Every BOARD_PERIOD_NS one of its processes (whoever moves period_ns first) turns those
  * running totals into a demand and computes the slice's allowance from every live entry:
  *
@@ -24,7 +25,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -41,27 +41,6 @@ static struct vgpu_board_device *sections[VGPU_MAX_DEVICES];
 static struct vgpu_board_slice *entries[VGPU_MAX_DEVICES];
 static int entry_tried[VGPU_MAX_DEVICES];  /* 1: looked once and found no room (or no UUID) */
 
-/* A node whose controller made no board yet (standalone containers, made from
- * VGPU_*_LIMIT): the first process makes it, complete or not at all (temporary + link). */
-static void board_create(const char *path)
-{
-    char tmp[4200];
-    if ((size_t)snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid()) >= sizeof tmp)
-        return;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
-    if (fd < 0)
-        return;
-    static struct vgpu_board empty;   /* zeroed: every section free */
-    empty.magic = VGPU_BOARD_MAGIC;
-    empty.abi_version = VGPU_ABI_VERSION;
-    empty.size = sizeof empty;
-    int ok = fchmod(fd, 0666) == 0 && write(fd, &empty, sizeof empty) == (ssize_t)sizeof empty;
-    close(fd);
-    if (ok && link(tmp, path) == 0)
-        INFO("made the share board %s", path);
-    unlink(tmp);
-}
-
 static struct vgpu_board *board_map(void)
 {
     struct vgpu_board *b = LOAD(&board);
@@ -71,8 +50,13 @@ static struct vgpu_board *board_map(void)
     if (!board) {
         b = MAP_FAILED;
         int fd = S.board_path[0] ? open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW) : -1;
-        if (fd < 0 && errno == ENOENT) {
-            board_create(S.board_path);
+        if (fd < 0 && errno == ENOENT) {   /* no controller made one (standalone containers) */
+            static struct vgpu_board empty;   /* zeroed: every section free */
+            empty.magic = VGPU_BOARD_MAGIC;
+            empty.abi_version = VGPU_ABI_VERSION;
+            empty.size = sizeof empty;
+            if (create_file_once(S.board_path, &empty, sizeof empty, 0666))
+                INFO("made the share board %s", S.board_path);
             fd = open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
         }
         struct stat st;
@@ -258,14 +242,18 @@ static uint64_t share_of(uint64_t used, uint64_t span)
 
 /* The slice's allowance on the device, recomputed once a period by whichever process
  * gets there first; the others keep pacing at the one in the entry. */
-uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now)
+uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now,
+                      const struct vgpu_usage_device *u)
 {
     uint64_t last = LOAD(&e->period_ns);
     if ((last <= now && now - last < BOARD_PERIOD_NS) ||
         !__atomic_compare_exchange_n(&e->period_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return LOAD(&e->allowance);
-    uint64_t charged = LOAD(&e->charged_ns), waited = LOAD(&e->waited_ns);
-    uint64_t used = charged - __atomic_exchange_n(&e->period_charged_ns, charged, __ATOMIC_ACQ_REL);
+    /* what the slice's launches cost: the usage file's running total of estimates (kept
+     * for the correction) at today's cost scale -- no counter of its own on the launch path */
+    uint64_t corr = LOAD(&u->sm_correction), waited = LOAD(&e->waited_ns);
+    uint64_t total = (uint64_t)((double)LOAD(&u->sm_raw_ns) * (corr ? corr : 65536) / 65536);
+    uint64_t used = total - __atomic_exchange_n(&e->period_used_ns, total, __ATOMIC_ACQ_REL);
     uint64_t held = waited - __atomic_exchange_n(&e->period_waited_ns, waited, __ATOMIC_ACQ_REL);
     uint64_t span = now - last;
     uint32_t demand;

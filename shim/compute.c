@@ -99,7 +99,7 @@ static inline int sm_limited(void)
 static uint32_t allowance(int dev, struct vgpu_board_slice *b, uint64_t now)
 {
     uint32_t floor = LOAD(&sm_guarantee[dev]), cap = LOAD(&sm_ceiling[dev]);
-    uint32_t a = b ? board_update(dev, b, floor, cap, now) : floor;
+    uint32_t a = b ? board_update(dev, b, floor, cap, now, &S.usage->devices[dev]) : floor;
     return a < floor ? floor : a > cap ? cap : a;
 }
 
@@ -348,7 +348,7 @@ static uint64_t bound_backlog(int dev, uint64_t now)
                 STORE(&b->paid_until_ns, t);
                 __atomic_add_fetch(&b->waited_ns, BACKLOG_POLL_NS, __ATOMIC_RELAXED);
                 if (n % 40 == 39)
-                    board_update(dev, b, LOAD(&sm_guarantee[dev]), LOAD(&sm_ceiling[dev]), t);
+                    allowance(dev, b, t);
             }
         }
     }
@@ -494,10 +494,8 @@ static int pace(int dev, uint64_t key)
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
-    if (b) {
+    if (b)
         STORE(&b->paid_until_ns, next > now ? next : now);   /* (a clock lagging now still launched now) */
-        __atomic_add_fetch(&b->charged_ns, cost, __ATOMIC_RELAXED);
-    }
     count_launch(dev, cost, next > now + SM_BURST_NS);
     if (next > now + SM_BURST_NS) {
         struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),

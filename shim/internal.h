@@ -19,6 +19,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
@@ -121,6 +122,7 @@ static inline void ensure_init(void)
 }
 void nvml_resolve(void);
 uint64_t now_ns(void);
+int create_file_once(const char *path, const void *data, size_t len, mode_t mode);   /* 1: made it */
 int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
 int take_free_slot(void);     /* with S.lock held: a free slot, locked and drained; -1: none */
 int slot_lock(int fd, int slot, short type);   /* the OFD lock of a usage slot (F_OFD_SETLK) */
@@ -168,6 +170,7 @@ void compute_atfork_child(void);
 
 #define BOARD_PERIOD_NS 20000000ull   /* how often a slice recomputes its allowance */
 struct vgpu_board_slice *board_entry(int dev);   /* the slice's entry for dev, or NULL: no board */
-uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now);
+uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now,
+                      const struct vgpu_usage_device *u);   /* u: the slice's usage of dev (what it used) */
 
 #endif

@@ -238,19 +238,25 @@ static int valid_name(const char *s)
 
 /* Standalone mode: write the quota made from the environment, unless one exists (a
  * controller's, or an earlier process's: the first one wins, atomically). */
-static void create_quota(const char *path, const struct vgpu_quota *q)
+/* Make `path` holding `data`, complete or not at all (a temporary, then link): any
+ * number of processes may race to make it, one wins, none sees it half written.  1 when
+ * this process made it; 0 when it was there already or cannot be made (the caller's open
+ * reports that). */
+int create_file_once(const char *path, const void *data, size_t len, mode_t mode)
 {
     char tmp[4200];
     if ((size_t)snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid()) >= sizeof tmp)
-        return;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+        return 0;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode);
     if (fd < 0)
-        return;   /* reported when opening the quota fails */
-    int ok = write(fd, q, sizeof *q) == (ssize_t)sizeof *q;
+        return 0;
+    int ok = fchmod(fd, mode) == 0 && write(fd, data, len) == (ssize_t)len;   /* (not the umask's mode) */
     close(fd);
-    if (ok && link(tmp, path) && errno != EEXIST)
+    int made = ok && link(tmp, path) == 0;
+    if (ok && !made && errno != EEXIST)
         ERR("cannot create %s: %s", path, strerror(errno));
     unlink(tmp);
+    return made;
 }
 
 static const struct vgpu_quota *map_quota(const char *path)
@@ -668,7 +674,7 @@ static void configure(void)
     if (from_env && access(qpath, F_OK)) {
         mkdir(dir, 0755);
         mkdir(cdir, 0755);
-        create_quota(qpath, &env_quota);
+        create_file_once(qpath, &env_quota, sizeof env_quota, 0644);
     }
     if (!(S.quota = map_quota(qpath)))
         return;
