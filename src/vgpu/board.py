@@ -77,10 +77,12 @@ def read(directory) -> dict:
     return out
 
 
-def allowance(entries, uuid=None):
-    """A slice's share paced at now on the device with NVML UUID `uuid`, from its board
-    entries (board.read()[slice_key(name)]); with uuid None its only live entry (a MIG
-    slice, or NVML not at hand).  None: not pacing there now."""
+def allowance(entries, nv_devices, d, mig):
+    """A slice's share paced at now on its device d, from its board entries
+    (board.read()[slice_key(name)]).  A software slice's device d is NVML's device d (by
+    UUID); a MIG slice (mig true), or one read without NVML, has its only live entry.
+    None: not pacing there now."""
+    uuid = nv_devices[d].get("uuid") if not mig and nv_devices and d < len(nv_devices) else None
     live = [e for e in entries if e["live"]]
     if uuid is None:
         return live[0]["allowance"] if len(live) == 1 else None

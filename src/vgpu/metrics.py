@@ -214,7 +214,6 @@ class NodeCollector:
             procs.add_metric([name], len(alive))
             modes.add_metric([name, v.quota.sm_mode], 1)
             entries = on_board.get(board.slice_key(name), [])
-            software = not slices.has_mig(self.directory, name)   # a MIG slice's entry is its only one
             hosts = None
             for d, q in v.held:
                 if ok and nv_devices is not None and len(v.held) == slices.MAX_DEVICES and d >= len(nv_devices):
@@ -227,8 +226,7 @@ class NodeCollector:
                 g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
                 g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
                 g["sm_guaranteed_ratio"].add_metric(lab, v.quota.guaranteed_sm(d) / SHARE_FULL)
-                uuid = nv_devices[d].get("uuid") if software and nv_devices and d < len(nv_devices) else None
-                allowed = board.allowance(entries, uuid)
+                allowed = board.allowance(entries, nv_devices, d, record is not None)
                 if allowed is not None:
                     g["sm_allowance_ratio"].add_metric(lab, allowed / SHARE_FULL)
                 if usage is not None and d < len(usage.devices):

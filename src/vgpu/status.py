@@ -151,7 +151,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
                                      "sm_used": sm_used, "sm_used_source": source,
                                      "throttled_ns_per_s": throttled_rate,
                                      "sm_guaranteed": quota.guaranteed_sm(d),
-                                     "sm_allowance": board.allowance(on_board, _device_uuid(nv_devices, d, mig))})
+                                     "sm_allowance": board.allowance(on_board, nv_devices, d, mig is not None)})
         entry["shared"] = []    # memory shared between processes, in shared slots: no process of its own
         my_ns = procfs.pid_ns()
         for p in procs:
@@ -252,13 +252,6 @@ def sm_shares(directory) -> dict:
         for d in quota.held():
             out.setdefault(d, {})[name] = quota.guaranteed_sm(d)
     return out
-
-
-def _device_uuid(nv_devices, d, mig):
-    """NVML's UUID of a software slice's device d (a MIG slice's board entry is its only one)."""
-    if mig is not None or not nv_devices or d >= len(nv_devices):
-        return None
-    return nv_devices[d].get("uuid")
 
 
 def _guaranteed(row):
