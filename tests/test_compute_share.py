@@ -252,22 +252,33 @@ def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path
     assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling
 
 
-@pytest.mark.parametrize("round_", range(3))
-def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(tmp_path, c_program, round_):
-    """16 standalone processes of 4 containers start together in a fresh directory: the
-    first shim makes the board (complete or not at all), and each container ends with one
-    entry on the device however its processes raced for it."""
+def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(tmp_path, c_program):
+    """16 standalone processes of 4 containers start together in a fresh directory, and 4
+    of them are killed -9 at a random moment of their start, 20 rounds: the first shim
+    makes the board (complete or not at all), and each container ends with one entry its
+    processes compute on, however they raced for it (a process killed between taking an
+    entry and giving a second one back leaves one never computed, which nobody reads)."""
+    import random
     from vgpu import board
     exe = c_program("duty")
-    envs = [tenant_env(tmp_path, f"c{i % 4}", f"{20 + i % 4}%") for i in range(16)]
-    procs = [subprocess.Popen([str(exe), "200", "0.6"], env=env, stdout=subprocess.DEVNULL) for env in envs]
-    assert all(p.wait(timeout=60) == 0 for p in procs)
-    vgpu_dir = tmp_path / "vgpu"
-    assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]   # no temporaries
-    entries = board.read(vgpu_dir)
-    assert sorted(entries) == sorted(board.slice_key(f"c{i}") for i in range(4))
-    assert all(len(v) == 1 for v in entries.values()), entries
-    assert {e["ceiling"] for v in entries.values() for e in v} == {2000, 2100, 2200, 2300}
+    for round_ in range(20):
+        base = tmp_path / f"r{round_}"
+        base.mkdir()
+        envs = [tenant_env(base, f"c{i % 4}", f"{20 + i % 4}%") for i in range(16)]
+        procs = [subprocess.Popen([str(exe), "200", "0.15"], env=env, stdout=subprocess.DEVNULL) for env in envs]
+        for p in random.sample(procs, 4):
+            time.sleep(random.uniform(0, 0.01))
+            p.kill()
+        for p in procs:
+            p.wait(timeout=60)
+        vgpu_dir = base / "vgpu"
+        assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]
+        entries = board.read(vgpu_dir)
+        computed = {k: [e for e in v if e["ceiling"]] for k, v in entries.items()}
+        assert set(computed) <= {board.slice_key(f"c{i}") for i in range(4)}, entries
+        assert all(len(v) == 1 for v in computed.values()), (round_, entries)
+        assert len(computed) >= 3      # a container whose 4 processes were all killed may have none
+        assert {e["ceiling"] for v in computed.values() for e in v} <= {2000, 2100, 2200, 2300}
 
 
 def test_a_hostile_board_entry_keeps_a_burst_slice_at_its_guarantee_never_below(tmp_path, c_program):
