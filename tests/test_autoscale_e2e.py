@@ -7,7 +7,6 @@ from outside: the workloads' CUDA results, the quota files (polled every 20 ms b
 watcher that also checks the device's total), and the autoscaler's decision log.
 """
 import json
-import select
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, write_usage_counters
+from conftest import JsonChild, make_sim_env, write_usage_counters
 from vgpu import slices
 from vgpu.paths import SHIM
 
@@ -60,27 +59,10 @@ for line in sys.stdin:
 """
 
 
-class Agent:
+class Agent(JsonChild):
     def __init__(self, env):
-        self.proc = subprocess.Popen([sys.executable, "-c", AGENT], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        super().__init__(AGENT, env, "agent")
         assert self.read(60) == "ready"
-
-    def read(self, timeout=30):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise AssertionError(f"agent said nothing: {self.proc.stderr.read()}")
-        return json.loads(line)
-
-    def send(self, cmd, arg):
-        self.proc.stdin.write(json.dumps([cmd, arg]) + "\n")
-        self.proc.stdin.flush()
-
-    def call(self, cmd, arg, timeout=30):
-        self.send(cmd, arg)
-        return self.read(timeout)
 
 
 class Node:

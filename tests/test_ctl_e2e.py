@@ -7,7 +7,6 @@ from outside: the workload's own CUDA results, `status --json`, and the usage fi
 """
 import ctypes.util
 import json
-import select
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
+from conftest import JsonChild, make_sim_env
 from vgpu.paths import SHIM
 from vgpu.slices import read_usage
 
@@ -72,29 +71,10 @@ class Node:
         return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
 
 
-class Agent:
+class Agent(JsonChild):
     def __init__(self, env):
-        self.proc = subprocess.Popen([sys.executable, "-c", AGENT], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        super().__init__(AGENT, env, "agent")
         self.pid = self.read()["pid"]
-
-    def read(self, timeout=30):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise AssertionError(f"agent said nothing: {self.proc.stderr.read()}")
-        return json.loads(line)
-
-    def call(self, cmd, arg=0):
-        self.proc.stdin.write(json.dumps([cmd, arg]) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ one-line errors.  The expected profile tables are the published ones that
 tests/test_simgpu_mig.py holds.
 """
 import json
-import select
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
+from conftest import JsonChild, make_sim_env
 from test_simgpu_mig import PLACEMENTS, PROFILES, holder, nvml, release
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -119,30 +118,11 @@ class Node:
         return {**self.env, **self.ctl_json("env", name)["variables"]}
 
 
-class Workload:
+class Workload(JsonChild):
     def __init__(self, env):
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKLOAD], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.info = self.read()
+        super().__init__(WORKLOAD, env, "workload")
+        self.info = self.read(60)
         self.pid = self.info["pid"]
-
-    def read(self, timeout=60):
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise AssertionError(f"workload said nothing: {self.proc.stderr.read()}")
-        return json.loads(line)
-
-    def call(self, cmd, arg=0):
-        self.proc.stdin.write(json.dumps([cmd, arg]) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.fixture
