@@ -30,11 +30,12 @@ class Agent:
     def events(self):
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
 
-    def wait_for(self, predicate, what, timeout=30):
+    def wait_for(self, predicate, what, timeout=30, count=1):
+        """The last log line `predicate` holds for, once it holds for `count` of them."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [e for e in self.events() if predicate(e)]
-            if found:
+            if len(found) >= count:
                 return found[-1]
             if self.proc.poll() is not None:
                 raise AssertionError(f"agent exited {self.proc.returncode} waiting for {what}:\n"

@@ -19,6 +19,8 @@ from conftest import JsonChild, make_sim_env, write_usage_counters
 from vgpu import slices
 from vgpu.paths import SHIM
 
+pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)
+
 GiB, MiB = 1 << 30, 1 << 20
 SUCCESS = 0
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")

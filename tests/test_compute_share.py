@@ -21,6 +21,8 @@ from vgpu._region import ffi
 from vgpu.paths import SHIM
 from vgpu.referee import start as start_referee
 
+pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)
+
 MARGIN = 5.0
 
 

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -38,37 +38,41 @@ def webhook_rules():
 def walked(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("walk")
     with FakeApiServer() as api:
-        node = plugin_node(tmp, api, shipped_rules())
-        agent = node.start("--claim-status-interval", "200ms")
-        kubelet = node.kubelet()
-        node.published()
-        # the webhook as its own service account, with the rules webhook.yaml grants
-        api.add_user("webhook-token", "system:serviceaccount:vgpu-system:vgpu-webhook", rules=webhook_rules())
-        (tmp / "wh").mkdir()
-        hook = Webhook(tmp / "wh", api, "--kubeconfig",
-                       str(api.write_user_kubeconfig(tmp / "webhook-kubeconfig", "webhook-token")))
-        # 1. the user's pod, as deploy/dra/example-pod-limits.yaml writes it, through admission
-        pod = yaml.safe_load((ROOT / "deploy/dra/example-pod-limits.yaml").read_text())
-        pod["metadata"]["namespace"] = NS
-        response = hook.review(pod)
-        assert response["allowed"], response
-        pod = api.put_pod(patched(pod, response))
-        # 2. the control plane: a claim from the template, allocated on node-a's gpu-0
-        [claim] = instantiate_claims(api, NS, "cuda-4gi")
-        allocated = allocate(api, NS, claim["metadata"]["name"], "node-a", "gpu-0")
-        share = allocated["status"]["allocation"]["devices"]["results"][0]["shareID"]
-        # 3. the kubelet prepares it; the agent makes the slice and writes its figures
-        answer = kubelet.prepare((NS, claim["metadata"]["uid"], claim["metadata"]["name"]))
-        assert answer[claim["metadata"]["uid"]].error == ""
-        wait(lambda: (api.claim(NS, claim["metadata"]["name"])["status"].get("devices")), "figures")
-        write_usage_counters(node.slice_dir, share, 0, memory_current=GiB + (GiB >> 1))
-        wait(lambda: api.claim(NS, claim["metadata"]["name"])["status"]["devices"][0]["data"]["memory.current"]
-             == GiB + (GiB >> 1), "memory.current 1.5Gi")
-        kubeconfig = tmp / "user-kubeconfig"
-        api.write_kubeconfig(kubeconfig, namespace=NS)
-        yield {"api": api, "node": node, "claim": api.claim(NS, claim["metadata"]["name"]), "share": share,
-               "kubeconfig": kubeconfig, "agent": agent, "tmp": tmp}
-        hook.stop()
+        node, hook = plugin_node(tmp, api, shipped_rules()), None
+        try:
+            agent = node.start("--claim-status-interval", "200ms")
+            kubelet = node.kubelet()
+            node.published()
+            # the webhook as its own service account, with the rules webhook.yaml grants
+            api.add_user("webhook-token", "system:serviceaccount:vgpu-system:vgpu-webhook", rules=webhook_rules())
+            (tmp / "wh").mkdir()
+            hook = Webhook(tmp / "wh", api, "--kubeconfig",
+                           str(api.write_user_kubeconfig(tmp / "webhook-kubeconfig", "webhook-token")))
+            # 1. the user's pod, as deploy/dra/example-pod-limits.yaml writes it, through admission
+            pod = yaml.safe_load((ROOT / "deploy/dra/example-pod-limits.yaml").read_text())
+            pod["metadata"]["namespace"] = NS
+            response = hook.review(pod)
+            assert response["allowed"], response
+            pod = api.put_pod(patched(pod, response))
+            # 2. the control plane: a claim from the template, allocated on node-a's gpu-0
+            [claim] = instantiate_claims(api, NS, "cuda-4gi")
+            allocated = allocate(api, NS, claim["metadata"]["name"], "node-a", "gpu-0")
+            share = allocated["status"]["allocation"]["devices"]["results"][0]["shareID"]
+            # 3. the kubelet prepares it; the agent makes the slice and writes its figures
+            answer = kubelet.prepare((NS, claim["metadata"]["uid"], claim["metadata"]["name"]))
+            assert answer[claim["metadata"]["uid"]].error == ""
+            wait(lambda: (api.claim(NS, claim["metadata"]["name"])["status"].get("devices")), "figures")
+            write_usage_counters(node.slice_dir, share, 0, memory_current=GiB + (GiB >> 1))
+            wait(lambda: api.claim(NS, claim["metadata"]["name"])["status"]["devices"][0]["data"]["memory.current"]
+                 == GiB + (GiB >> 1), "memory.current 1.5Gi")
+            kubeconfig = tmp / "user-kubeconfig"
+            api.write_kubeconfig(kubeconfig, namespace=NS)
+            yield {"api": api, "node": node, "claim": api.claim(NS, claim["metadata"]["name"]), "share": share,
+                   "kubeconfig": kubeconfig, "agent": agent, "tmp": tmp}
+        finally:     # what the node started (its agent, the kubelet stand-in) ends with the module
+            if hook:
+                hook.stop()
+            node.close()
 
 
 def vgpu(walked, *args, via_kubectl=False, env=None):

@@ -495,6 +495,8 @@ def test_a_slice_deleted_by_anyone_is_republished_by_the_watch_even_after_api_re
     node.api.delete_slice(name)
     [third] = node.published(timeout=5)
     assert third["metadata"]["uid"] != again["metadata"]["uid"]
+    # the agent logs a creation once the API server answered it: the slice may be seen first
+    agent.wait_for(lambda e: e["event"] == "resourceslice_created", "the third creation", count=3)
     assert len([e for e in agent.events() if e["event"] == "resourceslice_created"]) == 3
 
 

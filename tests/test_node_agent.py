@@ -324,6 +324,7 @@ def test_a_slot_records_its_process_s_start_time_pid_namespace_and_cgroup(node_,
 
 # === reaping ===
 
+@pytest.mark.timing
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_the_agent(node_, spawn, agents, sig):
     node_.ctl("create", "a", "--memory", "4Gi")
@@ -371,6 +372,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.timing
 def test_a_slot_whose_lock_outlives_its_close_event_is_reaped_at_once(node_, agents):
     """The kernel sends a close's inotify event just before it drops the closing file's
     locks (a dying process's last close), so the agent may find the slot still locked when
@@ -444,6 +446,7 @@ def test_with_slices_required_an_unsliced_process_is_a_violation_and_killed_alon
 
 # === a tenant that rewrites its usage file ===
 
+@pytest.mark.timing
 def test_a_process_hiding_a_gib_is_reported_within_2s_and_with_kill_killed_alone(node_, spawn, agents):
     node_.ctl("create", "a", "--memory", "2Gi")
     honest = spawn(node_.shim_env("a"))
@@ -599,6 +602,7 @@ def test_a_process_claimed_by_two_slices_is_ambiguous_and_never_acted_on(node_, 
 
 # === compute ===
 
+@pytest.mark.timing
 def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(node_, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi", "--sm", "30%")
     box = boxes(_slice_mounts(node_, "a"))
@@ -629,6 +633,7 @@ def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(nod
     assert share_after > 60
 
 
+@pytest.mark.timing
 def test_a_paced_slice_is_no_compute_violation(node_, spawn, agents):
     node_.ctl("create", "a", "--memory", "2Gi", "--sm", "30%")
     t = spawn(node_.shim_env("a"))
@@ -994,6 +999,7 @@ def test_export_and_apply_leave_a_temporary_run_slice_alone(node_, tmp_path):
                                                                                                     "run-1-abcd"]
 
 
+@pytest.mark.timing
 def test_an_agent_killed_while_holding_a_hog_leaves_it_to_the_next_one_to_continue(node_, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi", "--sm", "20%")
     box = boxes(_slice_mounts(node_, "a"))

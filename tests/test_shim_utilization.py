@@ -6,12 +6,17 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from conftest import make_sim_env, run_python
 from vgpu.paths import SHIM
+
+pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)
 
 UTIL = """
 import json, time
 import pynvml as n
+
 n.nvmlInit()
 h = n.nvmlDeviceGetHandleByIndex(0)
 u = n.nvmlDeviceGetUtilizationRates(h)
