@@ -122,8 +122,9 @@ struct vgpu_usage {
     struct vgpu_usage_proc procs[VGPU_MAX_PROCS];
     uint64_t reserved[32];
 };
-/* The share board: <dir>/.sm-board, one per node, mapped read-write by every slice's
- * shim (and mounted into every container beside its slice's files).  Per device (a GPU
+/* The share board: <dir>/.sm-board, one per node, read and written with pread/pwrite by
+ * every slice's shim, never mapped: it is mounted read-write into every container beside
+ * its slice's files, and a mapping of a file a tenant truncates faults on its next touch.  Per device (a GPU
  * or a MIG device, by UUID) one entry per slice that paces launches there, written by
  * that slice's processes alone: what it is guaranteed, what it wants, what it was
  * allowed, and how far its launches are paid for.  From the live entries each slice

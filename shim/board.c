@@ -2,10 +2,11 @@
  * other idle time (burst mode) without a lock on the launch path.
  *
  * Each slice that paces launches on a device keeps one entry in that device's section:
- * its guarantee and ceiling, how far its launches are paid for and how long they waited
- * (what they cost is the usage file's running total, read once a period).
- * Every BOARD_PERIOD_NS one of its processes (whoever moves period_ns first) turns those
- * running totals into a demand and computes the slice's allowance from every live entry:
+ * its guarantee and ceiling, what it wants and is allowed, and how far its launches are
+ * paid for.  Every BOARD_PERIOD_NS each of its processes (the first of its threads to
+ * get there) turns the slice's running totals in its usage file (what its launches cost,
+ * how long they waited) into a demand, reads the section, computes the slice's allowance
+ * from every live entry and writes the slice's entry:
  *
  *   demand   the ceiling if its launches waited (it wants more than it has), else what
  *            it used over the period plus a small margin; a slice waking from idle asks
@@ -19,37 +20,56 @@
  * Every slice computes from the same entries, so their allowances agree up to a period.
  * A slice that wakes below its guarantee is paced at its guarantee from its first launch
  * and published at once; the others see it at their next period and yield.  An entry is
- * live while it is refreshed (VGPU_BOARD_STALE_NS) and its launches are paid up to now
- * (BOARD_IDLE_NS): a dead or hung slice stops counting within a stale period. */
+ * live while it is refreshed (VGPU_BOARD_STALE_NS) and its launches are paid up to a
+ * period ago (BOARD_LIVE_NS): a dead or hung slice stops counting within a stale period.
+ *
+ * The board is mounted read-write into every container, so any tenant can write or
+ * truncate it.  It is never mapped: a mapping of a file another container truncates
+ * faults (SIGBUS) on the next touch, and that would kill the neighbours.  The entry is
+ * written with pwrite and the section read with pread, once a period, off the launch
+ * path; a short read (a truncated or replaced board) is a period without a board: the
+ * slice runs at its guarantee.  Finding the device's section and claiming an entry are
+ * done under an OFD lock on the board's first byte, asked without waiting (a tenant
+ * holding it keeps others at their guarantees, never blocks them). */
 #include "internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define SM_FULL 10000u
 #define BOARD_IDLE_NS 20000000ull          /* paid-for time run out this long ago: idle */
+#define BOARD_LIVE_NS (BOARD_IDLE_NS + BOARD_PERIOD_NS)   /* ... as published, up to a period ago */
 #define BOARD_REUSE_NS 60000000000ull      /* an entry silent this long is a gone slice's */
 #define HELD_BACK_PER 50                   /* waited > 1/50 of the period: wants more */
 #define BOARD_WAKE_NS 200000000ull         /* after waking, ask for the guarantee this long */
+#define CLAIM_TRIES 20                     /* the claim lock, asked every millisecond this often */
 
-static struct vgpu_board *board;           /* NULL: none (yet); MAP_FAILED: none, for good */
-static struct vgpu_board_device *sections[VGPU_MAX_DEVICES];
-static struct vgpu_board_slice *entries[VGPU_MAX_DEVICES];
-static int entry_tried[VGPU_MAX_DEVICES];  /* 1: looked once and found no room (or no UUID) */
+#define SECTION_OFF(s) (offsetof(struct vgpu_board, devices) + (size_t)(s) * sizeof(struct vgpu_board_device))
+#define ENTRY_OFF(s, i) (SECTION_OFF(s) + offsetof(struct vgpu_board_device, slices) + \
+                         (size_t)(i) * sizeof(struct vgpu_board_slice))
 
-static struct vgpu_board *board_map(void)
+static int board_fd = -2;                  /* -2: not opened yet; -1: none, for good */
+/* per device: where the slice's entry is (-1: none), and this process's own view of its
+ * periods (what the usage file's totals were at its last one, when the slice woke) */
+static struct {
+    int tried, section, entry;
+    uint64_t period_ns, used_at, waited_at, woke_ns, backlog_ns;
+    uint32_t allowance;
+} mine[VGPU_MAX_DEVICES];
+
+static int board_open(void)
 {
-    struct vgpu_board *b = LOAD(&board);
-    if (LIKELY(b != NULL))
-        return b == MAP_FAILED ? NULL : b;
+    int fd = LOAD(&board_fd);
+    if (LIKELY(fd != -2))
+        return fd;
     pthread_mutex_lock(&S.lock);
-    if (!board) {
-        b = MAP_FAILED;
-        int fd = S.board_path[0] ? open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW) : -1;
+    if (board_fd == -2) {
+        fd = S.board_path[0] ? open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK) : -1;
         if (fd < 0 && errno == ENOENT) {   /* no controller made one (standalone containers) */
             static struct vgpu_board empty;   /* zeroed: every section free */
             empty.magic = VGPU_BOARD_MAGIC;
@@ -57,137 +77,142 @@ static struct vgpu_board *board_map(void)
             empty.size = sizeof empty;
             if (create_file_once(S.board_path, &empty, sizeof empty, 0666))
                 INFO("made the share board %s", S.board_path);
-            fd = open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+            fd = open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         }
         struct stat st;
-        if (fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == sizeof(struct vgpu_board)) {
-            void *m = mmap(NULL, sizeof(struct vgpu_board), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            if (m != MAP_FAILED) {
-                struct vgpu_board *cand = m;
-                if (LOAD(&cand->magic) == VGPU_BOARD_MAGIC && LOAD(&cand->abi_version) == VGPU_ABI_VERSION &&
-                    LOAD(&cand->size) == sizeof(struct vgpu_board))
-                    b = cand;
-                else
-                    munmap(m, sizeof(struct vgpu_board));
-            }
-        }
-        if (fd >= 0)
+        struct vgpu_board head;
+        if (fd >= 0 && !(fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == sizeof(struct vgpu_board) &&
+                         pread(fd, &head, offsetof(struct vgpu_board, devices), 0) ==
+                             (ssize_t)offsetof(struct vgpu_board, devices) &&
+                         head.magic == VGPU_BOARD_MAGIC && head.abi_version == VGPU_ABI_VERSION &&
+                         head.size == sizeof(struct vgpu_board))) {
             close(fd);
-        if (b == MAP_FAILED)
-            INFO("no share board at %s: burst slices run at their guarantee", S.board_path);
-        STORE(&board, b);
-    }
-    b = board;
-    pthread_mutex_unlock(&S.lock);
-    return b == MAP_FAILED ? NULL : b;
-}
-
-/* The device's section: found by UUID, or claimed. */
-static struct vgpu_board_device *board_device(struct vgpu_board *b, const uint8_t uuid[16])
-{
-    for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < VGPU_BOARD_DEVICES; i++) {
-            struct vgpu_board_device *d = &b->devices[i];
-            uint64_t c = LOAD(&d->claimed);
-            if (c == 1 && !memcmp(d->uuid, uuid, 16))
-                return d;
-            if (pass == 1 && c == 0) {
-                uint64_t free_ = 0;
-                if (!__atomic_compare_exchange_n(&d->claimed, &free_, 2, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-                    continue;
-                memcpy(d->uuid, uuid, 16);
-                STORE(&d->claimed, 1);
-                /* another process may have claimed a second section for the same UUID
-                 * meanwhile: the first one in the table is the one everybody uses */
-                for (int j = 0; j < i; j++)
-                    if (LOAD(&b->devices[j].claimed) == 1 && !memcmp(b->devices[j].uuid, uuid, 16))
-                        return &b->devices[j];
-                return d;
-            }
+            fd = -1;
         }
+        if (fd < 0)
+            INFO("no share board at %s: burst slices run at their guarantee", S.board_path);
+        STORE(&board_fd, fd);
     }
-    return NULL;
+    fd = board_fd;
+    pthread_mutex_unlock(&S.lock);
+    return fd;
 }
 
-static struct vgpu_board_slice *first_with_key(struct vgpu_board_device *d, uint64_t key)
+static int claim_lock(int fd, short type)
 {
-    for (int i = 0; i < VGPU_BOARD_SLICES; i++)
-        if (LOAD(&d->slices[i].key) == key)
-            return &d->slices[i];
-    return NULL;
+    struct flock l = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1};
+    for (int i = 0; i < CLAIM_TRIES; i++) {
+        if (fcntl(fd, F_OFD_SETLK, &l) == 0 || type == F_UNLCK)
+            return 1;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
 }
 
-/* The slice's entry in the section: found by key, or a free (or long silent) one taken. */
-static struct vgpu_board_slice *board_slice(struct vgpu_board_device *d, uint64_t key, uint64_t now)
+/* The device's section: found by UUID, or a free one claimed (claim lock held). */
+static int board_device(int fd, const uint8_t uuid[16])
 {
-    struct vgpu_board_slice *e = first_with_key(d, key);
-    if (e)
-        return e;
-    for (int i = 0; i < VGPU_BOARD_SLICES && !e; i++) {
-        struct vgpu_board_slice *c = &d->slices[i];
-        uint64_t k = LOAD(&c->key), at = LOAD(&c->period_ns);
+    int free_ = -1;
+    for (int s = 0; s < VGPU_BOARD_DEVICES; s++) {
+        struct { uint8_t uuid[16]; uint64_t claimed; } h;
+        if (pread(fd, &h, sizeof h, (off_t)SECTION_OFF(s)) != (ssize_t)sizeof h)
+            return -1;
+        if (h.claimed == 1 && !memcmp(h.uuid, uuid, 16))
+            return s;
+        if (h.claimed == 0 && free_ < 0)
+            free_ = s;
+    }
+    if (free_ < 0)
+        return -1;
+    struct { uint8_t uuid[16]; uint64_t claimed; } h = {.claimed = 1};
+    memcpy(h.uuid, uuid, 16);
+    return pwrite(fd, &h, sizeof h, (off_t)SECTION_OFF(free_)) == (ssize_t)sizeof h ? free_ : -1;
+}
+
+static int read_section(int fd, int section, struct vgpu_board_slice out[VGPU_BOARD_SLICES])
+{
+    size_t n = sizeof(struct vgpu_board_slice) * VGPU_BOARD_SLICES;
+    return pread(fd, out, n, (off_t)ENTRY_OFF(section, 0)) == (ssize_t)n;
+}
+
+/* The slice's entry in the section: found by key, or a free (or long silent) one taken
+ * (claim lock held). */
+static int board_slice(int fd, int section, uint64_t key, uint64_t now)
+{
+    struct vgpu_board_slice e[VGPU_BOARD_SLICES];
+    if (!read_section(fd, section, e))
+        return -1;
+    int take = -1;
+    for (int i = 0; i < VGPU_BOARD_SLICES; i++) {
+        if (e[i].key == key)
+            return i;
         /* (period 0: just taken by a slice that has not computed yet -- not silent) */
-        if (k != 0 && !(at != 0 && at < now && now - at > BOARD_REUSE_NS))
-            continue;
-        if (!__atomic_compare_exchange_n(&c->key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            continue;
-        STORE(&c->period_ns, 0);   /* its first update is a waking one */
-        STORE(&c->paid_until_ns, 0);
-        STORE(&c->demand, 0);
-        STORE(&c->allowance, 0);
-        e = c;
+        if (take < 0 && (e[i].key == 0 || (e[i].period_ns != 0 && e[i].period_ns < now &&
+                                           now - e[i].period_ns > BOARD_REUSE_NS)))
+            take = i;
     }
-    if (!e)
-        return NULL;
-    /* two processes of the slice may have taken two entries: all use the first */
-    struct vgpu_board_slice *first = first_with_key(d, key);
-    if (first && first != e)
-        STORE(&e->key, 0);
-    return first;
+    if (take < 0)
+        return -1;
+    struct vgpu_board_slice fresh = {.key = key};   /* its first update is a waking one */
+    return pwrite(fd, &fresh, sizeof fresh, (off_t)ENTRY_OFF(section, take)) == (ssize_t)sizeof fresh ? take : -1;
 }
 
-struct vgpu_board_slice *board_entry(int dev)
+int board_entry(int dev)
 {
     if (dev < 0 || dev >= VGPU_MAX_DEVICES)
-        return NULL;
-    struct vgpu_board_slice *e = LOAD(&entries[dev]);
-    if (LIKELY(e != NULL) || LOAD(&entry_tried[dev]))
-        return e;
-    struct vgpu_board *b = board_map();
-    CUuuid uuid;
-    struct vgpu_board_device *d;
-    if (!b || !real_cuDeviceGetUuid_v2 || real_cuDeviceGetUuid_v2(&uuid, dev) != CUDA_SUCCESS ||
-        !(d = board_device(b, (const uint8_t *)uuid.bytes)) || !(e = board_slice(d, S.slice_key, now_ns()))) {
-        if (b)
-            INFO("device %d: no room on the share board: runs at its guarantee", dev);
-        STORE(&entry_tried[dev], 1);
-        return NULL;
+        return 0;
+    if (LIKELY(LOAD(&mine[dev].tried)))
+        return LOAD(&mine[dev].entry) >= 0;
+    int fd = board_open();
+    pthread_mutex_lock(&S.lock);
+    if (!mine[dev].tried) {
+        int section = -1, entry = -1;
+        CUuuid uuid;
+        if (fd >= 0 && real_cuDeviceGetUuid_v2 && real_cuDeviceGetUuid_v2(&uuid, dev) == CUDA_SUCCESS) {
+            if (claim_lock(fd, F_WRLCK)) {
+                section = board_device(fd, (const uint8_t *)uuid.bytes);
+                if (section >= 0)
+                    entry = board_slice(fd, section, S.slice_key, now_ns());
+                claim_lock(fd, F_UNLCK);
+            }
+            if (entry < 0)
+                INFO("device %d: no room on the share board: runs at its guarantee", dev);
+        }
+        mine[dev].section = section;
+        STORE(&mine[dev].entry, entry);
+        STORE(&mine[dev].tried, 1);
     }
-    STORE(&sections[dev], d);
-    STORE(&entries[dev], e);
-    return e;
+    int e = mine[dev].entry;
+    pthread_mutex_unlock(&S.lock);
+    return e >= 0;
+}
+
+void board_note_wait(int dev, uint64_t ns)
+{
+    if (dev >= 0 && dev < VGPU_MAX_DEVICES)
+        __atomic_add_fetch(&mine[dev].backlog_ns, ns, __ATOMIC_RELAXED);
 }
 
 /* Water-filling: what the live entries leave of the device, shared by guarantee among
  * those that want more, none given more than it asked for. */
-static uint32_t allowance_from(struct vgpu_board_device *d, struct vgpu_board_slice *self, uint64_t now)
+static uint32_t allowance_from(const struct vgpu_board_slice *e, int self, uint64_t now)
 {
     uint32_t want[VGPU_BOARD_SLICES], weight[VGPU_BOARD_SLICES], got_self = 0;
     int self_i = -1, n = 0;
     uint64_t taken = 0;
     for (int i = 0; i < VGPU_BOARD_SLICES; i++) {
-        struct vgpu_board_slice *c = &d->slices[i];
-        if (c != self) {
-            uint64_t at = LOAD(&c->period_ns), paid = LOAD(&c->paid_until_ns);
-            if (!LOAD(&c->key) || at > now + BOARD_IDLE_NS || now - at > VGPU_BOARD_STALE_NS ||
-                paid + BOARD_IDLE_NS < now)
+        const struct vgpu_board_slice *c = &e[i];
+        if (i != self) {
+            if (!c->key || c->period_ns > now + BOARD_IDLE_NS || now - c->period_ns > VGPU_BOARD_STALE_NS ||
+                c->paid_until_ns + BOARD_LIVE_NS < now)
                 continue;   /* free, silent, or idle */
         } else {
             self_i = n;
         }
         /* what another slice wrote is clamped to the device: a hostile entry can ask for
          * everything, which only keeps the others at their guarantees */
-        uint32_t g = LOAD(&c->guarantee), cap = LOAD(&c->ceiling), dem = LOAD(&c->demand);
+        uint32_t g = c->guarantee, cap = c->ceiling, dem = c->demand;
         g = g > SM_FULL ? SM_FULL : g;
         cap = cap > SM_FULL ? SM_FULL : cap < g ? g : cap;
         dem = dem > cap ? cap : dem;
@@ -195,7 +220,7 @@ static uint32_t allowance_from(struct vgpu_board_device *d, struct vgpu_board_sl
         taken += base;
         want[n] = dem - base;
         weight[n] = g > 100 ? g : 100;   /* a slice guaranteed nothing still gets a part */
-        if (c == self)
+        if (i == self)
             got_self = base;
         n++;
     }
@@ -240,28 +265,30 @@ static uint64_t share_of(uint64_t used, uint64_t span)
     return used >= 2 * span ? 2 * SM_FULL : used * SM_FULL / span;
 }
 
-/* The slice's allowance on the device, recomputed once a period by whichever process
- * gets there first; the others keep pacing at the one in the entry. */
-uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now,
-                      const struct vgpu_usage_device *u)
+/* The slice's allowance on the device, recomputed by this process once a period (the
+ * first of its threads to get there); until then, the one it computed last. */
+uint32_t board_update(int dev, uint32_t guarantee, uint32_t ceiling, uint64_t now, const struct vgpu_usage_device *u)
 {
-    uint64_t last = LOAD(&e->period_ns);
+    uint64_t last = LOAD(&mine[dev].period_ns);
     if ((last <= now && now - last < BOARD_PERIOD_NS) ||
-        !__atomic_compare_exchange_n(&e->period_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return LOAD(&e->allowance);
-    /* what the slice's launches cost: the usage file's running total of estimates (kept
-     * for the correction) at today's cost scale -- no counter of its own on the launch path */
-    uint64_t corr = LOAD(&u->sm_correction), waited = LOAD(&e->waited_ns);
+        !__atomic_compare_exchange_n(&mine[dev].period_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return LOAD(&mine[dev].allowance);
+    /* what the slice's launches cost and how long they waited: the usage file's running
+     * totals (cost at today's scale; waits at the ceiling and below it) and this process's
+     * own waits for its queue -- no counter of the board's on the launch path */
+    uint64_t corr = LOAD(&u->sm_correction);
     uint64_t total = (uint64_t)((double)LOAD(&u->sm_raw_ns) * (corr ? corr : 65536) / 65536);
-    uint64_t used = total - __atomic_exchange_n(&e->period_used_ns, total, __ATOMIC_ACQ_REL);
-    uint64_t held = waited - __atomic_exchange_n(&e->period_waited_ns, waited, __ATOMIC_ACQ_REL);
+    uint64_t waited = LOAD(&u->throttled_ns) + LOAD(&u->yielded_ns) + LOAD(&mine[dev].backlog_ns);
+    uint64_t used = total - mine[dev].used_at, held = waited - mine[dev].waited_at;
+    mine[dev].used_at = total;
+    mine[dev].waited_at = waited;
     uint64_t span = now - last;
     uint32_t demand;
     int waking = !last || last > now || span > VGPU_BOARD_STALE_NS;
     if (waking)
-        STORE(&e->woke_ns, now);
-    uint64_t woke = LOAD(&e->woke_ns);
-    if (held > span / HELD_BACK_PER) {
+        mine[dev].woke_ns = now;
+    uint64_t woke = mine[dev].woke_ns;
+    if (!waking && held > span / HELD_BACK_PER) {
         demand = ceiling;
     } else if (waking || (woke <= now && now - woke < BOARD_WAKE_NS)) {
         /* waking: at least its guarantee until its launches say more (the first ones
@@ -273,13 +300,26 @@ uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, u
         share += share / 32 + 25;   /* a quarter point and 3%: noise, not hoarding */
         demand = share > ceiling ? ceiling : (uint32_t)share;
     }
-    STORE(&e->guarantee, guarantee);
-    STORE(&e->ceiling, ceiling);
-    STORE(&e->demand, demand);
-    uint32_t got = allowance_from(LOAD(&sections[dev]), e, now);
-    uint32_t allowed = got > guarantee ? got : guarantee;
-    if (allowed > ceiling)
-        allowed = ceiling;
-    STORE(&e->allowance, allowed);
+    /* the section as it is now, this slice's entry as it is about to be written; a short
+     * read (truncated, replaced) is a period without a board: the guarantee */
+    int fd = LOAD(&board_fd), section = mine[dev].section, i = mine[dev].entry;
+    struct vgpu_board_slice e[VGPU_BOARD_SLICES];
+    uint32_t allowed = guarantee;
+    if (fd >= 0 && read_section(fd, section, e)) {
+        uint64_t vtime = LOAD(&u->sm_vtime_ns);
+        e[i] = (struct vgpu_board_slice){
+            .key = S.slice_key, .guarantee = guarantee, .ceiling = ceiling, .demand = demand,
+            .paid_until_ns = vtime > now ? vtime : now,   /* (launching now: not idle) */
+            .waited_ns = waited, .period_used_ns = total, .period_ns = now, .period_waited_ns = waited,
+            .woke_ns = woke};
+        uint32_t got = allowance_from(e, i, now);
+        allowed = got > guarantee ? got : guarantee;
+        if (allowed > ceiling)
+            allowed = ceiling;
+        e[i].allowance = allowed;
+        if (pwrite(fd, &e[i], sizeof e[i], (off_t)ENTRY_OFF(section, i)) != (ssize_t)sizeof e[i])
+            allowed = guarantee;
+    }
+    STORE(&mine[dev].allowance, allowed);
     return allowed;
 }

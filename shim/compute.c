@@ -96,10 +96,10 @@ static inline int sm_limited(void)
 /* The share a paced device runs at now: the board's allowance (burst: guarantee ..
  * ceiling; ceiling mode: the ceiling, published so burst neighbours leave it alone), or
  * without a board the guarantee (time is lent only when it is seen to be idle). */
-static uint32_t allowance(int dev, struct vgpu_board_slice *b, uint64_t now)
+static uint32_t allowance(int dev, int board, uint64_t now)
 {
     uint32_t floor = LOAD(&sm_guarantee[dev]), cap = LOAD(&sm_ceiling[dev]);
-    uint32_t a = b ? board_update(dev, b, floor, cap, now, &S.usage->devices[dev]) : floor;
+    uint32_t a = board ? board_update(dev, floor, cap, now, &S.usage->devices[dev]) : floor;
     return a < floor ? floor : a > cap ? cap : a;
 }
 
@@ -332,7 +332,7 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
 static uint64_t bound_backlog(int dev, uint64_t now)
 {
     uint64_t waited = 0;
-    struct vgpu_board_slice *b = board_entry(dev);
+    int b = board_entry(dev);
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
         if (LOAD(&sp->busy) != 2 || now - LOAD(&sp->launched_ns) < BACKLOG_NS || now < LOAD(&sp->launched_ns))
@@ -344,11 +344,9 @@ static uint64_t bound_backlog(int dev, uint64_t now)
             nanosleep(&ts, NULL);
             waited += BACKLOG_POLL_NS;
             if (b) {   /* kept from launching is wanting more, not idle: the board must see it */
-                uint64_t t = now_ns();
-                STORE(&b->paid_until_ns, t);
-                __atomic_add_fetch(&b->waited_ns, BACKLOG_POLL_NS, __ATOMIC_RELAXED);
+                board_note_wait(dev, BACKLOG_POLL_NS);
                 if (n % 40 == 39)
-                    allowance(dev, b, t);
+                    allowance(dev, b, now_ns());
             }
         }
     }
@@ -485,8 +483,7 @@ static int pace(int dev, uint64_t key)
         raw = LOAD(&typical_ns);
     uint64_t corr = LOAD(&u->sm_correction);
     uint64_t cost = corr ? raw * corr >> 16 : raw;
-    struct vgpu_board_slice *b = board_entry(dev);
-    uint32_t allowed = allowance(dev, b, now);
+    uint32_t allowed = allowance(dev, board_entry(dev), now);
     uint64_t wall = cost * SM_FULL / allowed;
 
     uint64_t t = LOAD(&u->sm_vtime_ns), next;
@@ -494,8 +491,6 @@ static int pace(int dev, uint64_t key)
         next = (t > now ? t : now) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
-    if (b)
-        STORE(&b->paid_until_ns, next > now ? next : now);   /* (a clock lagging now still launched now) */
     count_launch(dev, cost, next > now + SM_BURST_NS);
     if (next > now + SM_BURST_NS) {
         struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
@@ -507,8 +502,6 @@ static int pace(int dev, uint64_t key)
          * neighbours' guarantees (what it cannot) */
         __atomic_add_fetch(allowed < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns, waited,
                            __ATOMIC_RELAXED);
-        if (b)
-            __atomic_add_fetch(&b->waited_ns, waited, __ATOMIC_RELAXED);
         now = next - SM_BURST_NS;
     }
     if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))

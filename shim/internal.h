@@ -169,8 +169,9 @@ void compute_atfork_child(void);
 /* === board.c === */
 
 #define BOARD_PERIOD_NS 20000000ull   /* how often a slice recomputes its allowance */
-struct vgpu_board_slice *board_entry(int dev);   /* the slice's entry for dev, or NULL: no board */
-uint32_t board_update(int dev, struct vgpu_board_slice *e, uint32_t guarantee, uint32_t ceiling, uint64_t now,
+int board_entry(int dev);          /* 1: the slice has an entry for dev (claimed on first use); 0: no board */
+uint32_t board_update(int dev, uint32_t guarantee, uint32_t ceiling, uint64_t now,
                       const struct vgpu_usage_device *u);   /* u: the slice's usage of dev (what it used) */
+void board_note_wait(int dev, uint64_t ns);   /* this process's launches waited for its queue */
 
 #endif

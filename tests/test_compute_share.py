@@ -312,6 +312,27 @@ def test_a_hostile_board_entry_keeps_a_burst_slice_at_its_guarantee_never_below(
     assert abs(got - 30) <= MARGIN, got
 
 
+@pytest.mark.parametrize("size", [0, 4096])
+def test_a_tenant_truncating_the_board_crashes_no_neighbour(tmp_path, c_program, size):
+    """The board is writable from every container.  Another tenant truncates it while two
+    slices pace launches on it (the shims never map it: a mapping would fault, SIGBUS, on
+    the next touch): both keep running, each at least at its guarantee, and together they
+    still use the device."""
+    from vgpu import board
+    a = slice_env(tmp_path, "a", "--sm", "100%", "--sm-request", "30%")
+    b = slice_env(tmp_path, "b", "--sm", "100%", "--sm-request", "50%")
+    path = tmp_path / "vgpu" / board.BOARD
+
+    def truncate(t0):
+        time.sleep(max(0.0, t0 + 1.0 - time.time()))
+        assert board.read(tmp_path / "vgpu")      # both were on it
+        os.truncate(path, size)                   # as `truncate -s N` from a container
+
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 3.5,
+                                   [[1.5, 3.3]], during=truncate)     # (each exited 0: run_tenants checks)
+    assert got_a >= 30 - MARGIN and got_b >= 50 - MARGIN, (got_a, got_b)
+
+
 def test_a_broken_board_is_no_crash_and_a_burst_slice_runs_at_its_guarantee(tmp_path, c_program):
     from vgpu import board
     env = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "40%")

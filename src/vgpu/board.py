@@ -16,6 +16,7 @@ BOARD = ".sm-board"
 BOARD_SIZE = ffi.sizeof("struct vgpu_board")
 _SLICE = ffi.sizeof("struct vgpu_board_slice")
 _IDLE_NS = 20_000_000   # shim/board.c BOARD_IDLE_NS
+_LIVE_NS = 40_000_000   # shim/board.c BOARD_LIVE_NS: paid-for time is published once a period
 
 
 def slice_key(name: str) -> int:
@@ -70,7 +71,7 @@ def read(directory) -> dict:
             if not e.key:
                 continue
             live = (e.period_ns <= now + _IDLE_NS and now - e.period_ns <= lib.VGPU_BOARD_STALE_NS
-                    and e.paid_until_ns + _IDLE_NS >= now)
+                    and e.paid_until_ns + _LIVE_NS >= now)
             out.setdefault(int(e.key), []).append(
                 {"uuid": uuid, "guarantee": int(e.guarantee), "ceiling": int(e.ceiling), "demand": int(e.demand),
                  "allowance": int(e.allowance), "live": bool(live)})
