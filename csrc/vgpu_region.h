@@ -120,7 +120,10 @@ struct vgpu_usage {
     struct vgpu_usage_device devices[VGPU_MAX_DEVICES];
     uint64_t charge[VGPU_MAX_DEVICES][VGPU_MAX_PROCS];
     struct vgpu_usage_proc procs[VGPU_MAX_PROCS];
-    uint64_t reserved[32];
+    /* charge_seq[p] moves on after every change of slot p's charges (wrapping): the node
+     * agent reads it before and after its look at the driver, so that an unchanged
+     * sequence and charge say the charge held still while the driver was read */
+    uint32_t charge_seq[VGPU_MAX_PROCS];
 };
 /* The share board: <dir>/.sm-board, one per node, read and written with pread/pwrite by
  * every slice's shim, never mapped: it is mounted read-write into every container beside

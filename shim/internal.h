@@ -102,6 +102,23 @@ struct shim_state {
     uint64_t slice_key;         /* the slice's name, hashed: its entries on the board */
 };
 extern struct shim_state S;
+
+/* A slot's charge on a device, moved by `bytes`; then its sequence (csrc/vgpu_region.h:
+ * charge_seq), so that the node agent, reading sequence and charges before and after it
+ * reads the driver, sees any move in between.  Returns the new charge. */
+static inline uint64_t charge_add(int dev, int slot, uint64_t bytes)
+{
+    uint64_t now = __atomic_add_fetch(&S.usage->charge[dev][slot], bytes, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&S.usage->charge_seq[slot], 1, __ATOMIC_SEQ_CST);
+    return now;
+}
+
+static inline uint64_t charge_sub(int dev, int slot, uint64_t bytes)
+{
+    uint64_t now = __atomic_sub_fetch(&S.usage->charge[dev][slot], bytes, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&S.usage->charge_seq[slot], 1, __ATOMIC_SEQ_CST);
+    return now;
+}
 extern TLS int in_init;   /* recursion guard: hooks called during init pass through */
 
 /* === log === */

@@ -114,7 +114,7 @@ static void charge_overhead(int dev)
         uint64_t bytes = measure_overhead(dev);
         overhead_bytes[dev] = bytes;
         if (bytes) {
-            __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+            charge_add(dev, S.slot, bytes);
             note_peak(&S.usage->devices[dev], memory_used(dev));
             INFO("device %d: a context's overhead, %llu bytes, charged", dev, (unsigned long long)bytes);
         }
@@ -155,7 +155,6 @@ static CUresult admit(int dev, uint64_t bytes)
     if (UNLIKELY(!(LOAD(&overhead_devices) & 1u << dev)))
         charge_overhead(dev);
     struct vgpu_usage_device *u = &S.usage->devices[dev];
-    uint64_t *mine = &S.usage->charge[dev][S.slot];
     uint64_t cap = memory_cap(dev), used = 0;
     for (int attempt = 0; bytes <= cap && attempt < ADMIT_TRIES; attempt++) {
         if (attempt == 1) {
@@ -168,13 +167,13 @@ static CUresult admit(int dev, uint64_t bytes)
         /* a look first: what plainly does not fit is refused without ever showing in
          * the counters (only a true race leaves a transient that is taken back) */
         if ((used = memory_used(dev)) <= cap - bytes) {
-            __atomic_add_fetch(mine, bytes, __ATOMIC_SEQ_CST);
+            charge_add(dev, S.slot, bytes);
             used = memory_used(dev);
             if (used <= cap) {
                 note_peak(u, used);
                 return CUDA_SUCCESS;
             }
-            __atomic_sub_fetch(mine, bytes, __ATOMIC_SEQ_CST);
+            charge_sub(dev, S.slot, bytes);
         } else {
             used += bytes;
         }
@@ -190,7 +189,7 @@ static void refund(int dev, uint64_t bytes)
 {
     if (S.slot < 0 || !bytes)
         return;
-    __atomic_sub_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+    charge_sub(dev, S.slot, bytes);
 }
 
 /* The allocation table is private to the process (a forked child gets a fresh one). */
@@ -329,8 +328,8 @@ static int shared_new(int dev, uint64_t bytes, uint64_t key)
         STORE(&p->start_ticks, key);
         STORE(&p->flags, (me->flags & VGPU_PROC_FROM_FILE) | VGPU_PROC_SHARED);
         /* counted twice for an instant, never not at all */
-        __atomic_add_fetch(&S.usage->charge[dev][s], bytes, __ATOMIC_SEQ_CST);
-        __atomic_sub_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        charge_add(dev, s, bytes);
+        charge_sub(dev, S.slot, bytes);
         slot_lock(S.usage_fd, s, F_RDLCK);   /* converted in place: held from now on, as by every holder */
         shared_holds[s] = 1;
     }
@@ -767,7 +766,7 @@ static void charge_held(int dev, uint64_t bytes)
 {
     if (S.slot >= 0 && bytes)
         note_peak(&S.usage->devices[dev],
-                  (__atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST), memory_used(dev)));
+                  (charge_add(dev, S.slot, bytes), memory_used(dev)));
 }
 
 /* Called with vmm_lock held.  dev < 0: a pool of host memory (not charged). */
@@ -1254,7 +1253,7 @@ SHIM_EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr
     if (ok)
         return r;
     if (s >= 0) {   /* no room to remember it: back on our own charge */
-        __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        charge_add(dev, S.slot, bytes);
         shared_release(s);
     }
     remember_in(KEY_PTR | dptr, dev, bytes, ctx);
@@ -1380,7 +1379,7 @@ SHIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGe
     if (v && s >= 0)
         return r;
     if (s >= 0) {   /* released meanwhile: settled as its own charge */
-        __atomic_add_fetch(&S.usage->charge[dev][S.slot], bytes, __ATOMIC_SEQ_CST);
+        charge_add(dev, S.slot, bytes);
         shared_release(s);
         return r;
     }

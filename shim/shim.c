@@ -358,6 +358,7 @@ void drain_slot(int i)
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
         if (LOAD(&S.usage->charge[d][i]))
             __atomic_store_n(&S.usage->charge[d][i], 0, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&S.usage->charge_seq[i], 1, __ATOMIC_SEQ_CST);
     STORE(&S.usage->procs[i].pid, 0);
 }
 

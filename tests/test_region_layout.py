@@ -33,7 +33,8 @@ def test_files_carry_magic_and_abi_version_constants():
     assert lib.VGPU_QUOTA_MAGIC != lib.VGPU_USAGE_MAGIC
     # reserved space at the end lets later versions grow without moving fields
     assert ffi.offsetof("struct vgpu_quota", "reserved") + 29 * 8 == ffi.sizeof("struct vgpu_quota")
-    assert ffi.offsetof("struct vgpu_usage", "reserved") + 32 * 8 == ffi.sizeof("struct vgpu_usage")
+    # (the usage file's last 256 reserved bytes became charge_seq, one u32 a slot)
+    assert ffi.offsetof("struct vgpu_usage", "charge_seq") + lib.VGPU_MAX_PROCS * 4 == ffi.sizeof("struct vgpu_usage")
 
 
 def test_the_node_agent_s_fields_took_reserved_space_and_moved_nothing():

@@ -68,6 +68,7 @@ RECENT_NS = 100_000_000         # a directory changed this recently is looked at
 MIG_RESCAN_S = 30.0             # a MIG-mode GPU's MIG devices are listed again this often
 RECHECK_AFTER = (0.005, 0.03, 0.1, 0.3)   # s after an open or close of a usage file: its slice looked at again
 MIG_FORCED_S = 2.0              # ... and out of turn (a new instance, one gone) at most this often
+CONFIRM_TRIES = 3               # bracketed looks at a gap before it is left unjudged (charges moving)
 
 
 # === settings ===
@@ -131,6 +132,8 @@ _DEV_SIZE = ffi.sizeof("struct vgpu_usage_device")
 _GPU_TIME_AT = ffi.offsetof("struct vgpu_usage_device", "gpu_time_ns")
 _LAUNCHES_AT = ffi.offsetof("struct vgpu_usage_device", "launches")
 _HEADER = struct.Struct("<QII")
+_SEQ_AT = ffi.offsetof("struct vgpu_usage", "charge_seq")
+_SEQ_SIZE = 4 * slices.MAX_PROCS
 
 
 @dataclass
@@ -350,6 +353,7 @@ class ProcRow:
     comm: str = None
     context: bool = False    # a context and nothing charged yet (Settings.context_allowance)
     place: Place = None
+    shared_slots: tuple = ()  # the shared slots of what it exported, counted in `charge`
 
     @property
     def gap(self):
@@ -1153,8 +1157,9 @@ class Observer:
                         row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
                         sh = self._shared_of.get(a.slice)
                         if sh:       # memory it exported, in shared slots: NVML lists it under the exporter
-                            row.charge += sum(x.charges.get(d, 0) for x in
-                                              sh.get((sl.pid_ns, t.inner), ()))
+                            exported = sh.get((sl.pid_ns, t.inner), ())
+                            row.charge += sum(x.charges.get(d, 0) for x in exported)
+                            row.shared_slots = tuple(x.slot for x in exported)
                         if row.charge:
                             t.charged.add(d)
                         elif d not in t.charged and used is not None and used <= st.context_allowance:
@@ -1176,6 +1181,65 @@ class Observer:
         snap.places = list(per_device)
         snap.active = active
         return snap
+
+    def confirm_gap(self, sd):
+        """A gap a snapshot shows for slice device `sd`, looked at again with its usage file
+        read just before and just after the driver: (driver, memory.current, context,
+        {host pid: its own gap}) from a look in which no charge of the slice moved (the
+        shim moves a slot's sequence after each change of its charge, and charges before
+        it allocates, uncharges after it frees: a charge that held still over the look
+        covers what an honest process held at any moment of it).  None when every one of
+        CONFIRM_TRIES looks saw a charge move (the slice is allocating and freeing: no
+        evidence either way this time) or the look could not be made.  The snapshot's own
+        look reads the driver first and the usage files after: a free in between looks
+        like memory the shim did not count."""
+        f = self.files.get(sd.name)
+        place = sd.place
+        if f is None or f.view._ufd is None or place is None or not isinstance(sd.device, int) or \
+                not 0 <= sd.device < slices.MAX_DEVICES:
+            return None
+        fd, at = f.view._ufd, _CHARGE_AT + sd.device * _ROW.size
+
+        def usage():
+            seq = os.pread(fd, _SEQ_SIZE, _SEQ_AT)
+            row = os.pread(fd, _ROW.size, at)
+            if len(seq) != _SEQ_SIZE or len(row) != _ROW.size:
+                raise slices.BadFile("usage file cut short")
+            return seq, row
+
+        try:
+            for _ in range(CONFIRM_TRIES):
+                before = usage()
+                listed = self._place_processes(place)
+                after = usage()
+                if before == after:
+                    break
+            else:
+                return None
+        except Exception:    # the file or the driver gone meanwhile: judged at the next look
+            return None
+        row = _ROW.unpack(after[1])
+        driver = context = 0
+        gaps = {}
+        for p in sd.processes:
+            used = listed.get(p.host_pid) or 0
+            driver += used
+            if p.context:
+                context += used
+                continue
+            charge = (p.charge or 0) if p.slot is None else row[p.slot] + sum(row[x] for x in p.shared_slots)
+            gaps[p.host_pid] = used - charge
+        return driver, sum(row), context, gaps
+
+    def _place_processes(self, place):
+        """{host pid: bytes} NVML lists on one place now."""
+        if place.mig is None:
+            return self.nvml.running_processes(place.gpu)
+        listed = self._migs.get(place.gpu)
+        m = next((m for m in (listed[1] if listed else ()) if m.uuid == place.mig), None)
+        if m is None:
+            raise LookupError(f"MIG device {place.mig} not listed")
+        return self.nvml.mig_processes(m)
 
     def _note_held(self, name, pids):
         """The pids the slice's live slots of our pid namespace name now (for _held)."""
@@ -1362,6 +1426,10 @@ class Judge:
         self.compute = collections.defaultdict(_Ring)   # (slice, device) -> its window of (t, nvml, charged)
         self._gpu = {}           # (slice, device) -> (t, gpu_time_ns)
         self.counts = collections.Counter()   # (container, kind) -> violations started
+        # (slice device) -> a bracketed look (Observer.confirm_gap), or None: the snapshot's
+        # figures are taken as they are (status and metrics report; only the agent acts)
+        self.confirm = None
+        self.unjudged = collections.Counter()   # (container, device) -> gaps left unjudged: charges moving
 
     def conditions(self, snap: Snapshot) -> dict:
         """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
@@ -1378,18 +1446,28 @@ class Judge:
                 gap = sd.driver - sd.memory_current - sd.context
                 if gap > st.tolerance:           # (the least any tolerance is: only then worth the rest)
                     tol = sd.tolerance
+                    own_gap = {p.host_pid: p.gap for p in sd.processes}
+                    driver, current = sd.driver, sd.memory_current
+                    if gap > tol and self.confirm is not None:
+                        fresh = self.confirm(sd)
+                        if fresh is None:
+                            self.unjudged[(sd.name, sd.device)] += 1
+                            gap = 0
+                        else:
+                            driver, current, context, own_gap = fresh
+                            gap = driver - current - context
                     if gap > tol:
-                        detail = {"memory_driver": sd.driver, "memory_current": sd.memory_current,
+                        detail = {"memory_driver": driver, "memory_current": current,
                                   "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
                                   "tolerance": tol, "gap": gap, **_where(sd)}
                         offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
-                                     p.gap is not None and p.gap > threshold]
+                                     own_gap.get(p.host_pid) is not None and own_gap[p.host_pid] > threshold]
                         gone = [p.host_pid for p in sd.processes if p.attribution.method == "held-slot" and
                                 p.gap is not None and p.gap > threshold]
                         if gone:     # above their slots' charge, but gone: nothing to act on
                             detail["gone"] = gone
                         out[("gap", key)] = (sd.name, sd.device, detail, offenders)
-                        if sd.memory_max != UNLIMITED and sd.driver > sd.memory_max + tol:
+                        if sd.memory_max != UNLIMITED and driver > sd.memory_max + tol:
                             out[("over-cap", key)] = (sd.name, sd.device, detail, offenders)
             if sd.sm_nvml is None or sd.sm_max >= SHARE_FULL:
                 if key in compute:
@@ -1579,6 +1657,7 @@ class Agent:
             autoscaler.sm_source = self._sm_of
         self.observer = Observer(self.directory, reader, use_nvml, self.settings, nvml_module, pod_uids)
         self.judge = Judge(self.settings)
+        self.judge.confirm = self.observer.confirm_gap
         self.holder = Holder(self.log)
         self.on_violation = on_violation or (lambda v, record: None)
         self.on_action = on_action or (lambda container, kind, action, pid, result: None)
