@@ -36,7 +36,9 @@ static inline uint64_t memory_cap(int dev)
 }
 
 /* The container's bytes on dev: the sum of its slots' charges (seq_cst loads: the
- * admission below relies on them). */
+ * admission below relies on them).  A row whose sum passes 2^64 was written by hand (a
+ * tenant writing a negative charge into a slot to make room): UINT64_MAX, so that nothing
+ * more is admitted against it -- it never wraps around to a small figure. */
 uint64_t memory_used(int dev)
 {
     uint32_t n = LOAD(&S.usage->slots_used);
@@ -45,7 +47,8 @@ uint64_t memory_used(int dev)
     const uint64_t *row = S.usage->charge[dev];
     uint64_t used = 0;
     for (uint32_t i = 0; i < n; i++)
-        used += __atomic_load_n(&row[i], __ATOMIC_SEQ_CST);
+        if (__builtin_add_overflow(used, __atomic_load_n(&row[i], __ATOMIC_SEQ_CST), &used))
+            return UINT64_MAX;
     return used;
 }
 

@@ -881,10 +881,11 @@ def test_tolerance_is_the_larger_of_64mib_and_2_percent_plus_per_process_overhea
 
 
 def test_on_violation_takes_an_action_or_kind_equals_action():
-    assert node.parse_actions(["kill"]) == {"over-cap": "kill", "gap": "kill", "unsliced": "kill", "compute": "kill"}
+    assert node.parse_actions(["kill"]) == {"over-cap": "kill", "gap": "kill", "forged": "kill", "unsliced": "kill",
+                                            "compute": "kill"}
     assert node.parse_actions(["stop"]) == {"compute": "stop"}
     assert node.parse_actions(["report", "gap=kill", "compute=stop"]) == \
-        {"over-cap": "report", "gap": "kill", "unsliced": "report", "compute": "stop"}
+        {"over-cap": "report", "gap": "kill", "forged": "report", "unsliced": "report", "compute": "stop"}
     for bad in ("gap=stop", "nope=kill", "explode"):
         with pytest.raises(ValueError):
             node.parse_actions([bad])

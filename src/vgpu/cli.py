@@ -1397,7 +1397,7 @@ class OnViolation(click.ParamType):
 @click.option("--on-violation", "on_violation", type=OnViolation(), multiple=True,
               help="What to do: report (default), kill (SIGKILL the offending processes: only those of the "
                    "slice, or the unsliced one) or stop (compute: hold them to the share with SIGSTOP/SIGCONT); "
-                   "for every kind, or per kind: over-cap=, gap=, unsliced=, compute=.  Repeatable.")
+                   "for every kind, or per kind: over-cap=, gap=, forged=, unsliced=, compute=.  Repeatable.")
 @click.option("--autoscale", "with_autoscale", is_flag=True,
               help="Also run the autoscaler (its options below), on the same reading of the slices.")
 @autoscale_policy_options
@@ -1424,7 +1424,8 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     with its memory.current and cap; reaps dead slots; removes the temporary slices of
     `vgpu-ctl run`s that died; and logs one JSON line per violation: over-cap (the
     driver says it holds more than its cap), gap (the driver says more than the shim),
-    unsliced (with --require-slices), compute (NVML's share above sm.max by 10 points,
+    forged (a slot charging more than any device holds, or a row summing past 2^64: the
+    usage file written by hand), unsliced (with --require-slices), compute (NVML's share above sm.max by 10 points,
     unpaced, over --compute-window).  By --on-violation it acts, only on processes it
     attributed with certainty, and logs every action.  `vgpu-ctl status` shows what it
     judged.

@@ -54,8 +54,9 @@ from ._region import ffi, lib
 from .quantities import SHARE_FULL, UNLIMITED, format_memory
 
 MiB = 1 << 20
-KINDS = ("over-cap", "gap", "unsliced", "compute")
-ACTIONS = {"over-cap": ("report", "kill"), "gap": ("report", "kill"), "unsliced": ("report", "kill"),
+KINDS = ("over-cap", "gap", "forged", "unsliced", "compute")
+ACTIONS = {"over-cap": ("report", "kill"), "gap": ("report", "kill"), "forged": ("report", "kill"),
+           "unsliced": ("report", "kill"),
            "compute": ("report", "kill", "stop")}
 CERTAIN = ("usage-file", "identity-file", "pod", "cgroup", "pid-namespace")
 STATE_FILE = ".agent.json"      # in the node directory (no slice name starts with '.')
@@ -68,6 +69,9 @@ RECENT_NS = 100_000_000         # a directory changed this recently is looked at
 MIG_RESCAN_S = 30.0             # a MIG-mode GPU's MIG devices are listed again this often
 RECHECK_AFTER = (0.005, 0.03, 0.1, 0.3)   # s after an open or close of a usage file: its slice looked at again
 MIG_FORCED_S = 2.0              # ... and out of turn (a new instance, one gone) at most this often
+# a slot charging this much on one device was written by hand: no device has 2^48 bytes (256
+# TiB), and the shim never charges what a device cannot hold ("negative" charges are 2^64 - x)
+FORGED_CHARGE = 1 << 48
 CONFIRM_TRIES = 3               # bracketed looks at a gap before it is left unjudged (charges moving)
 
 
@@ -164,7 +168,8 @@ def _parse_usage(head, procs, devices):
     from the file's start (header, counters, the held devices' charge rows) and the
     process records of its used slots."""
     rows = {d: _ROW.unpack_from(head, _CHARGE_AT + d * _ROW.size) for d in devices}
-    current = {d: 0 if r == _ZERO_ROW else sum(r) & 0xFFFFFFFFFFFFFFFF for d, r in rows.items()}
+    # (not modulo 2^64, as the shim never sums either: a row that wraps around is forged)
+    current = {d: 0 if r == _ZERO_ROW else sum(r) for d, r in rows.items()}
     counters = {}
     for d in devices:
         launches, gpu = _QQ.unpack_from(head, _DEV_AT + d * _DEV_SIZE + _LAUNCHES_AT)
@@ -585,6 +590,15 @@ class _SliceFiles:
         from . import podlabels   # a DRA slice's pod (the driver writes its labels just after the slice)
         self.pod_uid = podlabels.read(directory, self.view.name).get("pod_uid")
         self.checked = now
+
+
+def _locks(line, ino) -> set:
+    """The first bytes of the OFD locks on inode `ino` in an fdinfo "lock:" line."""
+    fields = line.split()
+    for i, f in enumerate(fields[:-1]):
+        if f.count(":") == 2 and f.rsplit(":", 1)[1] == str(ino) and fields[i + 1].isdigit():
+            return {int(fields[i + 1])}
+    return set()
 
 
 class Observer:
@@ -1231,6 +1245,31 @@ class Observer:
             gaps[p.host_pid] = used - charge
         return driver, sum(row), context, gaps
 
+    def slot_lock_holders(self, sd, slot_numbers):
+        """Host pids among the slice device's processes that hold the lock of one of these
+        slots of its usage file (/proc/<pid>/fdinfo lists the OFD locks each descriptor
+        holds: the file's inode and the locked byte, LOCK_BASE + slot)."""
+        f = self.files.get(sd.name)
+        if f is None or f.usage_inode is None:
+            return []
+        ino, wanted = f.usage_inode[1], {slices.LOCK_BASE + n for n in slot_numbers}
+        holders = []
+        for p in sd.processes:
+            try:
+                fds = os.listdir(f"/proc/{p.host_pid}/fdinfo")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    with open(f"/proc/{p.host_pid}/fdinfo/{fd}") as info:
+                        text = info.read()
+                except OSError:
+                    continue
+                if any(_locks(line, ino) & wanted for line in text.splitlines() if line.startswith("lock:")):
+                    holders.append(p.host_pid)
+                    break
+        return holders
+
     def _place_processes(self, place):
         """{host pid: bytes} NVML lists on one place now."""
         if place.mig is None:
@@ -1429,6 +1468,9 @@ class Judge:
         # (slice device) -> a bracketed look (Observer.confirm_gap), or None: the snapshot's
         # figures are taken as they are (status and metrics report; only the agent acts)
         self.confirm = None
+        # (slice device, slot numbers) -> host pids of its processes holding those slots'
+        # locks (Observer.slot_lock_holders); None: none are looked for
+        self.lock_holders = None
         self.unjudged = collections.Counter()   # (container, device) -> gaps left unjudged: charges moving
 
     def conditions(self, snap: Snapshot) -> dict:
@@ -1442,6 +1484,18 @@ class Judge:
             compute.pop(key, None)
         threshold = st.tolerance + st.process_overhead
         for key, sd in snap.active.items():
+            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.charges.get(sd.device, 0) >= FORGED_CHARGE]
+            if forged or sd.memory_current >= 1 << 64:
+                # a charge no device can hold, or a row that sums past 2^64 (a "negative"
+                # charge making room): the shim refuses to admit against it; the offender is
+                # whoever of the slice holds the forged slots' locks (it wrote them)
+                holders = self.lock_holders(sd, [sl.slot for sl in forged]) if self.lock_holders and forged else []
+                out[("forged", key)] = (sd.name, sd.device, {
+                    "memory_current": sd.memory_current, "slots": [
+                        {"slot": sl.slot, "pid": sl.pid, "charge": sl.charges[sd.device], "alive": sl.alive}
+                        for sl in forged], **_where(sd)},
+                    [(p.host_pid, p) for p in sd.processes if p.host_pid in holders and p.attribution.certain])
+                continue
             if sd.driver is not None:
                 gap = sd.driver - sd.memory_current - sd.context
                 if gap > st.tolerance:           # (the least any tolerance is: only then worth the rest)
@@ -1658,6 +1712,7 @@ class Agent:
         self.observer = Observer(self.directory, reader, use_nvml, self.settings, nvml_module, pod_uids)
         self.judge = Judge(self.settings)
         self.judge.confirm = self.observer.confirm_gap
+        self.judge.lock_holders = self.observer.slot_lock_holders
         self.holder = Holder(self.log)
         self.on_violation = on_violation or (lambda v, record: None)
         self.on_action = on_action or (lambda container, kind, action, pid, result: None)
@@ -2090,8 +2145,12 @@ def annotate(data: dict, use_nvml=True):
 
 def describe_violation(v: dict) -> str:
     what = {"over-cap": "holds more than its cap (driver)", "gap": "driver figure above the shim's",
-            "unsliced": "a GPU process in no slice", "compute": "SM share above sm.max, unpaced"}[v["kind"]]
+            "unsliced": "a GPU process in no slice", "compute": "SM share above sm.max, unpaced",
+            "forged": "usage file written by hand"}[v["kind"]]
     parts = [what]
+    if v["kind"] == "forged":
+        parts.append(", ".join(f"slot {s['slot']} charges {s['charge']}" for s in v.get("slots", ())) or
+                     "charges sum past 2^64")
     if v.get("memory_driver") is not None and v["kind"] in ("over-cap", "gap"):
         parts.append(f"driver {format_memory(v['memory_driver'])}, shim {format_memory(v['memory_current'])}"
                      + (f", cap {format_memory(v['memory_max'])}" if v.get("memory_max") is not None else ""))

@@ -5,6 +5,9 @@ shim in front of simgpu, or simgpu alone) and takes one JSON command per line on
   {"hide": BYTES, "usage": PATH}   rewrite this process's own slot charge on device 0 in its
                                    slice's usage file (as a tenant can: the file is writable
                                    in its container); prints the old charge
+  {"forge": BYTES, "usage": PATH} take the last slot's lock (free, as a cheater finds it) and
+                                   write BYTES (mod 2^64: -3 GiB is 2^64 - 3 GiB) as its
+                                   charge on device 0; prints 0
   {"hog": KERNEL_US}               from now on, launch and synchronise sim_<KERNEL_US>us
                                    kernels back to back in a thread (no pause); prints 0
   {"child": [ARGV...]}             start ARGV with an EMPTY environment but for simgpu's
@@ -90,6 +93,19 @@ for line in sys.stdin:
         os.pwrite(fd, struct.pack("<Q", cmd["hide"]), slices.charge_offset(0, slot))
         os.close(fd)
         say({"old": old, "time": time.time()})
+    elif "forge" in cmd:
+        sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
+        import fcntl
+        from vgpu import slices
+        fd = os.open(cmd["usage"], os.O_RDWR)    # kept open: the lock is this descriptor's
+        slot = slices.MAX_PROCS - 1
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                        slices.LOCK_BASE + slot, 1, 0))
+        os.pwrite(fd, struct.pack("<Q", cmd["forge"] % (1 << 64)), slices.charge_offset(0, slot))
+        from vgpu._region import ffi           # every slot counted (the shim sums slots_used of them)
+        os.pwrite(fd, struct.pack("<I", slices.MAX_PROCS), ffi.offsetof("struct vgpu_usage", "slots_used"))
+        held.append(fd)
+        say(0)
     elif "hog" in cmd:
         threading.Thread(target=hog, args=(cmd["hog"],), daemon=True).start()
         say({"hog": 0, "time": time.time()})

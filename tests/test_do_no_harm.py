@@ -10,13 +10,14 @@ cuMemAlloc and cuMemAllocAsync), the agent looking every 100 ms with a 100 ms gr
 `--on-violation kill`; with and without a context overhead (simgpu's, 256 MiB on an A10,
 as a real card charges one).  The suite runs one round of 10 s each way; the long hunt,
 10 rounds of 40 s each way:
-`VGPU_CHURN_ROUNDS=10 VGPU_CHURN_SECONDS=40 .venv/bin/python -m pytest tests/test_node_agent_churn.py -q`."""
+`VGPU_CHURN_ROUNDS=10 VGPU_CHURN_SECONDS=40 .venv/bin/python -m pytest tests/test_do_no_harm.py -q`."""
 import os
 import subprocess
 
 import pytest
 
-from test_node_agent import Node, agents  # noqa: F401 (a fixture)
+from conftest import write_usage_counters
+from test_node_agent import GiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
 
 ROUNDS = int(os.environ.get("VGPU_CHURN_ROUNDS", "1"))
 SECONDS = float(os.environ.get("VGPU_CHURN_SECONDS", "10"))
@@ -54,3 +55,27 @@ def test_honest_churn_is_never_a_gap_and_nobody_is_killed(tmp_path, c_program, a
     assert actions == [], actions
     assert codes == [0] * 8, codes            # -9: the agent killed an honest process
     assert [v for v in violations if v.get("kind") in ("gap", "over-cap")] == [], violations
+
+
+def test_a_negative_charge_written_into_a_free_slot_makes_no_room_and_its_writer_is_killed(tmp_path, spawn, agents):
+    """A tenant takes a free slot's lock and writes -3 GiB (2^64 - 3 GiB) into its charge,
+    so that the row's sum wraps around to what the others hold minus 3 GiB.  The shim sums
+    without wrapping: nothing more is admitted (before: 3 GiB more were, and the slice held
+    6 GiB against its 4 GiB cap, judged by NVML's device figure from outside).  The agent
+    calls it `forged` and, with kill, kills the slot's lock holder: the cheater, not the
+    honest process beside it."""
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "4Gi")
+    honest, cheater = spawn(node_.shim_env("a")), spawn(node_.shim_env("a"))
+    assert honest.call(alloc=2 * GiB) == 0 and cheater.call(alloc=GiB) == 0
+    agent = agents(node_, "--interval", "200ms", "--on-violation", "kill")
+    assert cheater.call(forge=-3 * GiB, usage=str(node_.dir / "a" / "usage")) == 0
+    assert cheater.call(alloc=3 * GiB) == 2          # CUDA_ERROR_OUT_OF_MEMORY
+    assert honest.call(alloc=GiB) == 2
+    assert node_.status()["devices"][0]["memory_used"] <= 4 * GiB
+    v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "forged", 10)
+    assert v["offenders"] == [cheater.host_pid] and v["slots"][0]["charge"] == (1 << 64) - 3 * GiB, v
+    kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("kind") == "forged", 5)
+    assert (kill["pid"], kill["result"]) == (cheater.host_pid, "killed")
+    assert honest.alive() and [e["pid"] for e in agent.events("action")] == [cheater.host_pid]
