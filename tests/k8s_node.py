@@ -4,10 +4,13 @@ tests/test_k8s_plugin.py and bench/test_k8s_plugin_bench.py.
 """
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from k8s_fake_api import allocated_claim
@@ -61,7 +64,14 @@ class Node:
     def __init__(self, tmp, api, env):
         """env: a simgpu environment with two A10s."""
         self.tmp, self.api, self.env = tmp, api, env
-        self.plugin_dir, self.registry_dir = tmp / "plugins" / DRIVER, tmp / "plugins_registry"
+        # a unix socket's path has at most 107 bytes, and pytest's temporary directories
+        # under xdist (.../pytest-NN/popen-gwN/<test name>/) come close: the plugin's and
+        # the registry's sockets are reached through a short link in /tmp
+        (tmp / "sockets").mkdir()
+        self.link = Path(tempfile.gettempdir()) / f"vgpu-k8s-{secrets.token_hex(4)}"
+        self.link.symlink_to(tmp / "sockets")
+        self._unlink = weakref.finalize(self, self.link.unlink, missing_ok=True)   # (close() or not)
+        self.plugin_dir, self.registry_dir = self.link / "plugins" / DRIVER, self.link / "plugins_registry"
         self.cdi_dir, self.slice_dir, self.shim_dir = tmp / "cdi", tmp / "run-vgpu", tmp / "opt-vgpu"
         self.registration_socket = self.registry_dir / f"{DRIVER}-reg.sock"
         self.checkpoint = self.plugin_dir / "checkpoint.json"
@@ -80,6 +90,7 @@ class Node:
             k.close()
         for a in self.agents:
             a.stop(signal.SIGKILL)
+        self._unlink()
 
     def start(self, *extra, env=None):
         agent = Agent(self, *extra, env=env)

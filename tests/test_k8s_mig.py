@@ -80,10 +80,7 @@ def mig_node(tmp_path, request):
     with FakeApiServer() as api:
         n = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile=profile, devices=devices))
         yield n
-        for k in n.kubelets:
-            k.close()
-        for a in n.agents:
-            a.stop(signal.SIGKILL)
+        n.close()
 
 
 def mig_claim(node, name, device):

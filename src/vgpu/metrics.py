@@ -38,7 +38,8 @@ The driver's view (vgpu.node: each process NVML lists, attributed to a slice or 
   vgpu_unknown_processes{device}               GPU processes this agent cannot see (pid namespace)
 With the node agent (`vgpu-ctl agent`): vgpu_violations_total{container,kind} (container
 "" for an unsliced process), vgpu_violations_active{container,kind},
-vgpu_agent_actions_total{kind,action}, vgpu_agent_reaped_slots_total,
+vgpu_agent_actions_total{kind,action}, vgpu_agent_gaps_unjudged_total{container,device},
+vgpu_agent_reaped_slots_total,
 vgpu_agent_iterations_total, vgpu_agent_iteration_cpu_seconds.
 vgpu_nvml_up: 1 when NVML answered.  With the autoscaler: vgpu_autoscale_decisions_total
 {container,device,resource,action}, vgpu_autoscale_ticks_total,
@@ -135,13 +136,18 @@ class NodeCollector:
                                        labels=["kind", "action"])
             for (kind, action), n in sorted(a.actions_total.items()):
                 acts.add_metric([kind, action], n)
+            unjudged = CounterMetricFamily("vgpu_agent_gaps_unjudged", "Gaps the node agent left unjudged in a "
+                                           "look: the slice's charges moved in each bracketed look at the driver.",
+                                           labels=["container", "device"])
+            for (name, d), n in sorted(a.judge.unjudged.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+                unjudged.add_metric([name, str(d)], n)
             reaped = CounterMetricFamily("vgpu_agent_reaped_slots", "Dead processes' slots the agent reaped.")
             reaped.add_metric([], a.reaped_total)
             its = CounterMetricFamily("vgpu_agent_iterations", "Node agent loop iterations.")
             its.add_metric([], a.iterations)
             cpu = GaugeMetricFamily("vgpu_agent_iteration_cpu_seconds", "CPU time of the agent's last iteration.")
             cpu.add_metric([], a.last_iteration_cpu_s)
-            out += [total, active, acts, reaped, its, cpu]
+            out += [total, active, acts, unjudged, reaped, its, cpu]
         return out
 
     def collect(self):

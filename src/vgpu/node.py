@@ -1204,14 +1204,16 @@ class Observer:
         it allocates, uncharges after it frees: a charge that held still over the look
         covers what an honest process held at any moment of it).  None when every one of
         CONFIRM_TRIES looks saw a charge move (the slice is allocating and freeing: no
-        evidence either way this time) or the look could not be made.  The snapshot's own
+        evidence either way this time) or NVML could not be read again.  The snapshot's own
         look reads the driver first and the usage files after: a free in between looks
-        like memory the shim did not count."""
+        like memory the shim did not count.  Where the slice has no charges that could
+        move (a device it was not given, its usage file unreadable), the snapshot's figures
+        stand."""
         f = self.files.get(sd.name)
         place = sd.place
         if f is None or f.view._ufd is None or place is None or not isinstance(sd.device, int) or \
                 not 0 <= sd.device < slices.MAX_DEVICES:
-            return None
+            return sd.driver, sd.memory_current, sd.context, {p.host_pid: p.gap for p in sd.processes}
         fd, at = f.view._ufd, _CHARGE_AT + sd.device * _ROW.size
 
         def usage():
