@@ -453,7 +453,9 @@ def test_a_process_hiding_a_gib_is_reported_within_2s_and_with_kill_killed_alone
     assert honest.call(alloc=256 * MiB) == 0
     liar = spawn(node_.shim_env("a"))
     assert liar.call(alloc=3 * GiB // 2) == 0
-    agent = agents(node_, "--on-violation", "kill")
+    # over-cap is what kills: a look between the hide and the allocation (the hide's close of
+    # the usage file brings one within 5 ms) sees a gap alone, which would be due first
+    agent = agents(node_, "--on-violation", "report", "--on-violation", "over-cap=kill")
     time.sleep(1.2)
     assert agent.events("violation") == []                         # honest so far: nothing to say
 
@@ -668,7 +670,8 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     assert honest.call(alloc=GiB // 4) == 0 and liar.call(alloc=3 * GiB // 2) == 0
     loose = spawn({**n.env, "CUDA_VISIBLE_DEVICES": rec["uuid"]})     # simgpu alone, in no slice
     assert loose.call(alloc=GiB // 2) == 0
-    agent = agents(n, "--on-violation", "kill", "--metrics-port", 0, "--metrics-address", "127.0.0.1")
+    agent = agents(n, "--on-violation", "report", "--on-violation", "over-cap=kill",   # (as in the test above)
+                   "--metrics-port", 0, "--metrics-address", "127.0.0.1")
     time.sleep(1.5)
     assert agent.events("violation") == []        # within its cap: nothing to say (not GPU 1's cap 0)
 
