@@ -83,18 +83,31 @@ static void note_peak(struct vgpu_usage_device *u, uint64_t now)
  * A context costs device memory of its own (hundreds of MiB per process on a real
  * card), which no allocation call shows.  On its first allocation on a device a process
  * is charged that overhead: VGPU_CONTEXT_OVERHEAD when set, else what NVML says the
- * process holds there beyond its charge (the driver's own figure; found by pid, so only
- * where NVML's pids are the process's own), else nothing.  It is already spent, so it is
- * charged without a cap check; it comes back with the process's last context there. */
+ * process holds there beyond its charge (the driver's own figure), else nothing.  NVML
+ * names processes by their pid in the root pid namespace, so the figure is taken only
+ * there, only from the one row under getpid() (two: a gone process's pid, reused, whose
+ * memory a forked child keeps) and only up to what a context can cost: anything else is
+ * another process's memory.  It is already spent, so it is charged without a cap check;
+ * it comes back with the process's last context there. */
 
 static pthread_mutex_t overhead_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t overhead_devices;            /* bit d: charged on device d (overhead_lock) */
 static uint64_t overhead_bytes[VGPU_MAX_DEVICES];
 
+/* include/linux/proc_ns.h: PROC_PID_INIT_INO, the root pid namespace's inode */
+#define ROOT_PID_NS_INODE 0xEFFFFFFCull
+/* a context's own memory, at most (hundreds of MiB on today's cards, with its modules) */
+#define CONTEXT_OVERHEAD_MAX (2ull << 30)
+
 static uint64_t measure_overhead(int dev)
 {
     if (S.context_overhead_set)
         return S.context_overhead;
+    if (LOAD(&S.usage->procs[S.slot].pid_ns) != ROOT_PID_NS_INODE) {
+        INFO("device %d: in a pid namespace of its own NVML's pids are not this process's: no context "
+             "overhead measured (VGPU_CONTEXT_OVERHEAD sets it)", dev);
+        return 0;
+    }
     nvml_resolve();
     nvmlDevice_t h;
     unsigned int n = VGPU_MAX_PROCS * 4;
@@ -103,11 +116,21 @@ static uint64_t measure_overhead(int dev)
         !real_nvmlDeviceGetComputeRunningProcesses_v3 ||
         real_nvmlDeviceGetComputeRunningProcesses_v3(h, &n, infos) != NVML_SUCCESS)
         return 0;
-    uint64_t mine = S.slot >= 0 ? LOAD(&S.usage->charge[dev][S.slot]) : 0;
+    uint64_t mine = LOAD(&S.usage->charge[dev][S.slot]), held = 0;
+    int rows = 0;
     for (unsigned int i = 0; i < n; i++)
-        if (infos[i].pid == (unsigned int)getpid() && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE_ULL)
-            return infos[i].usedGpuMemory > mine ? infos[i].usedGpuMemory - mine : 0;
-    return 0;
+        if (infos[i].pid == (unsigned int)getpid()) {
+            rows++;
+            held = infos[i].usedGpuMemory;
+        }
+    if (rows != 1 || held == NVML_VALUE_NOT_AVAILABLE_ULL || held <= mine)
+        return 0;
+    if (held - mine > CONTEXT_OVERHEAD_MAX) {
+        INFO("device %d: NVML lists %llu bytes under this pid beyond its charge, more than a context costs: "
+             "another process's, not charged", dev, (unsigned long long)(held - mine));
+        return 0;
+    }
+    return held - mine;
 }
 
 static void charge_overhead(int dev)

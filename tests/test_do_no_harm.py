@@ -79,3 +79,27 @@ def test_a_negative_charge_written_into_a_free_slot_makes_no_room_and_its_writer
     kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("kind") == "forged", 5)
     assert (kill["pid"], kill["result"]) == (cheater.host_pid, "killed")
     assert honest.alive() and [e["pid"] for e in agent.events("action")] == [cheater.host_pid]
+
+
+def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_context_overhead(tmp_path, spawn):
+    """NVML names processes by their host pid.  A process in a pid namespace of its own (as
+    in every container) whose pid there is a neighbour's host pid found the neighbour's
+    512 MiB under getpid() and was charged it as its context's overhead (its slice's last
+    256 MiB then refused).  The shim measures the overhead only in the root pid namespace."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+    MiB = 1 << 20
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "1Gi")
+    neighbour = spawn(node_.env)                 # no shim, in no slice: 512 MiB under its host pid
+    assert neighbour.call(alloc=512 * MiB) == 0
+    # the tenant's pid in its namespace is the neighbour's host pid (the namespace's next pid
+    # set through ns_last_pid; simgpu's NVML lists the host pid, read from the host's /proc)
+    ns = ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+          f'echo {neighbour.host_pid - 1} > /proc/sys/kernel/ns_last_pid && "$@"', "sh"]
+    tenant = spawn(node_.shim_env("a"), prefix=ns)
+    assert tenant.pid == neighbour.host_pid != tenant.host_pid
+    assert tenant.call(alloc=256 * MiB) == 0
+    assert tenant.call(alloc=512 * MiB) == 0     # 768 MiB of 1 GiB: nothing of the neighbour's charged
+    assert node_.usage("a").devices[0]["memory_current"] == 768 * MiB
