@@ -278,19 +278,26 @@ def test_throttled_rate_is_the_wait_per_second_of_the_interval(node):
 
 def test_ctrl_c_ends_a_watch_quietly_with_success(tmp_path):
     node = tmp_path / "vgpu"
-    env = {**os.environ, "LD_LIBRARY_PATH": ""}
+    env = {**os.environ, "LD_LIBRARY_PATH": "", "PYTHONFAULTHANDLER": "1"}
     subprocess.run([CTL, "create", "c1", "--memory", "1Gi", "--overcommit", "--dir", str(node)], env=env,
                    check=True, capture_output=True)
     for extra in ([], ["--json"]):
+        # as in a terminal's foreground: Ctrl-C at its default (a suite started in the
+        # background of a shell inherits SIGINT ignored, and so would the watch)
         p = subprocess.Popen([CTL, "status", "--watch", "--interval", "100ms", "--dir", str(node), *extra], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         shown = ""                       # watching: its first frame shown (a fixed wait was not
         while "c1" not in shown:         # enough on a busy machine)
             line = p.stdout.readline()
             assert line, p.communicate(timeout=30)
             shown += line
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:    # where it is stuck: faulthandler's stacks on SIGABRT
+            p.send_signal(signal.SIGABRT)
+            raise AssertionError(f"no exit 30 s after Ctrl-C:\n{p.communicate(timeout=30)[1]}") from None
         assert p.returncode == 0, err
         assert err == ""
 

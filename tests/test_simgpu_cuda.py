@@ -1143,6 +1143,7 @@ def test_second_process_gets_out_of_memory_until_the_first_is_gone(agents, sim_e
 
 # === timing ===
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_kernels_on_one_stream_take_their_summed_simulated_time(sim_env):
     r = cuda("""
 context()
@@ -1153,6 +1154,7 @@ print(json.dumps(timed(s, lambda: [launch(fn, 1, s) for _ in range(8)])))
     assert r == ms(8 * 25)
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 @pytest.mark.parametrize("profile", ["a10", "h200"])
 def test_a_grid_one_block_larger_than_the_sm_count_takes_two_waves(tmp_path, profile):
     env = make_sim_env(tmp_path / "node", profile=profile)
@@ -1170,6 +1172,7 @@ print(json.dumps([one_wave, two_waves, three_d]))
     assert r == [ms(20), ms(40), ms(60)]
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_kernels_with_other_names_take_five_microseconds_per_wave(sim_env):
     r = cuda("""
 context()
@@ -1180,6 +1183,7 @@ print(json.dumps(timed(s, lambda: launch(fn, 72 * 2000, s))))
     assert r == ms(2000 * 0.005)
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_stream_synchronize_sleeps_until_the_work_is_done_without_spinning(sim_env):
     r = cuda("""
 context()
@@ -1203,6 +1207,7 @@ print(json.dumps([launched, before, time.monotonic() - t0, sync_wall, sync_cpu,
     assert sync_cpu < 0.1 * sync_wall
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_events_complete_when_the_work_before_them_is_done(sim_env):
     r = cuda("""
 context()
@@ -1225,6 +1230,7 @@ print(json.dumps([pending, rc(cu.cuEventQuery(end)), waited, ok(cu.cuEventElapse
     assert elapsed == ms(100)
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_a_full_stream_queue_blocks_the_next_launch_until_the_oldest_finishes(sim_env):
     r = cuda("""
 context()
@@ -1258,6 +1264,7 @@ print(json.dumps([t0, time.monotonic()]), flush=True)
 """
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_two_processes_launching_together_share_one_serial_timeline(sim_env):
     workers = [start_python(SERIAL_WORKER, sim_env) for _ in range(2)]
     try:
@@ -1316,6 +1323,7 @@ print(json.dumps([gpu, samples]))
     assert 40 <= samples[0][1] <= 60
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_captured_graph_takes_the_sum_of_its_kernels(sim_env):
     r = cuda("""
 context()
@@ -1484,6 +1492,7 @@ print(json.dumps([before, refused, graph_mem(), rc(cu.cuDeviceGraphMemTrim(7))])
     assert r == [[0, 8 * MiB, 0, 8 * MiB], [INVALID_VALUE] * 2, [0, 0, 0, 0], INVALID_DEVICE]
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_launch_ex_and_cooperative_launch_take_simulated_time(sim_env):
     r = cuda("""
 context()
@@ -1501,6 +1510,7 @@ print(json.dumps([ex, coop]))
     assert r == [ms(20), ms(10)]
 
 
+@pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_library_kernels_run_by_name(sim_env):
     r = cuda("""
 context()
