@@ -119,6 +119,7 @@ static inline uint64_t charge_sub(int dev, int slot, uint64_t bytes)
     __atomic_add_fetch(&S.usage->charge_seq[slot], 1, __ATOMIC_SEQ_CST);
     return now;
 }
+
 extern TLS int in_init;   /* recursion guard: hooks called during init pass through */
 
 /* === log === */
