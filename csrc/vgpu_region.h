@@ -127,8 +127,8 @@ struct vgpu_usage {
 };
 /* The share board: <dir>/.sm-board, one per node, read and written with pread/pwrite by
  * every slice's shim, never mapped: it is mounted read-write into every container beside
- * its slice's files, and a mapping of a file a tenant truncates faults on its next touch.  Per device (a GPU
- * or a MIG device, by UUID) one entry per slice that paces launches there, written by
+ * its slice's files, and a mapping of a file a tenant truncates faults on its next touch.
+ * Per device (a GPU or a MIG device, by UUID) one entry per slice that paces launches there, written by
  * that slice's processes alone: what it is guaranteed, what it wants, what it was
  * allowed, and how far its launches are paid for.  From the live entries each slice
  * computes its own allowance (guarantee + its part of what the others leave idle, up to

@@ -98,11 +98,13 @@ static int board_open(void)
     return fd;
 }
 
+/* The claim lock on the board's first byte: 1 once held (asked every millisecond,
+ * CLAIM_TRIES times: a tenant holding it keeps others at their guarantees, never blocks). */
 static int claim_lock(int fd, short type)
 {
     struct flock l = {.l_type = type, .l_whence = SEEK_SET, .l_start = 0, .l_len = 1};
     for (int i = 0; i < CLAIM_TRIES; i++) {
-        if (fcntl(fd, F_OFD_SETLK, &l) == 0 || type == F_UNLCK)
+        if (fcntl(fd, F_OFD_SETLK, &l) == 0)
             return 1;
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
@@ -110,12 +112,18 @@ static int claim_lock(int fd, short type)
     return 0;
 }
 
+/* A section's head: struct vgpu_board_device up to its reserved words. */
+struct section_head {
+    uint8_t uuid[16];
+    uint64_t claimed;
+};
+
 /* The device's section: found by UUID, or a free one claimed (claim lock held). */
 static int board_device(int fd, const uint8_t uuid[16])
 {
     int free_ = -1;
     for (int s = 0; s < VGPU_BOARD_DEVICES; s++) {
-        struct { uint8_t uuid[16]; uint64_t claimed; } h;
+        struct section_head h;
         if (pread(fd, &h, sizeof h, (off_t)SECTION_OFF(s)) != (ssize_t)sizeof h)
             return -1;
         if (h.claimed == 1 && !memcmp(h.uuid, uuid, 16))
@@ -125,7 +133,7 @@ static int board_device(int fd, const uint8_t uuid[16])
     }
     if (free_ < 0)
         return -1;
-    struct { uint8_t uuid[16]; uint64_t claimed; } h = {.claimed = 1};
+    struct section_head h = {.claimed = 1};
     memcpy(h.uuid, uuid, 16);
     return pwrite(fd, &h, sizeof h, (off_t)SECTION_OFF(free_)) == (ssize_t)sizeof h ? free_ : -1;
 }

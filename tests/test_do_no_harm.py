@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from conftest import write_usage_counters
-from test_node_agent import GiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
+from test_node_agent import GiB, MiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
 
 ROUNDS = int(os.environ.get("VGPU_CHURN_ROUNDS", "1"))
 SECONDS = float(os.environ.get("VGPU_CHURN_SECONDS", "10"))
@@ -84,11 +84,10 @@ def test_a_negative_charge_written_into_a_free_slot_makes_no_room_and_its_writer
 def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_context_overhead(tmp_path, spawn):
     """NVML names processes by their host pid.  A process in a pid namespace of its own (as
     in every container) whose pid there is a neighbour's host pid found the neighbour's
-    512 MiB under getpid() and was charged it as its context's overhead (its slice's last
-    256 MiB then refused).  The shim measures the overhead only in the root pid namespace."""
+    512 MiB under getpid() and was charged it as its context's overhead (512 MiB more, which
+    fit its 1 GiB cap, then refused).  The shim measures the overhead only in the root pid namespace."""
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
         pytest.skip("needs root and pid namespaces")
-    MiB = 1 << 20
     node_ = Node(tmp_path)
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "1Gi")

@@ -1425,8 +1425,8 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     `vgpu-ctl run`s that died; and logs one JSON line per violation: over-cap (the
     driver says it holds more than its cap), gap (the driver says more than the shim),
     forged (a slot charging more than any device holds, or a row summing past 2^64: the
-    usage file written by hand), unsliced (with --require-slices), compute (NVML's share above sm.max by 10 points,
-    unpaced, over --compute-window).  By --on-violation it acts, only on processes it
+    usage file written by hand), unsliced (with --require-slices), compute (NVML's share
+    above sm.max by 10 points, unpaced, over --compute-window).  By --on-violation it acts, only on processes it
     attributed with certainty, and logs every action.  `vgpu-ctl status` shows what it
     judged.
 

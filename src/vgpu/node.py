@@ -592,13 +592,14 @@ class _SliceFiles:
         self.checked = now
 
 
-def _locks(line, ino) -> set:
-    """The first bytes of the OFD locks on inode `ino` in an fdinfo "lock:" line."""
+def _lock_start(line, ino):
+    """The first byte of the lock an fdinfo "lock:" line describes, if it is on inode `ino`
+    ("lock:\t1: OFDLCK ADVISORY WRITE -1 fe:00:<ino> <start> <end>"); else None."""
     fields = line.split()
     for i, f in enumerate(fields[:-1]):
         if f.count(":") == 2 and f.rsplit(":", 1)[1] == str(ino) and fields[i + 1].isdigit():
-            return {int(fields[i + 1])}
-    return set()
+            return int(fields[i + 1])
+    return None
 
 
 class Observer:
@@ -1267,7 +1268,7 @@ class Observer:
                         text = info.read()
                 except OSError:
                     continue
-                if any(_locks(line, ino) & wanted for line in text.splitlines() if line.startswith("lock:")):
+                if any(_lock_start(line, ino) in wanted for line in text.splitlines() if line.startswith("lock:")):
                     holders.append(p.host_pid)
                     break
         return holders

@@ -99,8 +99,7 @@ for line in sys.stdin:
         from vgpu import slices
         fd = os.open(cmd["usage"], os.O_RDWR)    # kept open: the lock is this descriptor's
         slot = slices.MAX_PROCS - 1
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
-                                                        slices.LOCK_BASE + slot, 1, 0))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, slices._flock_struct(fcntl.F_WRLCK, slot))
         os.pwrite(fd, struct.pack("<Q", cmd["forge"] % (1 << 64)), slices.charge_offset(0, slot))
         from vgpu._region import ffi           # every slot counted (the shim sums slots_used of them)
         os.pwrite(fd, struct.pack("<I", slices.MAX_PROCS), ffi.offsetof("struct vgpu_usage", "slots_used"))
