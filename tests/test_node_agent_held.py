@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import run_python
-from test_node_agent import GiB, MiB, Node, agents, wait_until  # noqa: F401 (agents: a fixture)
+from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, SUCCESS, Child, wait_gone
 from vgpu import slices
 
@@ -222,3 +222,60 @@ def test_a_gap_on_memory_a_gone_process_left_is_reported_and_nothing_killed(node
     release.touch()
     wait_gone(child)
     agent.wait_for(lambda e: e.get("event") == "violation-end" and e.get("kind") == "gap", 5)
+
+
+def _tenant_under_pid(node_, spawn, pid, name):
+    """A tenant of slice `name` with host pid `pid`: the kernel's last pid set through
+    ns_last_pid (root only) just before its shell forks it.  Another process may take the
+    pid first: tried again."""
+    for _ in range(20):
+        t = spawn(node_.shim_env(name), prefix=["sh", "-c", f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$@"',
+                                                "sh"])
+        if t.host_pid == pid:
+            return t
+        t.kill()
+    raise AssertionError(f"pid {pid} was never given to the tenant")
+
+
+@pytest.mark.parametrize("where", ["another slice", "its own slice"])
+def test_a_pid_reused_while_a_held_slot_names_it_is_never_held_against_the_new_process(node_, agents, children,
+                                                                                      spawn, tmp_path, where):
+    """P (slice a) holds 1 GiB and forks a child that keeps it (a DataLoader worker); P
+    exits; Q, a process of another slice (or of a), is given P's pid and allocates 256 MiB.
+    NVML lists 1.25 GiB under the pid.  Before, the agent put it all in Q's slice and, with
+    kill, killed Q for a gap of 1 GiB.  Now a held slot naming the pid for an earlier
+    process decides: of another slice, the figure is no one's to judge (ambiguous, never
+    acted on); of Q's own slice, that slot's charge counts as Q's (no gap)."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs root: the next pid is set through /proc/sys/kernel/ns_last_pid")
+    node_.ctl("create", "a", "--memory", "2Gi")
+    node_.ctl("create", "b", "--memory", "2Gi")
+    agent = agents(node_, *STRICT)
+    p, parent, child, release = _forked(node_, children, tmp_path)
+    p.send()
+    assert p.proc.wait(10) == 0
+    agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
+
+    q = _tenant_under_pid(node_, spawn, parent, "b" if where == "another slice" else "a")
+    assert q.call(alloc=256 * MiB) == 0
+    e = agent.wait_for(lambda e: e.get("event") == "pid-reused" and e.get("pid") == parent, 10)
+    row = wait_until(lambda: (lambda r: r["memory_driver"] == GiB + 256 * MiB and r)(_rows(node_)[parent]), 5)
+    assert row, _rows(node_)
+    if where == "another slice":
+        assert (e["state"], e["candidates"], e.get("container")) == ("ambiguous", ["a", "b"], None), e
+        assert "never acted on" in e["note"]
+        assert (row["state"], row["candidates"], row["memory_charged"]) == ("ambiguous", ["a", "b"], None)
+    else:
+        assert (e["state"], e["container"]) == ("sliced", "a"), e
+        assert (row["state"], row["container"], row["memory_charged"]) == ("sliced", "a", GiB + 256 * MiB), row
+    time.sleep(2)                                  # past the grace period, several looks
+    _quiet(agent)
+    assert q.alive() and _state(child) not in (None, "Z")
+
+    # the child lets go: the pid is Q's alone again, judged as any other
+    release.touch()
+    wait_gone(child)
+    agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == parent, 5)
+    assert wait_until(lambda: (lambda r: (r["state"], r["memory_driver"], r["memory_charged"]))(_rows(node_)[parent])
+                      == ("sliced", 256 * MiB, 256 * MiB), 5)
+    _quiet(agent)

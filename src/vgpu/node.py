@@ -293,6 +293,7 @@ class Attribution:
     state: str = "unsliced"  # sliced, unsliced, unknown, ambiguous
     note: str = None
     candidates: tuple = ()
+    reused: bool = False     # its pid was an ended process's, whose memory a held slot still charges
 
     @property
     def certain(self):
@@ -358,7 +359,8 @@ class ProcRow:
     comm: str = None
     context: bool = False    # a context and nothing charged yet (Settings.context_allowance)
     place: Place = None
-    shared_slots: tuple = ()  # the shared slots of what it exported, counted in `charge`
+    other_slots: tuple = ()   # slots besides its own counted in `charge`: what it exported (shared
+                              # slots), and its pid's earlier process's in its slice (pid reuse)
 
     @property
     def gap(self):
@@ -1099,18 +1101,29 @@ class Observer:
                 a = self._attribute(tracked.get(pid), by_identity, pods, groups)
             attribution[pid] = a
         self._attr_cache = (key, attribution)
-        # a pid that is gone, whose memory a live process keeps: a held slot records it
-        held_of, pid_slices = {}, self._pid_slices
+        # a pid that is gone, whose memory a live process keeps: a held slot records it.  And a
+        # pid reused by a live process while such a slot still names it: NVML's figure under
+        # it may be the earlier process's memory (nvml.py sums one pid's rows)
+        held_of, reused_of, pid_slices = {}, {}, self._pid_slices
         for pid in gpu_pids:
-            a = attribution[pid]
-            if a.state in ("unknown", "unsliced") and pid in pid_slices:
-                found = self._held(pid, tracked.get(pid), [
-                    (n, sl) for n in sorted(pid_slices[pid]) for sl in slots.get(n, ())
-                    if sl.alive and sl.pid_ns == my_pid_ns and (sl.exporter if sl.shared else sl.pid) == pid])
-                if found is not None:
-                    if not held_of:  # (not in the cache: the slots it rests on change without a version)
-                        attribution = dict(attribution)
-                    attribution[pid], held_of[pid] = found
+            if pid not in pid_slices:
+                continue
+            a, t = attribution[pid], tracked.get(pid)
+            naming = [(n, sl) for n in sorted(pid_slices[pid]) for sl in slots.get(n, ())
+                      if sl.alive and sl.pid_ns == my_pid_ns and (sl.exporter if sl.shared else sl.pid) == pid]
+            found = None
+            if a.state in ("unknown", "unsliced"):
+                found = self._held(pid, t, naming)
+            if found is None and t is not None and t.visible:
+                found = self._reused(pid, t, a, naming)
+            if found is not None:
+                if not held_of and not reused_of:  # (not in the cache: its slots change without a version)
+                    attribution = dict(attribution)
+                attribution[pid], earlier = found
+                if attribution[pid].method == "held-slot":
+                    held_of[pid] = earlier
+                elif earlier:
+                    reused_of[pid] = earlier
 
         # the driver's figures per slice and device.  A process whose figures, attribution and
         # slice files are as they were at the last look keeps its row from then
@@ -1171,10 +1184,12 @@ class Observer:
                         keep = True
                         row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
                         sh = self._shared_of.get(a.slice)
-                        if sh:       # memory it exported, in shared slots: NVML lists it under the exporter
-                            exported = sh.get((sl.pid_ns, t.inner), ())
-                            row.charge += sum(x.charges.get(d, 0) for x in exported)
-                            row.shared_slots = tuple(x.slot for x in exported)
+                        # memory it exported, in shared slots (NVML lists it under the exporter),
+                        # and an earlier process's under its pid, in slots its slice still holds
+                        others = list(sh.get((sl.pid_ns, t.inner), ()) if sh else ()) + reused_of.get(pid, [])
+                        if others:
+                            row.charge += sum(x.charges.get(d, 0) for x in others)
+                            row.other_slots = tuple(x.slot for x in others)
                         if row.charge:
                             t.charged.add(d)
                         elif d not in t.charged and used is not None and used <= st.context_allowance:
@@ -1244,7 +1259,7 @@ class Observer:
             if p.context:
                 context += used
                 continue
-            charge = (p.charge or 0) if p.slot is None else row[p.slot] + sum(row[x] for x in p.shared_slots)
+            charge = (p.charge or 0) if p.slot is None else row[p.slot] + sum(row[x] for x in p.other_slots)
             gaps[p.host_pid] = used - charge
         return driver, sum(row), context, gaps
 
@@ -1324,6 +1339,27 @@ class Observer:
         note = ("gone; its slot is held by a process that inherited it (a forked child)" if own else
                 "gone; memory it exported is held by another process (an importer)")
         return Attribution(names[0], "held-slot", "sliced", note), own + [sl for _, sl in found if sl.shared]
+
+    def _reused(self, pid, t, a, naming):
+        """(Attribution, [Slot]) of a live process whose pid live slots also name for an
+        earlier process (another start: it ended, and a child or importer keeps its memory,
+        which NVML lists under the pid the live process has now), or None when none do.  In
+        its own slice those slots' charges count as its own (the slice's figure is right
+        either way); a slot of another slice makes the figure no one's to judge: ambiguous,
+        never acted on, rather than the live process's."""
+        # (a shared slot records no start: its exporter is another process only when it is
+        # of another slice)
+        earlier = [(n, sl) for n, sl in naming if (n != a.slice if sl.shared else sl.start_ticks not in (0, t.start))]
+        if not earlier:
+            return None
+        names = sorted({n for n, _ in earlier})
+        if a.state == "sliced" and names == [a.slice]:     # (none shared: those are of another slice)
+            return Attribution(a.slice, a.method, "sliced", "its pid was an ended process's, whose memory its "
+                               "slice still holds: that counts as its own", reused=True), [sl for _, sl in earlier]
+        return Attribution(state="ambiguous", note="its pid was an ended process's, whose memory slice "
+                           f"{', '.join(n for n in names if n != a.slice)} still holds: NVML's figure under it is "
+                           "not its own alone", candidates=tuple(sorted(set(names) | ({a.slice} - {None}))),
+                           reused=True), []
 
     def _groups(self, by_identity):
         """{("cgroup", path) | ("pid_ns", inode): {slice}} over processes attributed by the
@@ -1732,6 +1768,7 @@ class Agent:
         self._nvml_note = None
         self._acted = set()      # (pid, start) already killed
         self._held_seen = set()  # (slice, host pid) of the gone processes attributed by a held slot
+        self._reused_seen = set()  # (host pid, state, candidates) of processes whose pid a held slot names
         self._soon = {}          # slice -> [monotonic times it is looked at again] (after inotify events)
         self._joined = {}        # slice -> when a process last opened its usage file
 
@@ -1794,6 +1831,18 @@ class Agent:
                          note=f"{p.attribution.note}: its memory counts in the slice; never acted on")
             seen.add(key)
         self._held_seen = seen
+        seen = set()
+        for p in snap.processes:
+            a = p.attribution
+            if not a.reused:
+                continue
+            key = (p.host_pid, a.state, a.candidates)
+            if key not in self._reused_seen:
+                self.log("pid-reused", container=a.slice, candidates=list(a.candidates) or None, state=a.state,
+                         device=p.device, pid=p.host_pid, memory_driver=p.driver, memory_charged=p.charge,
+                         note=a.note + ("; never acted on" if a.state == "ambiguous" else ""))
+            seen.add(key)
+        self._reused_seen = seen
 
     def _reap(self, snap):
         for name in snap.dead:

@@ -173,20 +173,28 @@ def running_processes(index: int) -> dict:
     n = _nvml()
     try:
         h = n.nvmlDeviceGetHandleByIndex(index)
-        procs = _processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", h)
+        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", h)]
     except Exception as e:
         raise DeviceError(f"device {index}: {_describe(e)}") from None
     for extra in ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3"):
         try:
-            procs += _processes(n, extra, h)
+            lists.append(_processes(n, extra, h))
         except Exception:   # NOT_SUPPORTED on compute-only boards, absent in an old driver
             pass
     out = {}
-    for pid, used in procs:
-        if pid in out:       # listed as compute and graphics: one context, the larger figure
-            seen = out[pid]
-            used = seen if used is None else used if seen is None else max(used, seen)
-        out[pid] = used
+    for procs in lists:
+        # one list naming a pid twice: two contexts under one pid (an ended process's, kept
+        # by a child, and the live process given its pid), their sum; listed as compute and
+        # graphics: one context, the larger figure
+        mine = {}
+        for pid, used in procs:
+            seen = mine.get(pid, 0)
+            mine[pid] = None if used is None or seen is None else seen + used
+        for pid, used in mine.items():
+            if pid in out:
+                seen = out[pid]
+                used = seen if used is None else used if seen is None else max(used, seen)
+            out[pid] = used
     return out
 
 
