@@ -11,6 +11,7 @@ cuMemAlloc and cuMemAllocAsync), the agent looking every 100 ms with a 100 ms gr
 as a real card charges one).  The suite runs one round of 10 s each way; the long hunt,
 10 rounds of 40 s each way:
 `VGPU_CHURN_ROUNDS=10 VGPU_CHURN_SECONDS=40 .venv/bin/python -m pytest tests/test_do_no_harm.py -q`."""
+import json
 import os
 import subprocess
 
@@ -102,3 +103,43 @@ def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_con
     assert tenant.call(alloc=256 * MiB) == 0
     assert tenant.call(alloc=512 * MiB) == 0     # 768 MiB of 1 GiB: nothing of the neighbour's charged
     assert node_.usage("a").devices[0]["memory_current"] == 768 * MiB
+
+
+def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the_runtime_s_variable(tmp_path, spawn):
+    """There the shim cannot find its context's memory in NVML (it measures nothing), so
+    the runtime side passes the node's measured figure: `vgpu-ctl measure-context` (simgpu's
+    A10 context, 256 MiB), then VGPU_CONTEXT_OVERHEAD as `env --format k8s` (and docker, and
+    the DRA driver's CDI spec) sets it.  A 1 GiB slice: 768 MiB fit and no more, and the
+    device, read through NVML from outside, holds the cap (without the variable the tenant
+    got 1 GiB on top of its context: 1.25 GiB on the device)."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
+    node_.ctl("create", "a", "--memory", "1Gi")
+    assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
+    made = json.loads(node_.ctl("env", "a", "--format", "json").stdout)
+    variables = {e["name"]: e["value"] for e in made["k8s"]["env"]}
+    assert variables["VGPU_CONTEXT_OVERHEAD"] == str(256 * MiB)
+    assert f"VGPU_CONTEXT_OVERHEAD={256 * MiB}" in made["docker"]
+    tenant = spawn({**node_.shim_env("a"), "VGPU_CONTEXT_OVERHEAD": variables["VGPU_CONTEXT_OVERHEAD"]},
+                   prefix=["unshare", "--pid", "--fork", "--kill-child"])
+    assert tenant.pid != tenant.host_pid
+    assert tenant.call(alloc=768 * MiB) == 0
+    assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
+    assert node_.usage("a").devices[0]["memory_current"] == GiB
+    assert node_.status()["devices"][0]["memory_used"] == GiB
+
+
+def test_a_measurement_file_that_is_not_one_stops_env_with_a_hint(tmp_path):
+    """`env` for a container fails closed on it: one line, the hint to measure again."""
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "1Gi")
+    for text in ("{not json", '{"devices": {"0": -1}}', '{"devices": {"99": 1}}', '{"devices": {"0": 1e9}}'):
+        (node_.dir / ".context-overhead").write_text(text)
+        out = node_.ctl("env", "a", "--format", "docker", ok=False)
+        assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert "hint: run vgpu-ctl measure-context again" in out.stderr
+        assert node_.ctl("env", "a").returncode == 0    # a shell here measures for itself

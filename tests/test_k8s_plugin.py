@@ -316,6 +316,32 @@ def test_a_workload_started_with_the_cdi_edits_is_held_to_its_claim(node, tmp_pa
     assert kubelet.unprepare(claim)[claim[1]].error == ""
 
 
+def test_the_measured_context_cost_goes_into_the_cdi_spec_and_a_bad_measurement_fails_open(node):
+    """`vgpu-ctl measure-context` on the node (simgpu's A10 context: 256 MiB): the CDI
+    spec sets VGPU_CONTEXT_OVERHEAD, which the shim in the container's pid namespace cannot
+    measure.  A measurement file that is not one: the claim is still prepared (the pod
+    starts; its shim charges no context), without the variable, and the log says why."""
+    node.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
+    agent = node.start()
+    out = node.ctl("measure-context", "--json")
+    assert json.loads(out) == {"0": 256 * MiB, "1": 256 * MiB}
+    kubelet = node.kubelet()
+    claim = node.claim("measured")
+    [(uid, answer)] = kubelet.prepare(claim).items()
+    assert answer.error == ""
+    _, env = cdi_edits(cdi_spec(node, uid), "measured-share-0")
+    assert env["VGPU_CONTEXT_OVERHEAD"] == str(256 * MiB)
+
+    (node.slice_dir / ".context-overhead").write_text("{not json")
+    claim = node.claim("unmeasured")
+    [(uid, answer)] = kubelet.prepare(claim).items()
+    assert answer.error == ""
+    _, env = cdi_edits(cdi_spec(node, uid), "unmeasured-share-0")
+    assert "VGPU_CONTEXT_OVERHEAD" not in env
+    e = agent.wait_for(lambda e: e.get("event") == "context_overhead_unread", "the unread measurement", 5)
+    assert "is not a measurement" in e["error"] and e["hint"] == "run vgpu-ctl measure-context again"
+
+
 # === keeping the ResourceSlice current ===
 
 def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):

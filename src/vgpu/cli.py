@@ -15,6 +15,7 @@ import click
 
 from . import __version__
 from . import nvml
+from . import overhead
 from . import runtime
 from . import sim as simgpu
 from . import slices
@@ -908,20 +909,53 @@ def env(name, fmt, as_json, directory, shim_dir, ld_so_preload):
                 raise click.ClickException(f"{files['identity']} is missing and cannot be made here; hint: run "
                                            f"`vgpu-ctl env {name}` once as root (it makes the file)") from None
     shim, preload = _installed_shim(shim_dir, ld_so_preload, fmt)
+    # (a shell on this host is in its pid namespace: the shim measures a context there itself)
+    cost = None if fmt == "shell" else overhead.for_slice(directory, name)
     if fmt == "shell":
         click.echo(runtime.shell(name, files, shim, visible), nl=False)
     elif fmt == "docker":
-        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim, preload, visible)))
+        click.echo(" ".join(shlex.quote(a) for a in runtime.docker(name, files, shim, preload, visible, cost)))
     elif fmt == "k8s":
         gpu = ("give the pod runtimeClassName: nvidia (NVIDIA_VISIBLE_DEVICES here names its MIG device)" if visible
                else "give the pod runtimeClassName: nvidia and NVIDIA_VISIBLE_DEVICES=all (or use the DRA driver)")
-        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload, visible),
+        click.echo(runtime.to_yaml(runtime.k8s(name, files, shim, preload, visible, cost),
                                    comment=f"vgpu slice {name}: env and volumeMounts go in the container, "
                                            f"volumes in the pod spec; the GPU itself is not here: {gpu}"), nl=False)
     else:
         _emit_json({"variables": runtime.variables(name, slices.node_dir(directory), shim, visible),
-                    "docker": runtime.docker(name, files, shim, preload, visible),
-                    "k8s": runtime.k8s(name, files, shim, preload, visible)})
+                    "docker": runtime.docker(name, files, shim, preload, visible, cost),
+                    "k8s": runtime.k8s(name, files, shim, preload, visible, cost)})
+
+
+@main.command("measure-context")
+@dir_option
+@json_option
+def measure_context(directory, as_json):
+    """Measure the device memory a CUDA context costs on each GPU, for containers.
+
+    The shim charges a context's memory on a process's first allocation.  In a
+    container's own pid namespace it cannot find it (NVML names host pids); with this
+    measurement kept in the node directory, `env --format docker|k8s` and the DRA
+    driver's CDI specs set VGPU_CONTEXT_OVERHEAD from it.  Run it as root on each node,
+    with no other work starting on it, and again after a driver upgrade.
+
+    \b
+    Example:
+      vgpu-ctl measure-context
+    """
+    check_sim_state()
+    try:
+        results = overhead.measure(directory)
+    except nvml.NvmlUnavailable as e:
+        raise click.ClickException(f"NVML unavailable ({e}); hint: run it on a GPU node with the driver "
+                                   f"loaded") from None
+    if as_json:
+        _emit_json({str(i): v for i, v in results.items()})
+        return
+    for i, v in results.items():
+        click.echo(f"device {i}: " + (f"a context costs {format_memory(v)}" if isinstance(v, int) else
+                                      f"not measured ({v})"))
+    click.echo(f"kept in {overhead.path(directory)}")
 
 
 def _installed_shim(shim_dir, ld_so_preload, fmt):

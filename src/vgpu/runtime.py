@@ -82,22 +82,26 @@ def mounts(name, paths, shim, preload_file=None) -> list:
         ([(str(preload_file), CONTAINER_PRELOAD, True)] if preload_file else [])
 
 
-def container_variables(name, preload_file, visible=None) -> dict:
-    """The variables inside a container whose files are mounted as `mounts` says."""
+def container_variables(name, preload_file, visible=None, context_overhead=None) -> dict:
+    """The variables inside a container whose files are mounted as `mounts` says.
+    context_overhead: a context's memory as measured on the node (overhead.py): in the
+    container's own pid namespace the shim cannot measure it (NVML's pids are the host's)."""
     v = variables(name, CONTAINER_DIR, CONTAINER_SHIM, visible)
     if preload_file:   # the loader loads the shim; the image's own LD_PRELOAD stays as it is
         del v["LD_PRELOAD"]
+    if context_overhead is not None:
+        v["VGPU_CONTEXT_OVERHEAD"] = str(context_overhead)
     return v
 
 
-def docker(name, paths, shim, preload_file=None, visible=None) -> list:
+def docker(name, paths, shim, preload_file=None, visible=None, context_overhead=None) -> list:
     """`docker run` arguments.  -e LD_PRELOAD replaces an image's own LD_PRELOAD: if the
     image sets one, add CONTAINER_SHIM to it instead (or use preload_file).  A MIG slice:
     --gpus device=<its MIG UUID>."""
     args = ["--gpus", f"device={visible}" if visible else "all"]
     for host, inside, ro in mounts(name, paths, shim, preload_file):
         args += ["-v", f"{host}:{inside}:{'ro' if ro else 'rw'}"]
-    for k, v in container_variables(name, preload_file, visible).items():
+    for k, v in container_variables(name, preload_file, visible, context_overhead).items():
         args += ["-e", f"{k}={v}"]
     return args
 
@@ -112,7 +116,7 @@ def volume_tag(name) -> str:
     return tag
 
 
-def k8s(name, paths, shim, preload_file=None, visible=None) -> dict:
+def k8s(name, paths, shim, preload_file=None, visible=None, context_overhead=None) -> dict:
     """env and volumeMounts for the container, volumes for the pod (hostPath).  The shim's
     volumes are the same for every slice; the quota's and usage's carry the slice's name,
     so containers of one pod in different slices can be merged into one pod spec."""
@@ -121,7 +125,8 @@ def k8s(name, paths, shim, preload_file=None, visible=None) -> dict:
              "vgpu-preload"]
     ms = mounts(name, paths, shim, preload_file)
     return {
-        "env": [{"name": k, "value": v} for k, v in container_variables(name, preload_file, visible).items()],
+        "env": [{"name": k, "value": v}
+                for k, v in container_variables(name, preload_file, visible, context_overhead).items()],
         "volumeMounts": [{"name": n, "mountPath": inside, "readOnly": ro}
                          for n, (_, inside, ro) in zip(names, ms)],
         "volumes": [{"name": n, "hostPath": {"path": host, "type": "File"}} for n, (host, _, _) in zip(names, ms)],

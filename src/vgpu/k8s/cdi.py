@@ -67,14 +67,16 @@ class VersionTooLow(ValueError):
     pass
 
 
-def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, version=CDI_VERSION) -> dict:
+def spec(driver: str, name: str, paths: dict, shim: str, preload_file=None, version=CDI_VERSION,
+         context_overhead=None) -> dict:
     """A CDI spec with one device, `name`, giving a container slice `name`.  version: AUTO
     for the lowest the content needs, else that version (VersionTooLow if the content needs
-    a later one: the runtime would refuse the spec)."""
+    a later one: the runtime would refuse the spec).  context_overhead: the node's measured
+    context cost (runtime.container_variables)."""
     mounts = [{"hostPath": host, "containerPath": inside, "type": "bind",
                "options": ["bind", "ro" if read_only else "rw", "nosuid", "nodev"]}
               for host, inside, read_only in runtime.mounts(name, paths, shim, preload_file)]
-    env = [f"{k}={v}" for k, v in runtime.container_variables(name, preload_file).items()]
+    env = [f"{k}={v}" for k, v in runtime.container_variables(name, preload_file, None, context_overhead).items()]
     out = {"cdiVersion": None, "kind": kind(driver),
            "devices": [{"name": name, "containerEdits": {"env": env, "mounts": mounts}}]}
     return _versioned(out, name, version)

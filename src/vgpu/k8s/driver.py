@@ -32,7 +32,7 @@ import os
 import threading
 import time
 
-from .. import mig, podlabels, slices
+from .. import mig, overhead, podlabels, slices
 from ..quantities import SHARE_FULL, format_memory
 from . import CONTAINER_ANNOTATION, cdi, checkpoint, resourceslice
 
@@ -229,7 +229,7 @@ class Driver:
             created = True
             paths = slices.paths(self.slice_dir, slice_name)
             cdi.write(spec_path, cdi.spec(self.driver, slice_name, paths, self.shim, self.preload_file,
-                                          self.cdi_version))
+                                          self.cdi_version, self._context_overhead(shown, quota)))
         except BaseException as e:
             cdi.remove(spec_path)
             if created:
@@ -254,6 +254,16 @@ class Driver:
         self.log({"event": "prepared", "claim": shown, "uid": uid, "slice": slice_name,
                   "devices": {str(d): q.to_json() for d, q in quota.items()}})
         return answer
+
+    def _context_overhead(self, shown, quota):
+        """The node's measured context cost for the claim's GPUs (overhead.py), or None.  A
+        bad measurement file fails open: the pod starts, its shim charges no context (as
+        with none measured), and the log says why."""
+        try:
+            return overhead.for_devices(self.slice_dir, list(quota))
+        except slices.VgpuError as e:
+            self.log({"event": "context_overhead_unread", "claim": shown, "error": str(e), "hint": e.hint})
+            return None
 
     def _quota(self, shown, results):
         """{index: DeviceQuota} for the results, checked against this node and summed per
