@@ -389,19 +389,29 @@ static ssize_t read_small(const char *path, char *buf, size_t size)
     return n;
 }
 
-/* Field 22 of /proc/self/stat: when the process started, in clock ticks after boot. */
-static uint64_t self_start_ticks(void)
+/* From a /proc/<pid>/stat: field 3, the state, and field 22, when the process started
+ * (clock ticks after boot).  -1 when it cannot be read (the process is gone). */
+static int read_stat(const char *path, char *state, uint64_t *start_ticks)
 {
     char buf[1024];
-    if (read_small("/proc/self/stat", buf, sizeof buf) <= 0)
-        return 0;
+    if (read_small(path, buf, sizeof buf) <= 0)
+        return -1;
     char *p = strrchr(buf, ')');   /* the name (field 2) may hold spaces and parentheses */
-    if (!p)
-        return 0;
+    if (!p || !p[1] || !p[2])
+        return -1;
+    *state = p[2];
     for (int field = 2; *p && field < 22; p++)
         if (*p == ' ')
             field++;
-    return strtoull(p, NULL, 10);
+    *start_ticks = strtoull(p, NULL, 10);
+    return 0;
+}
+
+static uint64_t self_start_ticks(void)
+{
+    char state;
+    uint64_t ticks;
+    return read_stat("/proc/self/stat", &state, &ticks) ? 0 : ticks;
 }
 
 static uint64_t inode_of(const char *path)
@@ -440,6 +450,38 @@ static uint64_t self_cgroup_id(void)
     return 0;
 }
 
+/* Is slot i's process done with its files?  Its lock drops when its last descriptor of
+ * the usage file is released, which at exit may come before the release of those through
+ * which the driver holds its device memory (a real driver's context teardown can take
+ * seconds): drained then, the slot would hand on budget the device still spends.  So a
+ * slot whose lock is free is drained only once its process is gone, its pid is another
+ * process's (another start time), or it is a zombie with no other thread left: do_exit
+ * releases the files before exit_notify makes the zombie, and a thread group's table goes
+ * with its last thread (kernel/exit.c).  A process still there, exiting or alive without
+ * the file, keeps its charge: its memory may well be held.  Our own slot from before an
+ * exec is ours to drain.  Only a process of our own pid namespace can be looked up: any
+ * other's slot is drained at once, as before. */
+static int slot_owner_done(int i)
+{
+    const struct vgpu_usage_proc *p = &S.usage->procs[i];
+    int32_t pid = LOAD(&p->pid);
+    uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns);
+    if (pid <= 0 || !ticks || !pid_ns || pid == getpid() || pid_ns != inode_of("/proc/self/ns/pid"))
+        return 1;
+    char path[64], state, status[2048];
+    uint64_t now_ticks;
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    if (read_stat(path, &state, &now_ticks) || now_ticks != ticks)
+        return 1;
+    if (state != 'Z' && state != 'X')
+        return 0;
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    if (read_small(path, status, sizeof status) <= 0)
+        return 1;
+    const char *threads = strstr(status, "\nThreads:");
+    return !threads || strtol(threads + 9, NULL, 10) <= 1;
+}
+
 static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
 
 /* A free slot, its lock taken, drained, and inside slots_used; -1 when none is free.
@@ -450,6 +492,10 @@ int take_free_slot(void)
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
         if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;   /* a live process holds it */
+        if (slot_in_use(i) && !slot_owner_done(i)) {
+            slot_lock(S.usage_fd, i, F_UNLCK);
+            continue;   /* its process is still letting go of its memory */
+        }
         drain_slot(i);   /* whatever its previous owner held went with it */
         /* the sum in admissions covers slots below slots_used: widen it before the
          * first charge */
@@ -497,6 +543,10 @@ void reap_dead_locked(void)
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
         if (i == S.slot || memory_holds_slot(i) || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
+        if (!slot_owner_done(i)) {
+            slot_lock(S.usage_fd, i, F_UNLCK);
+            continue;
+        }
         INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
         drain_slot(i);
         slot_lock(S.usage_fd, i, F_UNLCK);

@@ -114,6 +114,75 @@ def test_kill_storm_leaves_nothing_charged_and_nothing_on_the_device(node, lifec
     assert node.referee().used == 0
 
 
+LETS_GO_OF_ITS_FILE = PRELUDE + """
+import ctypes, threading, time
+context()
+held = ok(cu.cuMemAlloc(512 * MiB))
+# the shim's mapping and descriptor of the usage file (either keeps the file open, and its
+# slot's lock held); the shim must not run again after this
+usage, closed = os.stat(sys.argv[1]), 0
+libc = ctypes.CDLL(None)
+libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+for line in open("/proc/self/maps").read().splitlines():
+    fields = line.split()
+    if len(fields) >= 6 and int(fields[4]) == usage.st_ino:
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        assert libc.munmap(start, end - start) == 0
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        st = os.stat(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if (st.st_dev, st.st_ino) == (usage.st_dev, usage.st_ino):
+        os.close(int(fd))
+        closed += 1
+if not closed:
+    raise SystemExit("no descriptor of the usage file")
+if sys.argv[2] == "zombie leader":         # the main thread ends; another lives on, and the memory with it
+    threading.Thread(target=lambda: time.sleep(3600)).start()
+    print(json.dumps({"held": True}), flush=True)
+    ctypes.CDLL(None).pthread_exit(None)
+step({"held": True})
+"""
+
+
+@pytest.mark.parametrize("how", ["alive without the file", "zombie leader"])
+def test_a_slot_whose_lock_is_free_is_not_drained_while_its_process_still_holds_its_memory(node, spawn, how):
+    """A slot's lock drops with the last descriptor of its process's usage file; at exit
+    that can come before the descriptors through which the driver holds the memory (a
+    real driver's teardown takes its time), and in one of 32 kill storms a reaper drained
+    such a slot and another process was admitted into memory the device still held (112
+    MiB over a 1 GiB cap, by the referee).  Here the window is held open: a process with
+    512 MiB lets go of its usage file (alive, or its main thread ended as a zombie while
+    another thread lives).  Its charge stays until it is done: the 768 MiB another process
+    asks for is refused, and the device never holds more than the cap; once the process
+    is gone, they fit."""
+    cap = GiB
+    holder = spawn(node.env(limit=str(cap)), LETS_GO_OF_ITS_FILE, args=(str(node.usage_path()), how))
+    assert holder.read() == {"held": True}
+    if how == "zombie leader":
+        assert wait_for_state(holder.pid, "Z")
+    other = spawn(node.env(limit=str(cap)))
+    assert other.call("alloc", 768 * MiB)[0] == 2                   # CUDA_ERROR_OUT_OF_MEMORY
+    assert settled(node) == 512 * MiB                              # (vgpu-ctl's reap, too, leaves it)
+    assert node.referee().used == 512 * MiB
+    holder.kill()
+    assert other.call("alloc", 768 * MiB)[0] == 0
+    assert settled(node) == node.referee().used == 768 * MiB
+
+
+def wait_for_state(pid, letter, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == letter:
+                return True
+        except (OSError, IndexError):
+            return False
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_signalled_holder_s_charge_is_back_within_a_second(node, lifecycle, spawn, sig):
     """What `docker stop` / Kubernetes send runs no destructor: the charge comes back all

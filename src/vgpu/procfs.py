@@ -7,6 +7,7 @@ CAP_SYS_PTRACE, or a pid this namespace does not have): the caller treats that a
 "unknown", never as "no".
 """
 import os
+import re
 
 _FIELD_START = 19    # /proc/<pid>/stat: starttime is field 22, the 20th after the ")" of comm
 
@@ -142,3 +143,25 @@ def exists(pid) -> bool:
 def same_process(pid, ticks) -> bool:
     """Is `pid` still the process that started at `ticks`?"""
     return ticks is not None and start_ticks(pid) == ticks
+
+
+def done_with_files(pid, ticks) -> bool:
+    """Has the process that started at `ticks` under `pid` released its files: gone, its
+    pid another's, or a zombie with no other thread left (do_exit releases the files
+    before exit_notify makes the zombie; a thread group's table goes with its last
+    thread)?  A dead slot is drained only then: its lock may drop before the descriptors
+    through which the driver holds its memory (shim/shim.c slot_owner_done)."""
+    data = _read(f"/proc/{pid}/stat", 2048)
+    if not data:
+        return True
+    try:
+        fields = data[data.rindex(b")") + 2:].split()
+        state, start = fields[0], int(fields[_FIELD_START])
+    except (ValueError, IndexError):
+        return True
+    if start != ticks:
+        return True
+    if state not in (b"Z", b"X"):
+        return False
+    threads = re.search(rb"\nThreads:\s*(\d+)", _read(f"/proc/{pid}/status") or b"")
+    return not threads or int(threads.group(1)) <= 1

@@ -33,7 +33,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass, replace
 
-from . import board
+from . import board, procfs
 from ._region import ffi, lib
 from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
 
@@ -934,6 +934,9 @@ def _reap_slot(fd, proc):
     charges only ever lowers them, so a shim summing them mid-way sees a value between
     before and after, both true of a dead process."""
     i = proc.slot
+    if not proc.shared and proc.pid > 0 and proc.start_ticks and proc.pid_ns == procfs.pid_ns() and \
+            not procfs.done_with_files(proc.pid, proc.start_ticks):
+        return None    # dead by its lock, but still letting go of its memory (or alive without the file)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
     except (BlockingIOError, PermissionError):
