@@ -3,7 +3,7 @@ never killed.  The node agent reads the driver and the usage files at different 
 a free between the two once looked like memory the shim did not count, and with
 `--on-violation kill` honest processes died (9 in 5 of 10 runs of 40 s).  The agent now
 judges a gap only from a look with the usage file read just before and just after the
-driver, in which no charge moved (node.Observer.confirm_gap).
+driver, in which no charge moved (vgpu.agent.evidence: Observer.confirm_gap).
 
 Two slices, 4 processes each (tests/programs/churn.c: 2 threads, 64 MiB .. 1 GiB blocks,
 cuMemAlloc and cuMemAllocAsync), the agent looking every 100 ms with a 100 ms grace and

@@ -273,7 +273,7 @@ def test_labels_files_that_are_hostile_are_no_labels(tmp_path):
 def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
     import os
     import threading
-    from vgpu import node as node_truth, procfs
+    from vgpu import agent as node_truth, procfs
     n = plugin_node(tmp_path, api, shipped_rules())
     n.start("--claim-status-interval", "200ms")
     claim, share = pod_claim(n, "judged")
@@ -282,7 +282,7 @@ def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
                    "memory_driver": 2 * GiB, "memory_current": GiB, "memory_max": 4 * GiB}]
     stop = threading.Event()
 
-    def agent_state():   # what a running `vgpu-ctl agent` keeps writing (vgpu.node.write_state)
+    def agent_state():   # what a running `vgpu-ctl agent` keeps writing (vgpu.agent.write_state)
         while not stop.is_set():
             node_truth.write_state(n.slice_dir, {"version": 1, "pid": os.getpid(),
                                                  "pid_start": procfs.start_ticks(os.getpid()),

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_sim_env
 from containers import mount_script, namespaces_work
-from vgpu import install, node, referee, runtime, slices
+from vgpu import agent as node_agent, install, nvml, referee, runtime, slices
+from vgpu.quantities import UNLIMITED
 from vgpu.paths import SHIM, simgpu_dir
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -774,10 +775,10 @@ def test_an_orphaned_run_slice_is_removed_once_its_processes_are_gone(node_, age
     assert slices.read_quota(node_.dir, name).temporary.pid == run.pid
     run.send_signal(signal.SIGKILL)               # the owner dies; its command runs on
     run.wait(10)
-    time.sleep(2 * node.ORPHAN_S + 1)
+    time.sleep(2 * node_agent.ORPHAN_S + 1)
     assert name in slices.list_names(node_.dir)   # still in use
     os.kill(hello["pid"], signal.SIGTERM)
-    e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node.ORPHAN_S + 5)
+    e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node_agent.ORPHAN_S + 5)
     assert (e["container"], e["owner_pid"]) == (name, run.pid)
     assert slices.list_names(node_.dir) == ["kept"]
 
@@ -836,7 +837,7 @@ class FakeNvml:
 
     def running_processes(self, d):
         if self.fail:
-            raise node.nvml.DeviceError(f"device {d}: {self.fail}")
+            raise nvml.DeviceError(f"device {d}: {self.fail}")
         return dict(self.procs)
 
     def process_utilization(self, d, window_s=1.0):
@@ -847,7 +848,7 @@ def test_an_nvml_that_fails_leaves_the_driver_figure_unknown_and_acts_on_nothing
     node_.ctl("create", "a", "--memory", "1Gi")
     victim = spawn(node_.env)                    # in no slice: with slices required, a kill if NVML named it
     lines = []
-    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+    agent = node_agent.Agent(node_.dir, node_agent.Settings(require_slices=True, actions=node_agent.parse_actions(["kill"]), grace=0),
                        nvml_module=FakeNvml(fail="Unknown Error"), log=lines.append)
     snap = agent.tick()
     agent.tick()
@@ -857,7 +858,7 @@ def test_an_nvml_that_fails_leaves_the_driver_figure_unknown_and_acts_on_nothing
     assert victim.alive()
 
     # and named, but with a pid nobody here has: unknown, not unsliced
-    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+    agent = node_agent.Agent(node_.dir, node_agent.Settings(require_slices=True, actions=node_agent.parse_actions(["kill"]), grace=0),
                        nvml_module=FakeNvml({4_000_000: GiB}), log=lines.append)
     snap = agent.tick()
     agent.tick()
@@ -866,7 +867,7 @@ def test_an_nvml_that_fails_leaves_the_driver_figure_unknown_and_acts_on_nothing
     assert [json.loads(x)["event"] for x in lines if '"violation"' in x or '"action"' in x] == []
 
     # the control: the same agent, NVML naming the victim: killed
-    agent = node.Agent(node_.dir, node.Settings(require_slices=True, actions=node.parse_actions(["kill"]), grace=0),
+    agent = node_agent.Agent(node_.dir, node_agent.Settings(require_slices=True, actions=node_agent.parse_actions(["kill"]), grace=0),
                        nvml_module=FakeNvml({victim.host_pid: GiB}), log=lines.append)
     agent.tick()
     agent.tick()
@@ -876,22 +877,22 @@ def test_an_nvml_that_fails_leaves_the_driver_figure_unknown_and_acts_on_nothing
 # === settings ===
 
 def test_tolerance_is_the_larger_of_64mib_and_2_percent_plus_per_process_overhead():
-    s = node.Settings()
+    s = node_agent.Settings()
     assert s.tolerance_for(GiB) == 64 * MiB
     assert s.tolerance_for(10 * GiB) == int(10 * GiB * 0.02)
-    assert s.tolerance_for(node.UNLIMITED) == 64 * MiB
-    assert node.Settings(process_overhead=300 * MiB).tolerance_for(GiB, 3) == 64 * MiB + 900 * MiB
+    assert s.tolerance_for(UNLIMITED) == 64 * MiB
+    assert node_agent.Settings(process_overhead=300 * MiB).tolerance_for(GiB, 3) == 64 * MiB + 900 * MiB
 
 
 def test_on_violation_takes_an_action_or_kind_equals_action():
-    assert node.parse_actions(["kill"]) == {"over-cap": "kill", "gap": "kill", "forged": "kill", "unsliced": "kill",
+    assert node_agent.parse_actions(["kill"]) == {"over-cap": "kill", "gap": "kill", "forged": "kill", "unsliced": "kill",
                                             "compute": "kill"}
-    assert node.parse_actions(["stop"]) == {"compute": "stop"}
-    assert node.parse_actions(["report", "gap=kill", "compute=stop"]) == \
+    assert node_agent.parse_actions(["stop"]) == {"compute": "stop"}
+    assert node_agent.parse_actions(["report", "gap=kill", "compute=stop"]) == \
         {"over-cap": "report", "gap": "kill", "forged": "report", "unsliced": "report", "compute": "stop"}
     for bad in ("gap=stop", "nope=kill", "explode"):
         with pytest.raises(ValueError):
-            node.parse_actions([bad])
+            node_agent.parse_actions([bad])
 
 
 def test_agent_option_errors_are_one_line_with_a_hint(node_):
@@ -1012,7 +1013,7 @@ def test_an_agent_killed_while_holding_a_hog_leaves_it_to_the_next_one_to_contin
     hog.call(hog=2000)
     first.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 15)
     # what it holds is in its state file (written as the look that began holding ends)
-    assert wait_until(lambda: [h["pid"] for h in node.read_state(node_.dir)["held"]] == [hog.host_pid], 3)
+    assert wait_until(lambda: [h["pid"] for h in node_agent.read_state(node_.dir)["held"]] == [hog.host_pid], 3)
 
     def state():
         with open(f"/proc/{hog.host_pid}/stat") as f:

@@ -59,7 +59,7 @@ def _state(pid):
 
 def _rows(node_):
     """The agent's rows of the GPU's processes, from one look by an Observer of its own."""
-    out = run_python("import json, sys\nfrom vgpu import node\no = node.Observer(sys.argv[1])\n"
+    out = run_python("import json, sys\nfrom vgpu.agent import Observer\no = Observer(sys.argv[1])\n"
                      "print(json.dumps([p.to_json() for p in o.observe().processes]))", node_.env,
                      args=[str(node_.dir)])
     return {p["host_pid"]: p for p in json.loads(out.stdout.splitlines()[-1])}

@@ -283,7 +283,7 @@ class Autoscaler:
         self._reaped_at = None  # when dead processes' slots were last reaped
         self._lock = threading.Lock()
         # (name, device) -> NVML's share of the slice's processes (1/100 percent) or None: the
-        # node agent's attribution when it runs the loop (vgpu.node), else host_pids below
+        # node agent's attribution when it runs the loop (vgpu.agent), else host_pids below
         self.sm_source = None
         # SM use over the last SMOOTH_S (at most a sixth of the window), never under one interval
         lookback = max(interval, min(SMOOTH_S, self.policy.window / 6))
@@ -561,8 +561,8 @@ class Autoscaler:
 
 def mig_pool(record) -> str:
     """The capacity pool of a MIG slice: its instance, named as the node agent names it
-    (`<gpu>/mig-<GI>-<CI>`, vgpu.node.Place)."""
-    from .node import record_place
+    (`<gpu>/mig-<GI>-<CI>`, vgpu.agent.Place)."""
+    from .agent.model import record_place
     return record_place(record).label
 
 

@@ -1400,9 +1400,9 @@ class OnViolation(click.ParamType):
     name = "[KIND=]ACTION"
 
     def convert(self, value, param, ctx):
-        from . import node
+        from .agent import settings as agent_settings
         try:
-            node.parse_actions([value])
+            agent_settings.parse_actions([value])
         except ValueError as e:
             self.fail(str(e), param, ctx)
         return value
@@ -1472,10 +1472,10 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     """
     import signal
     import threading
-    from . import node
-    settings = node.Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
+    from .agent import Agent, Settings, parse_actions
+    settings = Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
                              context_allowance=context_allowance, grace=grace, window=compute_window,
-                             require_slices=require_slices, actions=node.parse_actions(on_violation))
+                             require_slices=require_slices, actions=parse_actions(on_violation))
     scaler = None
     if with_autoscale:
         from . import autoscale as autoscale_mod
@@ -1494,7 +1494,7 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
                                     log=lambda e: click.echo(json.dumps(e), err=True))
         except slices.VgpuError as e:
             raise click.ClickException(_line(e)) from None
-    the_agent = node.Agent(directory, settings, interval=interval, autoscaler=scaler, reap=not no_reap,
+    the_agent = Agent(directory, settings, interval=interval, autoscaler=scaler, reap=not no_reap,
                            on_violation=sink.violation if sink else None, on_action=sink.action if sink else None)
     if metrics_port is not None:
         httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",

@@ -29,9 +29,9 @@ Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_us
   vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
   vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
   of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_containers.
-  A MIG device is device="<gpu>/mig-<GI>-<CI>" (vgpu.node.Place): a MIG slice's caps count
+  A MIG device is device="<gpu>/mig-<GI>-<CI>" (vgpu.agent.Place): a MIG slice's caps count
   there, never on the GPU its quota's index 0 would name.
-The driver's view (vgpu.node: each process NVML lists, attributed to a slice or not):
+The driver's view (vgpu.agent: each process NVML lists, attributed to a slice or not):
   vgpu_memory_driver_bytes{container,device}   what the driver says the slice's processes hold
   vgpu_slice_device_info{container,device,nvml_device,mig_uuid}   where NVML lists the slice's device
   vgpu_unsliced_memory_bytes{device}, vgpu_unsliced_processes{device}   GPU processes in no slice
@@ -55,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import board, nvml, podlabels, slices
 from .autoscale import NodeReader
-from .node import record_place
+from .agent.model import record_place
 from .quantities import SHARE_FULL, UNLIMITED
 
 _CD = ["container", "device"]
@@ -84,13 +84,13 @@ class NodeCollector:
     def _driver_view(self, ok):
         """The driver's figures (the agent's last snapshot, or one taken now) and the
         agent's violations and actions."""
-        from . import node
+        from .agent.observe import Observer
         snap = None
         if self.agent is not None:
             snap = self.agent.latest
         elif ok:
             if self._observer is None:
-                self._observer = node.Observer(self.directory, use_nvml=self.use_nvml)
+                self._observer = Observer(self.directory, use_nvml=self.use_nvml)
             try:
                 snap = self._observer.observe()
             except Exception:   # a slice vanishing mid-look: the next scrape tries again

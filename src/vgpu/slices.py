@@ -416,7 +416,7 @@ class Proc:
     memory: dict         # device -> bytes
     alive: bool
     # what the process said of itself when it claimed the slot (0: unknown); written by
-    # the container, so a hint for finding it, never proof (vgpu.node checks the kernel)
+    # the container, so a hint for finding it, never proof (vgpu.agent checks the kernel)
     start_ticks: int = 0
     pid_ns: int = 0
     cgroup_id: int = 0

@@ -199,8 +199,8 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     driver = nvml.driver_version() if ok else None
     data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
-    from . import node   # the driver's view: who holds what, slices or not, and the agent's verdicts
-    data = node.annotate(data, use_nvml=ok)   # (a MIG slice's driver figure: its processes on its MIG device)
+    from .agent.state import annotate   # the driver's view: who holds what, slices or not, and the agent's verdicts
+    data = annotate(data, use_nvml=ok)   # (a MIG slice's driver figure: its processes on its MIG device)
     return data
 
 
@@ -284,7 +284,7 @@ def _percent(v):
 
 
 def _describe_violation(v):
-    from .node import describe_violation
+    from .agent.state import describe_violation
     return describe_violation(v)
 
 

@@ -65,7 +65,7 @@ def figures(container: dict, index: int, driver_memory=None) -> dict:
                  "throttled.seconds": round(row["throttled_ns"] / 1e9, 3), "oom.refusals": row["oom_refusals"]})
     if row.get("sm_used") is not None:
         data["sm.used"] = round(row["sm_used"] / 100, 1)
-    if "memory_driver" in row:      # the node-truth model's figure (vgpu.node): what the driver holds
+    if "memory_driver" in row:      # the node-truth model's figure (vgpu.agent): what the driver holds
         if row["memory_driver"] is not None:
             data["memory.driver"] = row["memory_driver"]
     elif driver_memory is not None:   # else NVML's own list, for the slice's processes
@@ -104,11 +104,11 @@ def ready_condition(ready: bool, previous=None, message="") -> dict:
 
 def violating_condition(violations, previous=None) -> dict:
     """Violating: True while the node agent (vgpu-ctl agent) judges the slice in violation on
-    this GPU (over-cap, gap, compute: see vgpu.node), with what it saw and did."""
+    this GPU (over-cap, gap, compute: see vgpu.agent), with what it saw and did."""
     status = "True" if violations else "False"
     since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
     if violations:
-        from ..node import describe_violation
+        from ..agent.state import describe_violation
         reason = "".join(w.capitalize() for w in str(violations[0].get("kind", "unknown")).split("-"))
         try:
             message = "; ".join(f"{v.get('kind')}: {describe_violation(v)}" for v in violations)

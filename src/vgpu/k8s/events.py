@@ -51,7 +51,7 @@ class EventSink:
         return (labels.get("namespace"), labels.get("pod")) if labels.get("pod") else (None, None)
 
     def violation(self, v, record):
-        from ..node import describe_violation
+        from ..agent.state import describe_violation
         namespace, pod = self._pod(v.container)
         if pod:
             self._put(event(namespace, pod, REASONS.get(v.kind, "VgpuViolation"),

@@ -1,0 +1,217 @@
+"""Judging: conditions seen in snapshots become violations when they last."""
+import collections
+import time
+from dataclasses import dataclass, field
+
+
+from ..quantities import SHARE_FULL, UNLIMITED
+from .model import Snapshot
+from .settings import FORGED_CHARGE, SLACK_S
+
+
+# === judging ===
+
+@dataclass
+class Violation:
+    kind: str
+    key: tuple               # what it is about: (slice, device) or ("", host pid, start)
+    container: str
+    device: int
+    since: float             # monotonic time the condition was first seen
+    started: float = None    # when it became a violation (after the grace period / window)
+    detail: dict = field(default_factory=dict)
+    offenders: list = field(default_factory=list)   # [(host pid, start ticks)]
+    action: str = "report"
+    acted: bool = False
+    wall: float = None
+
+    def to_json(self):
+        return {"kind": self.kind, "container": self.container or None, "device": self.device,
+                "since": round(self.wall, 3) if self.wall else None, "action": self.action,
+                "offenders": [p for p, _ in self.offenders], **self.detail}
+
+
+def _utc(t=None):
+    t = time.time() if t is None else t
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+class _Ring:
+    """A window of (t, NVML share, charged share) samples with their running sums (the
+    agent judges 1,000 slices a second: no sum over the window each time)."""
+    __slots__ = ("q", "nv", "ch")
+
+    def __init__(self):
+        self.q = collections.deque()
+        self.nv = self.ch = 0.0
+
+    def add(self, t, nv, ch, window):
+        q = self.q
+        q.append((t, nv, ch))
+        self.nv += nv
+        self.ch += ch
+        while q and t - q[0][0] > window:
+            _, a, b = q.popleft()
+            self.nv -= a
+            self.ch -= b
+        if len(q) == 1:          # (no drift carried from one window to the next)
+            self.nv, self.ch = float(nv), float(ch)
+
+    def full(self, window) -> bool:
+        q = self.q
+        return len(q) >= 2 and q[-1][0] - q[0][0] >= window * 0.9
+
+    def means(self):
+        n = len(self.q)
+        return self.nv / n, self.ch / n
+
+    def __len__(self):
+        return len(self.q)
+
+
+def _where(x) -> dict:
+    """Where NVML lists a SliceDevice's or ProcRow's device: nvml_device (its label) and,
+    on a MIG device, mig_uuid."""
+    p = x.place
+    if p is None:
+        return {}
+    return {"nvml_device": p.label} if p.mig is None else {"nvml_device": p.label, "mig_uuid": p.mig}
+
+
+class Judge:
+    """Conditions seen in snapshots become violations when they last: memory and
+    unsliced ones for the grace period, compute ones on average over the window."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.pending = {}        # (kind, key) -> Violation (condition seen, not yet a violation)
+        self.active = {}         # (kind, key) -> Violation
+        self.compute = collections.defaultdict(_Ring)   # (slice, device) -> its window of (t, nvml, charged)
+        self._gpu = {}           # (slice, device) -> (t, gpu_time_ns)
+        self.counts = collections.Counter()   # (container, kind) -> violations started
+        # (slice device) -> a bracketed look (Observer.confirm_gap), or None: the snapshot's
+        # figures are taken as they are (status and metrics report; only the agent acts)
+        self.confirm = None
+        # (slice device, slot numbers) -> host pids of its processes holding those slots'
+        # locks (Observer.slot_lock_holders); None: none are looked for
+        self.lock_holders = None
+        self.unjudged = collections.Counter()   # (container, device) -> gaps left unjudged: charges moving
+
+    def conditions(self, snap: Snapshot) -> dict:
+        """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
+        st = self.settings
+        out = {}
+        compute, gpu = self.compute, self._gpu
+        # a slice with nothing on the GPU: nothing the driver could say against it
+        for key in [k for k in gpu if k not in snap.active]:
+            del gpu[key]
+            compute.pop(key, None)
+        threshold = st.tolerance + st.process_overhead
+        for key, sd in snap.active.items():
+            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.charges.get(sd.device, 0) >= FORGED_CHARGE]
+            if forged or sd.memory_current >= 1 << 64:
+                # a charge no device can hold, or a row that sums past 2^64 (a "negative"
+                # charge making room): the shim refuses to admit against it; the offender is
+                # whoever of the slice holds the forged slots' locks (it wrote them)
+                holders = self.lock_holders(sd, [sl.slot for sl in forged]) if self.lock_holders and forged else []
+                out[("forged", key)] = (sd.name, sd.device, {
+                    "memory_current": sd.memory_current, "slots": [
+                        {"slot": sl.slot, "pid": sl.pid, "charge": sl.charges[sd.device], "alive": sl.alive}
+                        for sl in forged], **_where(sd)},
+                    [(p.host_pid, p) for p in sd.processes if p.host_pid in holders and p.attribution.certain])
+                continue
+            if sd.driver is not None:
+                gap = sd.driver - sd.memory_current - sd.context
+                if gap > st.tolerance:           # (the least any tolerance is: only then worth the rest)
+                    tol = sd.tolerance
+                    own_gap = {p.host_pid: p.gap for p in sd.processes}
+                    driver, current = sd.driver, sd.memory_current
+                    if gap > tol and self.confirm is not None:
+                        fresh = self.confirm(sd)
+                        if fresh is None:
+                            self.unjudged[(sd.name, sd.device)] += 1
+                            gap = 0
+                        else:
+                            driver, current, context, own_gap = fresh
+                            gap = driver - current - context
+                    if gap > tol:
+                        detail = {"memory_driver": driver, "memory_current": current,
+                                  "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
+                                  "tolerance": tol, "gap": gap, **_where(sd)}
+                        offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
+                                     own_gap.get(p.host_pid) is not None and own_gap[p.host_pid] > threshold]
+                        gone = [p.host_pid for p in sd.processes if p.attribution.method == "held-slot" and
+                                p.gap is not None and p.gap > threshold]
+                        if gone:     # above their slots' charge, but gone: nothing to act on
+                            detail["gone"] = gone
+                        out[("gap", key)] = (sd.name, sd.device, detail, offenders)
+                        if sd.memory_max != UNLIMITED and driver > sd.memory_max + tol:
+                            out[("over-cap", key)] = (sd.name, sd.device, detail, offenders)
+            if sd.sm_nvml is None or sd.sm_max >= SHARE_FULL:
+                if key in compute:
+                    del compute[key]
+                    gpu.pop(key, None)
+                continue
+            prev = gpu.get(key)
+            gpu[key] = (snap.t, sd.gpu_time_ns)
+            if prev is None or snap.t <= prev[0]:
+                continue
+            charged = max(0, sd.gpu_time_ns - prev[1]) / ((snap.t - prev[0]) * 1e9) * SHARE_FULL
+            ring = compute[key]
+            ring.add(snap.t, sd.sm_nvml, charged, st.window)
+            if ring.full(st.window):
+                nv, ch = ring.means()
+                if nv - sd.sm_max > st.compute_margin and nv - ch > st.compute_margin:
+                    busy = [p for p in sd.processes if p.util and p.attribution.certain]
+                    unpaced = [p for p in busy if p.attribution.method != "usage-file"] or busy
+                    out[("compute", key)] = (sd.name, sd.device, {"sm_max": sd.sm_max, "sm_nvml": round(nv),
+                                                                  "sm_charged": round(ch), "window_s": st.window,
+                                                                  **_where(sd)},
+                                             [(p.host_pid, p) for p in unpaced])
+        for key in [k for k in compute if k not in snap.active]:
+            del compute[key]
+        if st.require_slices:
+            for p in snap.processes:
+                if p.attribution.state == "unsliced":
+                    key = ("", p.host_pid, p.device)
+                    out[("unsliced", key)] = ("", p.device, {"host_pid": p.host_pid, "memory_driver": p.driver,
+                                                             "comm": p.comm, **_where(p)}, [(p.host_pid, p)])
+        return out
+
+    def next_due(self):
+        """When a pending memory or unsliced condition is due to be looked at again (it
+        becomes a violation then, if it still holds), or None."""
+        due = [v.since + self.settings.grace for v in self.pending.values() if v.kind != "compute"]
+        return min(due) if due else None
+
+    def update(self, snap: Snapshot, observer, held=lambda key: False) -> tuple:
+        """(started, ended): violations that began and ended with this snapshot.  A held
+        one (`stop`: its condition is gone because the agent holds it) stays active."""
+        now = snap.t
+        seen = self.conditions(snap)
+        started, ended = [], []
+        for k, (name, d, detail, offenders) in seen.items():
+            kind = k[0]
+            v = self.active.get(k) or self.pending.get(k)
+            if v is None:
+                v = self.pending[k] = Violation(kind, k[1], name, d, now, wall=time.time())
+            v.detail = detail
+            v.offenders = [(pid, observer.tracked[pid].start) for pid, _ in offenders
+                           if pid in observer.tracked and observer.tracked[pid].visible]
+            if k in self.pending:
+                # (a hair of slack: two looks a grace period apart are never quite that far apart)
+                due = now - v.since >= (0 if kind == "compute" else self.settings.grace - SLACK_S)
+                if due:
+                    del self.pending[k]
+                    v.started = now
+                    v.action = self.settings.action(kind)
+                    self.active[k] = v
+                    self.counts[(name, kind)] += 1
+                    started.append(v)
+        for k in list(self.pending):
+            if k not in seen:
+                del self.pending[k]
+        for k in list(self.active):
+            if k not in seen and not held(k):
+                ended.append(self.active.pop(k))
+        return started, ended
