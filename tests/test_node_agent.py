@@ -356,13 +356,13 @@ def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_t
 # its record and a charge written through a writable one, which it closes first.
 LATE_LOCK = r"""
 import fcntl, os, struct, sys, time
-from vgpu import slices
+from vgpu import slices, usage
 path, slot = sys.argv[1], 7
 rw = os.open(path, os.O_RDWR)             # closing it is the agent's inotify event (a close after writing)
 ro = os.open(path, os.O_RDONLY)           # the slot's lock lives here: its close is no event
 fcntl.fcntl(ro, fcntl.F_OFD_SETLK, slices._flock_struct(fcntl.F_RDLCK, slot))
-os.pwrite(rw, struct.pack("<i", os.getpid()), slices.pid_offset(slot))
-os.pwrite(rw, struct.pack("<Q", 1 << 30), slices.charge_offset(0, slot))
+os.pwrite(rw, struct.pack("<i", os.getpid()), usage.pid_offset(slot))
+os.pwrite(rw, struct.pack("<Q", 1 << 30), usage.charge_offset(0, slot))
 print("ready", flush=True)
 sys.stdin.readline()
 os.close(rw)

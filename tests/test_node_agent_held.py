@@ -17,7 +17,7 @@ import pytest
 from conftest import run_python
 from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, SUCCESS, Child, wait_gone
-from vgpu import slices
+from vgpu import slices, usage
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ def test_a_gap_on_memory_a_gone_process_left_is_reported_and_nothing_killed(node
     fd = os.open(node_.dir / "a" / "usage", os.O_RDWR)
     try:
         (slot,) = [x.slot for x in node_.usage("a").procs if x.pid == parent]
-        os.pwrite(fd, struct.pack("<Q", 0), slices.charge_offset(0, slot))
+        os.pwrite(fd, struct.pack("<Q", 0), usage.charge_offset(0, slot))
     finally:
         os.close(fd)
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)

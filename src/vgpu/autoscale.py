@@ -25,11 +25,10 @@ import json
 import math
 import mmap
 import os
-import struct
 import threading
 import time
 
-from . import nvml, slices
+from . import nvml, slices, usage
 from ._region import ffi, lib
 from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
                      restart, Bounds)
@@ -39,20 +38,10 @@ RESCAN_S = 30.0        # look for new / removed slices at least this often (and 
 RECENT_NS = 100_000_000   # a directory changed this recently (0.1 s: timestamps move by the jiffy) is scanned again next time
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
 SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples
-_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns")
 
 
 # === reading many slices cheaply ===
 
-_DEV_SIZE = ffi.sizeof("struct vgpu_usage_device")
-_DEV_BASE = ffi.offsetof("struct vgpu_usage", "devices")
-_STORED = _COUNTERS[1:]        # memory_current is the sum of the slots' charges (slices.py)
-_FIELD = {f: ffi.offsetof("struct vgpu_usage_device", f) for f in _STORED}
-assert [_FIELD[f] for f in _STORED] == [8 * i for i in range(len(_STORED))], "usage counters moved"
-_SPAN = 8 * len(_STORED)
-_UNPACK = struct.Struct("<%dQ" % len(_STORED)).unpack
-_ROW = 8 * slices.MAX_PROCS
-_UNPACK_ROW = struct.Struct("<%dQ" % slices.MAX_PROCS).unpack
 REAP_S = 1.0           # dead processes' slots are reaped this often (their memory back within it)
 _UNREAD = object()
 
@@ -85,11 +74,7 @@ class SliceView:
             if ufd is not None:
                 try:
                     slices._check_regular(ufd, os.path.join(shown, slices.USAGE), slices.USAGE_SIZE)
-                    magic, version, size = struct.unpack("<QII", os.pread(ufd, 16, 0))
-                    if (magic, version, size) != (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, slices.USAGE_SIZE):
-                        raise slices.BadFile(f"{os.path.join(shown, slices.USAGE)} is not a vgpu usage file of ABI "
-                                             f"version {lib.VGPU_ABI_VERSION}", "delete the container and create "
-                                             "it again")
+                    usage.check_header(os.pread(ufd, usage.HEADER.size, 0), os.path.join(shown, slices.USAGE))
                 except BaseException:
                     os.close(ufd)
                     raise
@@ -146,20 +131,12 @@ class SliceView:
         return True
 
     def read(self, d):
-        """Device d's counters, in _COUNTERS order (memory_current, memory_peak,
-        oom_refusals, launches, gpu_time_ns, throttled_ns); zeros without a usage file;
+        """Device d's counters {usage.COUNTERS name: value}; zeros without a usage file;
         None when the file has been cut short (its container's doing: skip it)."""
         if self._ufd is None:
-            return (0,) * len(_COUNTERS)
-        data = os.pread(self._ufd, _SPAN, _DEV_BASE + d * _DEV_SIZE)
-        row = os.pread(self._ufd, _ROW, slices.charge_offset(d, 0))
-        if len(data) != _SPAN or len(row) != _ROW:
-            return None
-        return (sum(_UNPACK_ROW(row)) & 0xFFFFFFFFFFFFFFFF,) + _UNPACK(data)
-
-    def all_counters(self, d):
-        c = self.read(d)
-        return None if c is None else dict(zip(_COUNTERS, c))
+            return dict.fromkeys(usage.COUNTERS, 0)
+        c = usage.read_counters(self._ufd, d)
+        return None if c is None else dict(zip(usage.COUNTERS, c))
 
     def close(self):
         if self._ufd is not None:
@@ -327,8 +304,8 @@ class Autoscaler:
         if cached is None or now - cached[0] > HOST_PIDS_TTL_S:
             from .status import host_pids
             try:
-                usage = slices.read_usage(self.directory, view.name)
-                pids = list(host_pids(usage).values()) if usage else []
+                seen = slices.read_usage(self.directory, view.name)
+                pids = list(host_pids(seen).values()) if seen else []
             except (slices.VgpuError, OSError):
                 pids = []
             cached = view.host_pids = (now, pids)
@@ -381,12 +358,12 @@ class Autoscaler:
                 if not (mem_managed or sm_managed):
                     if q.memory_max == UNLIMITED:    # no cap: count what it holds
                         c = v.read(d)
-                        mem_alloc[pool] = mem_alloc.get(pool, 0) + (c[0] if c else 0)
+                        mem_alloc[pool] = mem_alloc.get(pool, 0) + (c["memory_current"] if c else 0)
                     continue
                 c = v.read(d)
                 if c is None:
                     continue            # usage file cut short: no sample (its windows wait)
-                mem, _, oom, _, gpu, thr = c
+                mem, oom, gpu, thr = c["memory_current"], c["oom_refusals"], c["gpu_time_ns"], c["throttled_ns"]
                 if q.memory_max == UNLIMITED:
                     mem_alloc[pool] = mem_alloc.get(pool, 0) + mem
                 st = state.get(d)

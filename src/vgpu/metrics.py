@@ -243,7 +243,7 @@ class NodeCollector:
                 acc["guaranteed"] += q.guaranteed_memory
                 acc["sm"] += q.sm_max
                 acc["containers"] += 1
-                k = v.all_counters(d)
+                k = v.read(d)
                 if k is None:
                     continue     # its usage file was cut short: no counters rather than wrong ones
                 g["memory_used_bytes"].add_metric(lab, k["memory_current"])

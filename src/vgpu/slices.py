@@ -34,6 +34,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from . import board, procfs
+from . import usage as usage_file   # (slices name their Usage `usage`)
+from .errors import (BadFile, Busy, CapacityUnknown, Changed, Exists, InvalidRequest, NotFound,  # noqa: F401
+                     Overcommitted, VgpuError)   # (re-exported: callers name them slices.X)
 from ._region import ffi, lib
 from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
 
@@ -51,7 +54,7 @@ MIG = "mig.json"
 BURST, CEILING = "burst", "ceiling"   # --sm-mode
 SM_MODES = (BURST, CEILING)
 QUOTA_SIZE = ffi.sizeof("struct vgpu_quota")
-USAGE_SIZE = ffi.sizeof("struct vgpu_usage")
+USAGE_SIZE = usage_file.SIZE
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
 MAX_PROCS = lib.VGPU_MAX_PROCS
 LOCK_BASE = 1 << 40          # usage slot i is owned by an OFD lock on byte LOCK_BASE + i (shim.c)
@@ -62,46 +65,8 @@ _RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-# === errors: one line and a hint each ===
+# (errors: one line and a hint each, vgpu.errors)
 
-class VgpuError(Exception):
-    """A runtime failure the operator can act on."""
-
-    def __init__(self, message, hint=None):
-        super().__init__(message)
-        self.hint = hint
-
-
-class InvalidRequest(VgpuError):
-    """The arguments contradict each other or the slice (a usage error)."""
-
-
-class NotFound(VgpuError):
-    pass
-
-
-class Exists(VgpuError):
-    pass
-
-
-class Busy(VgpuError):
-    pass
-
-
-class Overcommitted(VgpuError):
-    pass
-
-
-class BadFile(VgpuError):
-    pass
-
-
-class CapacityUnknown(VgpuError):
-    pass
-
-
-class Changed(VgpuError):
-    """The quota moved on since the caller read it (a compare-and-swap that lost)."""
 
 
 def _permission(path, action):
@@ -408,55 +373,6 @@ def _read_slice_quota(cfd, directory, name):
 
 
 @dataclass
-class Proc:
-    slot: int
-    pid: int             # as the process sees itself (its container's pid namespace)
-    comm: str
-    started_ns: int      # CLOCK_REALTIME
-    memory: dict         # device -> bytes
-    alive: bool
-    # what the process said of itself when it claimed the slot (0: unknown); written by
-    # the container, so a hint for finding it, never proof (vgpu.agent checks the kernel)
-    start_ticks: int = 0
-    pid_ns: int = 0
-    cgroup_id: int = 0
-    from_file: bool = False  # its slice came from the identity file, not the environment
-    # a shared slot (VGPU_PROC_SHARED): no process, memory exported by `exporter` (its pid
-    # as it saw itself, in pid_ns) and held by every process of the slice that holds it
-    # (alive: one still does); pid is 0
-    shared: bool = False
-    exporter: int = 0
-
-    def to_json(self):
-        out = {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
-               "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
-               "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
-        if self.shared:
-            out.update(shared=True, exporter_pid=self.exporter)
-        return out
-
-
-USAGE_COUNTERS = ("memory_current", "memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns",
-                  "yielded_ns")
-# memory_current is not a field: it is the sum of the slots' charges (csrc/vgpu_region.h)
-_STORED_COUNTERS = USAGE_COUNTERS[1:]
-CHARGE_OFFSET = ffi.offsetof("struct vgpu_usage", "charge")
-_CHARGES = struct.Struct("<%dQ" % (MAX_DEVICES * MAX_PROCS))
-_PROC_SIZE = ffi.sizeof("struct vgpu_usage_proc")
-_PROC_BASE = ffi.offsetof("struct vgpu_usage", "procs")
-_PID_AT = ffi.offsetof("struct vgpu_usage_proc", "pid")
-
-
-def charge_offset(device, slot):
-    """File offset of the bytes the process in `slot` holds on `device`."""
-    return CHARGE_OFFSET + 8 * (device * MAX_PROCS + slot)
-
-
-def pid_offset(slot):
-    return _PROC_BASE + slot * _PROC_SIZE + _PID_AT
-
-
-@dataclass
 class Usage:
     devices: dict        # device -> {counter: value}
     procs: list          # Proc of every used slot
@@ -471,30 +387,17 @@ class Usage:
 def _read_usage_fd(fd, shown) -> Usage:
     _check_regular(fd, shown, USAGE_SIZE)
     st = os.fstat(fd)
-    # a copy, not a mapping: the file is writable from inside the container, and a mapping
-    # of a file truncated under us would kill this process with SIGBUS
-    data = os.pread(fd, USAGE_SIZE, 0)
+    data = os.pread(fd, USAGE_SIZE, 0)     # (a copy: see vgpu.usage)
     if len(data) < USAGE_SIZE:
         raise BadFile(f"{shown} is truncated ({len(data)} bytes, need {USAGE_SIZE})",
                       "the container's processes recreate it; `vgpu-ctl delete` and `create` resets it")
-    charges = _CHARGES.unpack_from(data, CHARGE_OFFSET)
-    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))
-    _check_header(u, lib.VGPU_USAGE_MAGIC, USAGE_SIZE, shown)
-    devices = {}
-    for d in range(MAX_DEVICES):
-        row = charges[d * MAX_PROCS:(d + 1) * MAX_PROCS]
-        # the container's own file: a sum past 64 bits is its scribbling, shown as such
-        devices[d] = {"memory_current": sum(row) & 0xFFFFFFFFFFFFFFFF,
-                      **{c: getattr(u.devices[d], c) for c in _STORED_COUNTERS}}
-    procs = []
-    for i in range(MAX_PROCS):
-        p = u.procs[i]
-        memory = {d: charges[d * MAX_PROCS + i] for d in range(MAX_DEVICES) if charges[d * MAX_PROCS + i]}
-        if p.pid or memory:
-            shared = not p.pid and bool(p.flags & lib.VGPU_PROC_SHARED)
-            procs.append(Proc(i, p.pid, ffi.string(p.comm).decode(errors="replace"), p.started_ns,
-                              memory, slot_alive(fd, i), p.start_ticks, p.pid_ns, p.cgroup_id,
-                              bool(p.flags & lib.VGPU_PROC_FROM_FILE), shared, p.state if shared else 0))
+    usage_file.check_header(data, shown)
+    records = data[usage_file.PROCS_AT:usage_file.PROCS_AT + MAX_PROCS * usage_file.PROC.size]
+    current, counters, procs = usage_file.parse(data, records, range(MAX_DEVICES))
+    for p in procs:
+        p.alive = slot_alive(fd, p.slot)
+    # the container's own file: a sum past 64 bits is its scribbling, shown as such
+    devices = {d: {"memory_current": current[d] & 0xFFFFFFFFFFFFFFFF, **counters[d]} for d in range(MAX_DEVICES)}
     return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
 
 
@@ -924,12 +827,12 @@ def reap_slice(directory, name) -> list:
         except FileNotFoundError:
             return []
         with _fd(fd):
-            usage = _read_usage_fd(fd, shown)
-            return [rec for rec in (_reap_slot(fd, p) for p in usage.procs if not p.alive) if rec]
+            procs = _read_usage_fd(fd, shown).procs
+            return [rec for rec in (_reap_slot(fd, p) for p in procs if not p.alive) if rec]
 
 
 def _reap_slot(fd, proc):
-    """Drain one slot with pread/pwrite only (no mapping: see _read_usage_fd) while
+    """Drain one slot with pread/pwrite only (no mapping: see vgpu.usage) while
     holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
     charges only ever lowers them, so a shim summing them mid-way sees a value between
     before and after, both true of a dead process."""
@@ -944,16 +847,16 @@ def _reap_slot(fd, proc):
     try:
         memory = {}
         for d in range(MAX_DEVICES):
-            at = charge_offset(d, i)
+            at = usage_file.charge_offset(d, i)
             raw = os.pread(fd, 8, at)
             held = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
             if held:
                 os.pwrite(fd, bytes(8), at)
                 memory[d] = held
-        raw = os.pread(fd, 4, pid_offset(i))
+        raw = os.pread(fd, 4, usage_file.pid_offset(i))
         pid = struct.unpack("<i", raw)[0] if len(raw) == 4 else 0
         if pid:
-            os.pwrite(fd, bytes(4), pid_offset(i))
+            os.pwrite(fd, bytes(4), usage_file.pid_offset(i))
         if not (pid or memory):
             return None
         return {"slot": i, "pid": pid, "comm": proc.comm, "memory": {str(d): b for d, b in memory.items()}}

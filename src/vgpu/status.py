@@ -11,7 +11,8 @@ import time
 
 from . import board, nvml, podlabels, procfs
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
-from .slices import CEILING, MAX_DEVICES, USAGE_COUNTERS, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
+from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
+from .usage import COUNTERS
 
 SM_FULL = 10000      # 100% in the quota's unit
 
@@ -133,7 +134,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
         shown = _shown_devices(quota, usage, nvml_count)
         for d in shown:
             q = quota.devices[d]
-            counters = usage.devices[d] if usage else dict.fromkeys(USAGE_COUNTERS, 0)
+            counters = usage.devices[d] if usage else dict.fromkeys(COUNTERS, 0)
             sm_used, source, throttled_rate = None, None, None
             if (cname, d) in prev and now > prev[(cname, d)][0]:
                 t0, g0, w0 = prev[(cname, d)]

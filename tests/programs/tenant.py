@@ -85,22 +85,22 @@ for line in sys.stdin:
     elif "hide" in cmd:
         # the layout of csrc/vgpu_region.h, as a tenant would read it from the header
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
-        from vgpu import slices
+        from vgpu import slices, usage
         fd = os.open(cmd["usage"], os.O_RDWR)
         slot = next(i for i in range(slices.MAX_PROCS)
-                    if struct.unpack("<i", os.pread(fd, 4, slices.pid_offset(i)))[0] == os.getpid())
-        old = struct.unpack("<Q", os.pread(fd, 8, slices.charge_offset(0, slot)))[0]
-        os.pwrite(fd, struct.pack("<Q", cmd["hide"]), slices.charge_offset(0, slot))
+                    if struct.unpack("<i", os.pread(fd, 4, usage.pid_offset(i)))[0] == os.getpid())
+        old = struct.unpack("<Q", os.pread(fd, 8, usage.charge_offset(0, slot)))[0]
+        os.pwrite(fd, struct.pack("<Q", cmd["hide"]), usage.charge_offset(0, slot))
         os.close(fd)
         say({"old": old, "time": time.time()})
     elif "forge" in cmd:
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
         import fcntl
-        from vgpu import slices
+        from vgpu import slices, usage
         fd = os.open(cmd["usage"], os.O_RDWR)    # kept open: the lock is this descriptor's
         slot = slices.MAX_PROCS - 1
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, slices._flock_struct(fcntl.F_WRLCK, slot))
-        os.pwrite(fd, struct.pack("<Q", cmd["forge"] % (1 << 64)), slices.charge_offset(0, slot))
+        os.pwrite(fd, struct.pack("<Q", cmd["forge"] % (1 << 64)), usage.charge_offset(0, slot))
         from vgpu._region import ffi           # every slot counted (the shim sums slots_used of them)
         os.pwrite(fd, struct.pack("<I", slices.MAX_PROCS), ffi.offsetof("struct vgpu_usage", "slots_used"))
         held.append(fd)

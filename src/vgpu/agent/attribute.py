@@ -39,7 +39,7 @@ class Attributing:
             self._pid_slices.setdefault(pid, set()).add(name)
 
     def _held(self, pid, t, found):
-        """(Attribution, [Slot]) of an NVML pid that is gone here (or a zombie: dead, not yet
+        """(Attribution, [usage.Proc]) of an NVML pid that is gone here (or a zombie: dead, not yet
         waited for) whose memory held slots keep -- its own slot, held by a child that
         inherited the lock, or shared slots of memory it exported, held by an importer --
         or None when the pid is a live process (then the attribution it has stands)."""
@@ -65,7 +65,7 @@ class Attributing:
         return Attribution(names[0], "held-slot", "sliced", note), own + [sl for _, sl in found if sl.shared]
 
     def _reused(self, pid, t, a, naming):
-        """(Attribution, [Slot]) of a live process whose pid live slots also name for an
+        """(Attribution, [usage.Proc]) of a live process whose pid live slots also name for an
         earlier process (another start: it ended, and a child or importer keeps its memory,
         which NVML lists under the pid the live process has now), or None when none do.  In
         its own slice those slots' charges count as its own (the slice's figure is right

@@ -1,9 +1,8 @@
 """The Observer's second look before a gap is judged, and who holds a slot's lock."""
 import os
 
-from .. import slices
+from .. import slices, usage
 from .settings import CONFIRM_TRIES
-from .usage import _CHARGE_AT, _ROW, _SEQ_AT, _SEQ_SIZE
 from .watch import _lock_start
 
 
@@ -28,27 +27,27 @@ class Evidence:
         if f is None or f.view._ufd is None or place is None or not isinstance(sd.device, int) or \
                 not 0 <= sd.device < slices.MAX_DEVICES:
             return sd.driver, sd.memory_current, sd.context, {p.host_pid: p.gap for p in sd.processes}
-        fd, at = f.view._ufd, _CHARGE_AT + sd.device * _ROW.size
+        fd, at = f.view._ufd, usage.CHARGE_AT + sd.device * usage.ROW.size
 
-        def usage():
-            seq = os.pread(fd, _SEQ_SIZE, _SEQ_AT)
-            row = os.pread(fd, _ROW.size, at)
-            if len(seq) != _SEQ_SIZE or len(row) != _ROW.size:
+        def seq_and_row():
+            seq = os.pread(fd, usage.SEQ_SIZE, usage.SEQ_AT)
+            row = os.pread(fd, usage.ROW.size, at)
+            if len(seq) != usage.SEQ_SIZE or len(row) != usage.ROW.size:
                 raise slices.BadFile("usage file cut short")
             return seq, row
 
         try:
             for _ in range(CONFIRM_TRIES):
-                before = usage()
+                before = seq_and_row()
                 listed = self._place_processes(place)
-                after = usage()
+                after = seq_and_row()
                 if before == after:
                     break
             else:
                 return None
         except Exception:    # the file or the driver gone meanwhile: judged at the next look
             return None
-        row = _ROW.unpack(after[1])
+        row = usage.ROW.unpack(after[1])
         driver = context = 0
         gaps = {}
         for p in sd.processes:

@@ -108,7 +108,7 @@ class Judge:
             compute.pop(key, None)
         threshold = st.tolerance + st.process_overhead
         for key, sd in snap.active.items():
-            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.charges.get(sd.device, 0) >= FORGED_CHARGE]
+            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.memory.get(sd.device, 0) >= FORGED_CHARGE]
             if forged or sd.memory_current >= 1 << 64:
                 # a charge no device can hold, or a row that sums past 2^64 (a "negative"
                 # charge making room): the shim refuses to admit against it; the offender is
@@ -116,7 +116,7 @@ class Judge:
                 holders = self.lock_holders(sd, [sl.slot for sl in forged]) if self.lock_holders and forged else []
                 out[("forged", key)] = (sd.name, sd.device, {
                     "memory_current": sd.memory_current, "slots": [
-                        {"slot": sl.slot, "pid": sl.pid, "charge": sl.charges[sd.device], "alive": sl.alive}
+                        {"slot": sl.slot, "pid": sl.pid, "charge": sl.memory[sd.device], "alive": sl.alive}
                         for sl in forged], **_where(sd)},
                     [(p.host_pid, p) for p in sd.processes if p.host_pid in holders and p.attribution.certain])
                 continue

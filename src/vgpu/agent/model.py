@@ -184,7 +184,7 @@ class Snapshot:
     slices: dict                          # (name, quota device) -> SliceDevice (a place the slice was not
                                           # given: (name, GPU index) for a software slice, else (name, label))
     processes: list                       # ProcRow of every process NVML lists, every device
-    slots: dict                           # name -> [Slot]
+    slots: dict                           # name -> [usage.Proc]
     problems: dict                        # name -> why its files cannot be read
     dead: list = field(default_factory=list)   # slices with a slot whose process is gone
     active: dict = field(default_factory=dict)  # the SliceDevices with processes on the GPU

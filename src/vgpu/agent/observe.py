@@ -324,7 +324,7 @@ class Observer(DriverLook, Attributing, Evidence):
                     continue     # a standalone quota holds every index: the devices that exist
                 known = 0 if ok and place in per_device else None
                 mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max,
-                                              0 if ok and place in util else None, counters.get(d, (0, 0))[0], st,
+                                              0 if ok and place in util else None, counters.get(d, {}).get("gpu_time_ns", 0), st,
                                               shared=True, place=place)
             for key in old_keys[0]:
                 if key not in mine:
@@ -470,19 +470,19 @@ class Observer(DriverLook, Attributing, Evidence):
                 active[(a.slice, d)] = sd
                 keep = a.method != "usage-file"
                 if hs:               # gone: what its held slots (and those of what it exported) charge
-                    row.slot, row.charge = hs[0].slot, sum(x.charges.get(d, 0) for x in hs)
+                    row.slot, row.charge = hs[0].slot, sum(x.memory.get(d, 0) for x in hs)
                     row.comm = row.comm or hs[0].comm
                 elif t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
                         keep = True
-                        row.slot, row.charge = sl.slot, sl.charges.get(d, 0)
+                        row.slot, row.charge = sl.slot, sl.memory.get(d, 0)
                         sh = self._shared_of.get(a.slice)
                         # memory it exported, in shared slots (NVML lists it under the exporter),
                         # and an earlier process's under its pid, in slots its slice still holds
                         others = list(sh.get((sl.pid_ns, t.inner), ()) if sh else ()) + reused_of.get(pid, [])
                         if others:
-                            row.charge += sum(x.charges.get(d, 0) for x in others)
+                            row.charge += sum(x.memory.get(d, 0) for x in others)
                             row.other_slots = tuple(x.slot for x in others)
                         if row.charge:
                             t.charged.add(d)

@@ -1,0 +1,126 @@
+"""A slice's usage file, read: its layout (offsets from csrc/vgpu_region.h's binding), one
+record type for a slot, one parser and one list of counters.  Whoever reads usage files --
+`vgpu-ctl` (slices.read_usage, reaping), the node agent, the autoscaler, the metrics --
+reads them here.
+
+Never mapped: a container can truncate its own usage file, and touching a mapping beyond
+its end is SIGBUS; every read is a pread on a descriptor, and a short one is BadFile.  The
+container writes the file: what it says of its processes is a claim (vgpu.agent checks the
+kernel), and a charge row that sums past 2^64 is forged, never wrapped.
+"""
+import os
+import struct
+from dataclasses import dataclass
+
+from ._region import ffi, lib
+from .errors import BadFile
+
+MAX_DEVICES = lib.VGPU_MAX_DEVICES
+MAX_PROCS = lib.VGPU_MAX_PROCS
+SIZE = ffi.sizeof("struct vgpu_usage")
+# memory_current is no field: it is the sum of the slots' charges on the device
+STORED = ("memory_peak", "oom_refusals", "launches", "gpu_time_ns", "throttled_ns", "yielded_ns")
+COUNTERS = ("memory_current",) + STORED
+
+HEADER = struct.Struct("<QII")           # magic, abi_version, size
+SLOTS_USED_AT = ffi.offsetof("struct vgpu_usage", "slots_used")
+DEVICES_AT = ffi.offsetof("struct vgpu_usage", "devices")
+DEVICE_SIZE = ffi.sizeof("struct vgpu_usage_device")
+_STORED_AT = tuple(ffi.offsetof("struct vgpu_usage_device", c) for c in STORED)
+CHARGE_AT = ffi.offsetof("struct vgpu_usage", "charge")
+ROW = struct.Struct("<%dQ" % MAX_PROCS)  # one device's charges, slot by slot
+PROCS_AT = ffi.offsetof("struct vgpu_usage", "procs")
+PROC = struct.Struct("<iIQ32sQQQQ")       # pid, state, started_ns, comm, start_ticks, pid_ns, cgroup_id, flags
+assert PROC.size == ffi.sizeof("struct vgpu_usage_proc"), "struct vgpu_usage_proc moved"
+SEQ_AT = ffi.offsetof("struct vgpu_usage", "charge_seq")
+SEQ_SIZE = 4 * MAX_PROCS
+_ZERO_ROW = (0,) * MAX_PROCS
+_NO_PROC = (0, 0, 0, b"", 0, 0, 0, 0)
+
+
+def charge_offset(device, slot):
+    """File offset of the bytes the process in `slot` holds on `device`."""
+    return CHARGE_AT + 8 * (device * MAX_PROCS + slot)
+
+
+def pid_offset(slot):
+    return PROCS_AT + slot * PROC.size
+
+
+@dataclass
+class Proc:
+    """One used slot: the process that claimed it, or a shared slot of exported memory."""
+    slot: int
+    pid: int                 # as the process sees itself (its container's pid namespace)
+    comm: str
+    memory: dict             # device -> bytes charged
+    alive: bool = False      # its lock is held (set by whoever read it)
+    started_ns: int = 0      # CLOCK_REALTIME
+    # what the process said of itself when it claimed the slot (0: unknown); written by
+    # the container, so a hint for finding it, never proof (vgpu.agent checks the kernel)
+    start_ticks: int = 0
+    pid_ns: int = 0
+    cgroup_id: int = 0
+    from_file: bool = False  # its slice came from the identity file, not the environment
+    # a shared slot (VGPU_PROC_SHARED): no process, memory exported by `exporter` (its pid
+    # as it saw itself, in pid_ns) and held by every process of the slice that holds it
+    # (alive: one still does); pid is 0
+    shared: bool = False
+    exporter: int = 0
+
+    def to_json(self):
+        out = {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
+               "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
+               "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
+        if self.shared:
+            out.update(shared=True, exporter_pid=self.exporter)
+        return out
+
+
+def check_header(head, shown):
+    if len(head) < HEADER.size:
+        raise BadFile(f"{shown} is cut short", "its container's processes recreate it; `vgpu-ctl delete` and "
+                      "`create` resets it")
+    magic, version, size = HEADER.unpack_from(head)
+    if (magic, version, size) != (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, SIZE):
+        raise BadFile(f"{shown} is not a vgpu file of ABI version {lib.VGPU_ABI_VERSION} (magic {magic:#x}, version "
+                      f"{version})", "delete the container and create it again")
+
+
+def parse(head, procs, devices):
+    """({device: memory.current}, {device: {stored counter: value}}, [Proc, alive unset])
+    from the file's start (`head`: header, counters and at least the charge rows of
+    `devices`) and the records of its first slots (`procs`).  A slot is used when its
+    record names a process or a row charges it (a drain cut short)."""
+    rows = {d: ROW.unpack_from(head, CHARGE_AT + d * ROW.size) for d in devices}
+    current = {d: 0 if r == _ZERO_ROW else sum(r) for d, r in rows.items()}
+    counters = {}
+    for d in devices:
+        at = DEVICES_AT + d * DEVICE_SIZE
+        counters[d] = {c: int.from_bytes(head[at + off:at + off + 8], "little") for c, off in zip(STORED, _STORED_AT)}
+    n = len(procs) // PROC.size
+    used = {i for i in range(n) if procs[i * PROC.size:i * PROC.size + 4] != b"\0\0\0\0"}
+    for r in rows.values():
+        if r != _ZERO_ROW:
+            used.update(i for i, v in enumerate(r) if v)
+    out = []
+    for i in sorted(used):
+        pid, state, started, comm, ticks, pns, cg, flags = PROC.unpack_from(procs, i * PROC.size) if i < n \
+            else _NO_PROC
+        shared = not pid and bool(flags & lib.VGPU_PROC_SHARED)
+        out.append(Proc(i, pid, comm.split(b"\0", 1)[0].decode(errors="replace"),
+                        {d: r[i] for d, r in rows.items() if r[i]}, False, started, ticks, pns, cg,
+                        bool(flags & lib.VGPU_PROC_FROM_FILE), shared, state if shared else 0))
+    return current, counters, out
+
+
+def read_counters(fd, d):
+    """Device d's counters as a tuple in COUNTERS order (memory_current modulo 2^64), from
+    two preads; None when the file is cut short."""
+    at = DEVICES_AT + d * DEVICE_SIZE
+    data = os.pread(fd, DEVICE_SIZE, at)
+    row = os.pread(fd, ROW.size, charge_offset(d, 0))
+    if len(data) != DEVICE_SIZE or len(row) != ROW.size:
+        return None
+    return (sum(ROW.unpack(row)) & 0xFFFFFFFFFFFFFFFF,) + \
+        tuple(int.from_bytes(data[off:off + 8], "little") for off in _STORED_AT)
