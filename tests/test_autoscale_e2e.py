@@ -268,7 +268,8 @@ def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp
     file cut short by its container crashes nothing and moves nothing; a slice whose files
     are broken is reported once and skipped; one deleted is forgotten."""
     import os
-    from vgpu.autoscale import RESCAN_S, Autoscaler
+    from vgpu.autoscale import Autoscaler
+    from vgpu.reader import RESCAN_S
     from vgpu.policy import Policy
     d = tmp_path / "vgpu"
     for name in ("a", "b"):

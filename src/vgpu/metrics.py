@@ -1,7 +1,7 @@
 """Prometheus metrics for a node's slices (`vgpu-ctl serve`, `vgpu-ctl autoscale --metrics-port`).
 
 A custom collector: every scrape reads the slice files (kept open, see
-vgpu.autoscale.NodeReader) and, where it is there, NVML.  Nothing is sampled between
+vgpu.reader.NodeReader) and, where it is there, NVML.  Nothing is sampled between
 scrapes, so an idle exporter costs nothing.
 
 Per container and device (labels container, device):
@@ -53,9 +53,10 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import board, nvml, podlabels, slices
-from .autoscale import NodeReader
+from . import board, nvml, podlabels, procfs, slices
+from .reader import NodeReader
 from .agent.model import record_place
+from .agent.observe import Observer
 from .quantities import SHARE_FULL, UNLIMITED
 
 _CD = ["container", "device"]
@@ -84,7 +85,6 @@ class NodeCollector:
     def _driver_view(self, ok):
         """The driver's figures (the agent's last snapshot, or one taken now) and the
         agent's violations and actions."""
-        from .agent.observe import Observer
         snap = None
         if self.agent is not None:
             snap = self.agent.latest
@@ -258,8 +258,7 @@ class NodeCollector:
                     used = max(0, k["gpu_time_ns"] - prev[1]) / ((now - prev[0]) * 1e9)
                 elif ok and usage is not None and record is None:   # (none per process on a MIG device)
                     if hosts is None:
-                        from .status import host_pids
-                        hosts = list(host_pids(usage).values())
+                        hosts = list(procfs.host_pids(usage).values())
                     if d not in util_cache:
                         util_cache[d] = nvml.process_utilization(d)
                     used = sum(util_cache[d].get(h, 0) for h in hosts) / 100

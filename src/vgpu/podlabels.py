@@ -12,6 +12,8 @@ report.  Written atomically (a temporary file renamed into place) without follow
 import json
 import os
 
+from .slices import check_name, node_dir
+
 FILE = "labels.json"      # slices.LABELS: removed with the slice
 KEYS = ("namespace", "pod", "container", "claim", "pod_uid")   # pod_uid: the node agent finds the pod's cgroups by it
 MAX_BYTES = 4096
@@ -26,7 +28,6 @@ def clean(labels: dict) -> dict:
 
 
 def _slice_dir_fd(directory, name):
-    from .slices import check_name, node_dir
     return os.open(os.path.join(node_dir(directory), check_name(name)), _DIR)
 
 

@@ -165,3 +165,32 @@ def done_with_files(pid, ticks) -> bool:
         return False
     threads = re.search(rb"\nThreads:\s*(\d+)", _read(f"/proc/{pid}/status") or b"")
     return not threads or int(threads.group(1)) <= 1
+
+
+def host_pids(usage) -> dict:
+    """{pid in the container: host pid} for the live processes of a slice's usage file
+    (a slices.Usage): the processes that map it, found by their pid first (the common case:
+    the same pid namespace as the caller), else by a walk of /proc."""
+    wanted_file = {usage.inode: True}
+    wanted = {p.pid for p in usage.procs if p.alive and p.pid > 0}   # (a shared slot is no process: pid 0)
+    found = {}
+    for pid in wanted:
+        if maps_inodes(pid, wanted_file) and inner_pid(pid) == pid:
+            found[pid] = pid
+    # a slot of our own pid namespace whose process was not found there is gone (held by a
+    # child that inherited its lock): no other namespace to look in
+    mine = pid_ns()
+    missing = wanted - set(found) - {p.pid for p in usage.procs if p.alive and mine and p.pid_ns == mine}
+    if missing:
+        index = maps_index(wanted_file)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            host = int(entry.name)
+            inner = inner_pid(host)
+            if inner in missing and maps_inodes(host, index):
+                found[inner] = host
+                missing.discard(inner)
+                if not missing:
+                    break
+    return found

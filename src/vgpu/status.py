@@ -6,70 +6,15 @@ NVML and psutil know) is found through the usage file itself: every process of t
 has it mapped, so /proc/<pid>/maps names its inode, and /proc/<pid>/status's NSpid line
 gives the pid inside the container.  No assumption that the two pid spaces agree.
 """
-import os
 import time
 
-from . import board, nvml, podlabels, procfs
+from . import board, mig, nvml, podlabels, procfs
+from .agent.state import annotate, describe_violation
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 from .usage import COUNTERS
 
 SM_FULL = 10000      # 100% in the quota's unit
-
-
-# === host pids ===
-
-def _maps_inode(pid, dev, ino) -> bool:
-    needle = f" {ino} "
-    want = f"{os.major(dev):02x}:{os.minor(dev):02x}"
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                if needle in line:
-                    fields = line.split()
-                    if len(fields) >= 5 and fields[4] == str(ino) and fields[3] == want:
-                        return True
-    except OSError:
-        pass
-    return False
-
-
-def _inner_pid(pid):
-    """The pid `pid` has in its innermost pid namespace."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def host_pids(usage) -> dict:
-    """{pid in the container: host pid} for the live processes of a usage file."""
-    dev, ino = usage.inode
-    wanted = {p.pid for p in usage.procs if p.alive and p.pid > 0}   # (a shared slot is no process: pid 0)
-    found = {}
-    for pid in wanted:   # the common case: the same pid namespace as the controller
-        if _maps_inode(pid, dev, ino) and _inner_pid(pid) == pid:
-            found[pid] = pid
-    # a slot of our own pid namespace whose process was not found there is gone (held by a
-    # child that inherited its lock): no other namespace to look in
-    mine = procfs.pid_ns()
-    missing = wanted - set(found) - {p.pid for p in usage.procs if p.alive and mine and p.pid_ns == mine}
-    if missing:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            host = int(entry.name)
-            inner = _inner_pid(host)
-            if inner in missing and _maps_inode(host, dev, ino):
-                found[inner] = host
-                missing.discard(inner)
-                if not missing:
-                    break
-    return found
 
 
 def _command(host_pid, comm):
@@ -129,7 +74,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             entry["mig"] = mig
         entry["sm_mode"] = quota.sm_mode
         on_board = shares.get(board.slice_key(cname), [])
-        hosts = host_pids(usage) if usage else {}
+        hosts = procfs.host_pids(usage) if usage else {}
         procs = usage.procs if usage else []
         shown = _shown_devices(quota, usage, nvml_count)
         for d in shown:
@@ -200,8 +145,9 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     driver = nvml.driver_version() if ok else None
     data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
             "containers": containers, "devices": devices, "_t": now}
-    from .agent.state import annotate   # the driver's view: who holds what, slices or not, and the agent's verdicts
-    data = annotate(data, use_nvml=ok)   # (a MIG slice's driver figure: its processes on its MIG device)
+    # the driver's view: who holds what, slices or not, and the agent's verdicts (a MIG
+    # slice's driver figure: its processes on its MIG device)
+    data = annotate(data, use_nvml=ok)
     return data
 
 
@@ -226,7 +172,6 @@ def _shared_entry(p, hosts, my_ns) -> dict:
 
 def _mig_entry(directory, name):
     """A MIG slice's record and its instance as NVML sees it (memory, processes)."""
-    from . import mig
     try:
         record = read_mig(directory, name)
     except VgpuError as e:
@@ -285,7 +230,6 @@ def _percent(v):
 
 
 def _describe_violation(v):
-    from .agent.state import describe_violation
     return describe_violation(v)
 
 

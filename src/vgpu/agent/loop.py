@@ -7,6 +7,7 @@ import threading
 import time
 
 from .. import procfs, slices
+from ..reader import NodeReader
 from .act import Holder, _signal
 from .judge import Judge, _utc
 from .model import Tracked
@@ -23,7 +24,6 @@ class Agent:
 
     def __init__(self, directory=None, settings=None, interval=1.0, use_nvml=True, log=None, autoscaler=None,
                  nvml_module=None, pod_uids=None, on_violation=None, on_action=None, reap=True):
-        from ..autoscale import NodeReader
         self.directory = slices.node_dir(directory)
         self.settings = settings or Settings()
         self.interval = interval

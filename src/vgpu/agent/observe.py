@@ -4,6 +4,7 @@ import threading
 import time
 
 from .. import nvml, procfs, slices
+from ..reader import NodeReader
 from .attribute import Attributing
 from .driver import DriverLook
 from .evidence import Evidence
@@ -14,12 +15,11 @@ from .watch import _Poller, _SliceFiles, _inotify
 
 
 class Observer(DriverLook, Attributing, Evidence):
-    """One look at the node: slices (through an autoscale.NodeReader, shared with the
+    """One look at the node: slices (through an reader.NodeReader, shared with the
     autoscaler and the metrics) and NVML."""
 
     def __init__(self, directory=None, reader=None, use_nvml=True, settings=None, nvml_module=None,
                  pod_uids=None):
-        from ..autoscale import NodeReader
         self.directory = slices.node_dir(directory)
         self.reader = reader or NodeReader(self.directory)
         self.use_nvml = use_nvml

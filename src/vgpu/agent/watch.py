@@ -4,7 +4,7 @@ import select
 import struct
 import time
 
-from .. import slices
+from .. import podlabels, slices
 from .settings import RECENT_NS
 from .usage import UsageReader
 
@@ -158,7 +158,6 @@ class _SliceFiles:
             self.identity_inode = (st.st_dev, st.st_ino)
         except OSError:
             self.identity_inode = None
-        from .. import podlabels   # a DRA slice's pod (the driver writes its labels just after the slice)
         self.pod_uid = podlabels.read(directory, self.view.name).get("pod_uid")
         self.checked = now
 

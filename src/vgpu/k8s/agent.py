@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from .. import install, slices
-from . import cdi, checkpoint, resourceslice
+from . import cdi, checkpoint, claimstatus, resourceslice
+from .driver import Driver
 
 
 API_TIMEOUT = 10     # seconds per API request: a black-holed API server must not hold the driver's lock
@@ -139,8 +140,7 @@ def _require_extras():
 def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flush=True), api=None):
     """Serve until `stop` (a threading.Event) is set."""
     _require_extras()
-    from . import plugin
-    from .driver import Driver
+    from . import plugin      # (here, after the check: it needs grpc, of the k8s extra)
     emit = _logger(log)
     shim, preload = _shim_files(config)
     api = api or api_client(config.kubeconfig)
@@ -162,7 +162,6 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                                  on_registered=kick.set)
     except plugin.SocketBusy as e:
         raise AgentError(str(e), "stop the other agent first") from None
-    from . import claimstatus
     claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)
     emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
           "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,

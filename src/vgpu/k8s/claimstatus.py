@@ -33,7 +33,8 @@ import json
 import threading
 import time
 
-from .. import status as status_mod
+from .. import nvml, status as status_mod
+from ..agent.state import describe_violation
 
 DATA_MAX = 10 * 1024       # bytes of `data`, as the client serialises it (json.dumps, default separators)
 API_TIMEOUT = 10
@@ -108,7 +109,6 @@ def violating_condition(violations, previous=None) -> dict:
     status = "True" if violations else "False"
     since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
     if violations:
-        from ..agent.state import describe_violation
         reason = "".join(w.capitalize() for w in str(violations[0].get("kind", "unknown")).split("-"))
         try:
             message = "; ".join(f"{v.get('kind')}: {describe_violation(v)}" for v in violations)
@@ -195,7 +195,6 @@ class Writer:
         if not getattr(self, "_nvml", False):
             return None
         if index not in self._driver_memory:
-            from .. import nvml
             try:
                 self._driver_memory[index] = nvml.running_processes(index)
             except Exception:     # the GPU does not answer: no driver figure this round

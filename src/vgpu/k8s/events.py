@@ -14,6 +14,7 @@ import queue
 import threading
 
 from .. import podlabels
+from ..agent.state import describe_violation
 
 REASONS = {"over-cap": "VgpuOverCap", "gap": "VgpuUncountedMemory", "unsliced": "VgpuUnsliced",
            "compute": "VgpuComputeBypass"}
@@ -51,7 +52,6 @@ class EventSink:
         return (labels.get("namespace"), labels.get("pod")) if labels.get("pod") else (None, None)
 
     def violation(self, v, record):
-        from ..agent.state import describe_violation
         namespace, pod = self._pod(v.container)
         if pod:
             self._put(event(namespace, pod, REASONS.get(v.kind, "VgpuViolation"),

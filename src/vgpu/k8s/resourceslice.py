@@ -25,6 +25,8 @@ agent, which publishes again at once instead of on its next rescan.
 import random
 from dataclasses import dataclass
 
+from .. import mig, nvml
+
 MEMORY_STEP = 256 << 20         # 256Mi
 MEMORY_DEFAULT = 1 << 30        # 1Gi
 SM_DEFAULT = 10          # percent: a claim naming only memory does not take a whole GPU's time
@@ -79,7 +81,6 @@ def inventory(ours=frozenset()) -> list:
     instances this driver made (its checkpoint); any other instance on a GPU is one made
     by hand.  A MIG query that fails (not NOT_SUPPORTED) propagates: publishing such a
     GPU without its counters could hand it out twice."""
-    from .. import nvml
     out = []
     for d in nvml.devices():
         if not d["memory_total"]:
@@ -91,7 +92,6 @@ def inventory(ours=frozenset()) -> list:
 
 
 def _mig(index, uuid, ours):
-    from .. import mig
     try:
         table = mig.profiles(index)
     except mig.NoMig:
