@@ -201,6 +201,14 @@ typedef enum {                                  /* cuuint64_t each */
     CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
 } CUgraphMem_attribute;
 enum { CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1 };
+/* cuda.h: CUDA_GRAPH_INSTANTIATE_PARAMS (cuGraphInstantiateWithParams) */
+typedef enum { CUDA_GRAPH_INSTANTIATE_SUCCESS = 0, CUDA_GRAPH_INSTANTIATE_ERROR = 1 } CUgraphInstantiateResult;
+typedef struct {
+    cuuint64_t flags;
+    CUstream hUploadStream;
+    CUgraphNode hErrNode_out;
+    CUgraphInstantiateResult result_out;
+} CUDA_GRAPH_INSTANTIATE_PARAMS;
 
 typedef struct {
     int allocType;
@@ -219,6 +227,14 @@ typedef struct {
     size_t bytesize;
     CUdeviceptr dptr;           /* out */
 } CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* cuda.h: CUgraphNodeType (the values cuGraphNodeGetType gives; those vgpu looks at) */
+typedef enum {
+    CU_GRAPH_NODE_TYPE_KERNEL = 0,
+    CU_GRAPH_NODE_TYPE_GRAPH = 4,
+    CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+    CU_GRAPH_NODE_TYPE_MEM_FREE = 11,
+} CUgraphNodeType;
 
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;
 typedef struct {

@@ -600,21 +600,32 @@ static CUresult paced_graph_launch_ptsz(CUgraphExec hGraphExec, CUstream hStream
                  hStream);
 }
 
-/* A graph's memory nodes allocate at launch: the charge follows the graph reserve. */
-SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+/* A graph's memory nodes allocate at launch: admitted before it (what its allocation nodes
+ * need), then the charge follows the graph reserve. */
+static CUresult graph_launch(CUresult (*paced)(CUgraphExec, CUstream), CUgraphExec hGraphExec, CUstream hStream)
 {
-    CUresult r = paced_graph_launch(hGraphExec, hStream);
-    if (r == CUDA_SUCCESS && S.mode == MODE_ENFORCE && !in_init)
+    ensure_init();
+    if (S.mode != MODE_ENFORCE || in_init)
+        return paced(hGraphExec, hStream);
+    uint64_t taken[VGPU_MAX_DEVICES];
+    CUresult r = graph_memory_admit(hGraphExec, taken);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = paced(hGraphExec, hStream);
+    graph_memory_launched(taken);
+    if (r == CUDA_SUCCESS)
         graph_memory_settle(stream_device(hStream));
     return r;
 }
 
+SHIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(paced_graph_launch, hGraphExec, hStream);
+}
+
 SHIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
-    CUresult r = paced_graph_launch_ptsz(hGraphExec, hStream);
-    if (r == CUDA_SUCCESS && S.mode == MODE_ENFORCE && !in_init)
-        graph_memory_settle(stream_device(hStream));
-    return r;
+    return graph_launch(paced_graph_launch_ptsz, hGraphExec, hStream);
 }
 
 

@@ -117,6 +117,20 @@
       (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,          \
        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,                     \
        unsigned int sharedMemBytes, CUstream hStream, void **kernelParams))                        \
+    /* an executable graph's allocation nodes: known at instantiation, admitted at launch */     \
+    X(cuGraphInstantiate, cuGraphInstantiate, 10000, 0, CUresult,                                 \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer,        \
+       size_t bufferSize))                                                                         \
+    X(cuGraphInstantiate_v2, cuGraphInstantiate, 11000, 0, CUresult,                              \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer,        \
+       size_t bufferSize))                                                                         \
+    X(cuGraphInstantiateWithFlags, cuGraphInstantiateWithFlags, 11040, 0, CUresult,               \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags))                        \
+    X(cuGraphInstantiateWithParams, cuGraphInstantiateWithParams, 12000, 0, CUresult,             \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)) \
+    X(cuGraphInstantiateWithParams_ptsz, cuGraphInstantiateWithParams, 12000, 1, CUresult,        \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)) \
+    X(cuGraphExecDestroy, cuGraphExecDestroy, 10000, 0, CUresult, (CUgraphExec hGraphExec))       \
     X(cuGraphLaunch, cuGraphLaunch, 10000, 0, CUresult, (CUgraphExec hGraphExec, CUstream hStream)) \
     X(cuGraphLaunch_ptsz, cuGraphLaunch, 10000, 1, CUresult, (CUgraphExec hGraphExec, CUstream hStream)) \
     /* === view === */                                                                            \

@@ -58,6 +58,10 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
     X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))                 \
     X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))        \
+    X(cuGraphGetNodes, CUresult, (CUgraph, CUgraphNode *, size_t *))                           \
+    X(cuGraphNodeGetType, CUresult, (CUgraphNode, CUgraphNodeType *))                          \
+    X(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *))     \
+    X(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode, CUgraph *))                       \
     X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))                                     \
     X(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdeviceptr))               \
     X(cuMemGetAllocationPropertiesFromHandle, CUresult, (CUmemAllocationProp *, CUmemGenericAllocationHandle))
@@ -178,6 +182,10 @@ int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
 void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */
+/* before a graph launch: admit what its allocation nodes need beyond the free part of the
+ * graph reserve (`taken`: what was charged ahead, per device); after it: graph_memory_launched */
+CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES]);
+void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES]);
 int memory_holds_slot(int i);         /* with S.lock held: does this process hold shared slot i? */
 
 /* === compute.c === */

@@ -247,6 +247,10 @@ static struct pool *pools;
 static size_t npools, pools_cap;
 static uint64_t graph_charged[VGPU_MAX_DEVICES];   /* graph memory reserve as charged */
 static uint32_t graph_devices;                     /* bit d: device d's reserve is watched */
+#define GRAPH_EXECS 1024   /* executable graphs with allocation nodes, at once (see "graph memory") */
+static struct { CUgraphExec exec; uint64_t need[VGPU_MAX_DEVICES]; } graph_execs[GRAPH_EXECS];   /* graph_lock */
+static uint64_t graph_pending[VGPU_MAX_DEVICES];   /* charged ahead of graph launches in flight (vmm_lock) */
+static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_CONTEXTS 16
 static struct { CUcontext ctx; int dev, live; } contexts[MAX_CONTEXTS];   /* ids; [0] unused */
 static int ncontexts = 1;
@@ -286,6 +290,9 @@ void memory_atfork_child(void)
     ncontexts = 1;   /* a child has no context of its parent's, nor its overhead */
     overhead_devices = graph_devices = 0;
     memset(graph_charged, 0, sizeof graph_charged);
+    memset(graph_pending, 0, sizeof graph_pending);
+    memset(graph_execs, 0, sizeof graph_execs);   /* a child has no graphs of its parent's */
+    pthread_mutex_init(&graph_lock, NULL);
     pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
 }
@@ -1048,9 +1055,195 @@ SHIM_EXPORT CUresult cuCtxSynchronize(void)
  * (even after the graphs are gone) until cuDeviceGraphMemTrim: the process is charged
  * that reserve (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), read after each graph launch,
  * trim, synchronisation and memory query; before refusing, the shim trims it (what no
- * graph uses is a cache).  A launch is not admitted ahead (its need is the driver's to
- * know): one launch can take the slice past its cap, after which its allocations are
- * refused until the reserve shrinks. */
+ * graph uses is a cache).
+ * A launch is admitted ahead: at instantiation the graph's allocation nodes are walked
+ * (cuGraphGetNodes, cuGraphNodeGetType, cuGraphMemAllocNodeGetParams: their bytesize and
+ * device; child graphs too), and the executable graph keeps what it needs per device.
+ * Before each launch what that need exceeds the reserve's free part (reserved less used)
+ * by is charged as an allocation would be; over the cap the launch is refused with
+ * CUDA_ERROR_OUT_OF_MEMORY and nothing runs.  The need is the sum of the nodes' sizes, an
+ * upper bound (the driver may reuse the memory of nodes whose lives do not overlap).  An
+ * executable graph whose walk fails, or that the table has no room for, is launched as
+ * before and charged after (fail open, said once in the log). */
+
+/* Adds the bytes graph g's allocation nodes take on each device to need; -1 when it cannot
+ * be told. */
+static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
+{
+    size_t n = 0;
+    if (depth > 16 || !real_cuGraphGetNodes || !real_cuGraphNodeGetType || !real_cuGraphMemAllocNodeGetParams ||
+        real_cuGraphGetNodes(g, NULL, &n) != CUDA_SUCCESS)
+        return -1;
+    if (!n)
+        return 0;
+    CUgraphNode *nodes = calloc(n, sizeof *nodes);
+    int rc = nodes && real_cuGraphGetNodes(g, nodes, &n) == CUDA_SUCCESS ? 0 : -1;
+    for (size_t i = 0; rc == 0 && i < n; i++) {
+        CUgraphNodeType type;
+        CUDA_MEM_ALLOC_NODE_PARAMS p;
+        CUgraph child;
+        if (real_cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS)
+            rc = -1;
+        else if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+            memset(&p, 0, sizeof p);
+            if (real_cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS)
+                rc = -1;
+            else if (p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE && p.poolProps.location.id >= 0 &&
+                     p.poolProps.location.id < VGPU_MAX_DEVICES) {
+                uint64_t *d = &need[p.poolProps.location.id];
+                *d = *d + p.bytesize < *d ? UINT64_MAX : *d + p.bytesize;
+            }
+        } else if (type == CU_GRAPH_NODE_TYPE_GRAPH)
+            rc = !real_cuGraphChildGraphNodeGetGraph ||
+                 real_cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS ||
+                 graph_need(child, need, depth + 1) ? -1 : 0;
+    }
+    free(nodes);
+    return rc;
+}
+
+static void graph_exec_forget(CUgraphExec exec)
+{
+    pthread_mutex_lock(&graph_lock);
+    for (int i = 0; i < GRAPH_EXECS; i++)
+        if (graph_execs[i].exec == exec)
+            graph_execs[i].exec = NULL;
+    pthread_mutex_unlock(&graph_lock);
+}
+
+/* After an instantiation: what the new executable graph's launches will take. */
+static void graph_exec_note(CUresult r, CUgraphExec *exec, CUgraph g)
+{
+    if (r != CUDA_SUCCESS || !exec || !*exec || S.mode != MODE_ENFORCE)
+        return;
+    graph_exec_forget(*exec);   /* (a handle value of a destroyed one, reused) */
+    uint64_t need[VGPU_MAX_DEVICES] = {0};
+    static int said;
+    if (graph_need(g, need, 0)) {
+        if (!said++)
+            INFO("a graph's allocation nodes could not be listed: its launches are charged after they run");
+        return;
+    }
+    int any = 0;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        any |= need[d] != 0;
+    if (!any)
+        return;
+    pthread_mutex_lock(&graph_lock);
+    int i = 0;
+    while (i < GRAPH_EXECS && graph_execs[i].exec)
+        i++;
+    if (i < GRAPH_EXECS) {
+        graph_execs[i].exec = *exec;
+        memcpy(graph_execs[i].need, need, sizeof need);
+    }
+    pthread_mutex_unlock(&graph_lock);
+    if (i == GRAPH_EXECS && !said++)
+        INFO("more than %d executable graphs with allocation nodes: the rest are charged after their launches",
+             GRAPH_EXECS);
+}
+
+CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
+{
+    memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
+    uint64_t need[VGPU_MAX_DEVICES];
+    int found = 0;
+    pthread_mutex_lock(&graph_lock);
+    for (int i = 0; i < GRAPH_EXECS && !found; i++)
+        if (graph_execs[i].exec == exec) {
+            memcpy(need, graph_execs[i].need, sizeof need);
+            found = 1;
+        }
+    pthread_mutex_unlock(&graph_lock);
+    if (!found || !real_cuDeviceGetGraphMemAttribute)
+        return CUDA_SUCCESS;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        cuuint64_t reserved = 0, used = 0;
+        if (!need[d] || real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
+            continue;
+        uint64_t spare = reserved > used ? reserved - used : 0;
+        if (need[d] <= spare)
+            continue;
+        CUresult r = admit(d, need[d] - spare);
+        if (r != CUDA_SUCCESS) {
+            for (int u = 0; u < d; u++)
+                if (taken[u])
+                    refund(u, taken[u]);
+            graph_memory_launched(taken);   /* (nothing pending any more) */
+            memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
+            return r;
+        }
+        taken[d] = need[d] - spare;
+        pthread_mutex_lock(&vmm_lock);   /* the reserve to come: settled against once it is there */
+        graph_charged[d] += taken[d];
+        graph_pending[d] += taken[d];
+        pthread_mutex_unlock(&vmm_lock);
+    }
+    return CUDA_SUCCESS;
+}
+
+void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES])
+{
+    pthread_mutex_lock(&vmm_lock);
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        graph_pending[d] -= taken[d] < graph_pending[d] ? taken[d] : graph_pending[d];
+    pthread_mutex_unlock(&vmm_lock);
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        if (taken[d])
+            graph_memory_settle(d);
+}
+
+SHIM_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                        char *logBuffer, size_t bufferSize)
+{
+    ENTER(cuGraphInstantiate, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
+    CUresult r = real_cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
+    graph_exec_note(r, phGraphExec, hGraph);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                           char *logBuffer, size_t bufferSize)
+{
+    ENTER(cuGraphInstantiate_v2, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
+    CUresult r = real_cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
+    graph_exec_note(r, phGraphExec, hGraph);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    ENTER(cuGraphInstantiateWithFlags, phGraphExec, hGraph, flags);
+    CUresult r = real_cuGraphInstantiateWithFlags(phGraphExec, hGraph, flags);
+    graph_exec_note(r, phGraphExec, hGraph);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                  CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    ENTER(cuGraphInstantiateWithParams, phGraphExec, hGraph, instantiateParams);
+    CUresult r = real_cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
+    graph_exec_note(r, phGraphExec, hGraph);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                       CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    ENTER(cuGraphInstantiateWithParams_ptsz, phGraphExec, hGraph, instantiateParams);
+    CUresult r = real_cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams);
+    graph_exec_note(r, phGraphExec, hGraph);
+    return r;
+}
+
+SHIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    ENTER(cuGraphExecDestroy, hGraphExec);
+    graph_exec_forget(hGraphExec);
+    return real_cuGraphExecDestroy(hGraphExec);
+}
 
 void graph_memory_settle(int dev)
 {
@@ -1067,6 +1260,7 @@ void graph_memory_settle(int dev)
         if (!(devs & 1u << d) ||
             real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
             continue;
+        reserved += graph_pending[d];    /* (what launches in flight were charged ahead stays) */
         if (reserved > graph_charged[d])
             charge_held(d, reserved - graph_charged[d]);
         else

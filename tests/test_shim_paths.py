@@ -74,6 +74,12 @@ HOOKED = {
     ("cuLaunchKernelEx", 11060, 2): "cuLaunchKernelEx_ptsz",
     ("cuGraphLaunch", 10000, 0): "cuGraphLaunch",
     ("cuGraphLaunch", 10000, 2): "cuGraphLaunch_ptsz",
+    ("cuGraphInstantiate", 10000, 0): "cuGraphInstantiate",
+    ("cuGraphInstantiate", 11000, 0): "cuGraphInstantiate_v2",
+    ("cuGraphInstantiateWithFlags", 11040, 0): "cuGraphInstantiateWithFlags",
+    ("cuGraphInstantiateWithParams", 12000, 0): "cuGraphInstantiateWithParams",
+    ("cuGraphInstantiateWithParams", 12000, 2): "cuGraphInstantiateWithParams_ptsz",
+    ("cuGraphExecDestroy", 10000, 0): "cuGraphExecDestroy",
     ("cuLaunchKernel", 12000, 2): "cuLaunchKernel_ptsz",
     # not asked for by cudart
     ("cuMemExportToShareableHandle", 10020, 0): "cuMemExportToShareableHandle",
@@ -193,7 +199,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 43   # every hooked entry point cudart asks for
+    assert hooked_seen == 49   # every hooked entry point cudart asks for
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -233,7 +239,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 43
+    assert len(hooked) == 49
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

@@ -416,6 +416,66 @@ def test_graph_memory_is_charged_from_launch_until_trimmed(node, spawn):
     assert settled(node) == node.referee().used == 0
 
 
+BIG_GRAPH_CHILD = PRELUDE + """
+dev = context()
+s = ok(cu.cuStreamCreate(0))
+size, how = int(sys.argv[1]), sys.argv[2]
+if how == "node":
+    params = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    params.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    params.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    params.poolProps.location.id = 0
+    params.bytesize = size
+    graph = ok(cu.cuGraphCreate(0))
+    ok(cu.cuGraphAddMemAllocNode(graph, None, 0, params))
+else:                                            # a captured cuMemAllocAsync is an allocation node too
+    ok(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    res = cu.cuMemAllocAsync(size, s)
+    graph = ok(cu.cuStreamEndCapture(s)) if rc(res) == 0 else cu.cuStreamEndCapture(s) and None
+    if graph is None:                            # refused while captured: nothing to launch
+        step({"capture": rc(res), "free": int(ok(cu.cuMemGetInfo())[0])})
+        raise SystemExit(0)
+    dptr = res[1]
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+launched = rc(cu.cuGraphLaunch(exe, s))
+ok(cu.cuStreamSynchronize(s))
+step({"launch": launched, "free": int(ok(cu.cuMemGetInfo())[0])})
+if launched == 0:                                # its allocation back into the reserve, then again
+    ok(cu.cuMemFree(params.dptr if how == "node" else dptr))
+step({"launch": rc(cu.cuGraphLaunch(exe, s)), "free": int(ok(cu.cuMemGetInfo())[0])})
+"""
+
+
+@pytest.mark.parametrize("how", ["node", "captured"])
+def test_a_graph_whose_allocation_nodes_pass_the_cap_is_refused_before_it_launches(node, spawn, how):
+    """A 20 GiB allocation node in a 1 GiB slice.  Before, the launch ran (the shim charged
+    the graph reserve only after it): the device held 20 GiB for the slice, taken from what
+    its neighbours had room for.  Now the executable graph carries what its allocation
+    nodes need, and the launch is refused (CUDA_ERROR_OUT_OF_MEMORY) before it runs: the
+    device, read through NVML from outside, holds only the neighbour's memory, which can
+    still grow.  A graph within the cap launches, is charged, and launches again."""
+    cap = GiB
+    neighbour = spawn(node.env("c2", limit="8Gi"))
+    assert neighbour.call("alloc", 2 * GiB)[0] == 0
+    child = spawn(node.env(limit=str(cap)), BIG_GRAPH_CHILD, args=(20 * GiB, how))
+    # (captured, the allocation is refused already as it is captured: the shim charges a
+    # cuMemAllocAsync when it is called)
+    assert child.read() == ({"launch": 2, "free": cap} if how == "node" else {"capture": 2, "free": cap})
+    assert node.referee().used == 2 * GiB
+    assert neighbour.call("alloc", 4 * GiB)[0] == 0                # its room is still there
+    if how == "node":
+        child.send()
+        assert child.read() == {"launch": 2, "free": cap}
+    child.kill()
+
+    child = spawn(node.env(limit=str(cap)), BIG_GRAPH_CHILD, args=(512 * MiB, how))
+    assert child.read() == {"launch": 0, "free": cap - 512 * MiB}
+    assert settled(node) == 512 * MiB and node.referee().used == 6 * GiB + 512 * MiB
+    child.send()       # the reserve holds it now: admitted with nothing more charged
+    assert child.read() == {"launch": 0, "free": cap - 512 * MiB}
+    assert settled(node) == 512 * MiB and node.referee().used == 6 * GiB + 512 * MiB
+
+
 # === location types ===
 
 @pytest.mark.parametrize("loc,charged,result", [(1, True, 0), (2, False, 0), (7, False, 801)],

@@ -1478,6 +1478,35 @@ print(json.dumps([captured, graph_mem(), mine()]))
     assert r == [[[0, 0, 0, 0], 0], [8 * MiB, 12 * MiB, 12 * MiB, 12 * MiB], 12 * MiB]
 
 
+def test_a_graph_lists_its_nodes_and_their_types_as_cuda_h_documents(sim_env):
+    """cuGraphGetNodes (cuda.h): nodes NULL gives the count; a longer array is filled and
+    the rest set to NULL, the count the nodes obtained; a shorter one gets that many.
+    cuGraphNodeGetType: each node's CUgraphNodeType, for nodes added and captured alike
+    (the shim walks a graph's allocation nodes this way at instantiation)."""
+    r = cuda(GRAPH_MEM + """
+T = cu.CUgraphNodeType
+graph = ok(cu.cuGraphCreate(0))
+node, p = alloc_node(graph, 8 << 20)
+ok(cu.cuGraphAddMemFreeNode(graph, [node], 1, p))
+count = ok(cu.cuGraphGetNodes(graph))[1]
+nodes, n = ok(cu.cuGraphGetNodes(graph, 4))
+short, m = ok(cu.cuGraphGetNodes(graph, 1))
+types = [int(ok(cu.cuGraphNodeGetType(x))) for x in nodes[:n]]
+params = ok(cu.cuGraphMemAllocNodeGetParams(nodes[0]))
+ok(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+q = ok(cu.cuMemAllocAsync(4 << 20, s))
+ok(cu.cuMemFreeAsync(q, s))
+captured = ok(cu.cuStreamEndCapture(s))
+cnodes, cn = ok(cu.cuGraphGetNodes(captured, 2))
+print(json.dumps([count, n, [x is None or int(x) == 0 for x in nodes], m, types, int(params.bytesize),
+                  [int(ok(cu.cuGraphNodeGetType(x))) for x in cnodes[:cn]]]))
+""", sim_env)
+    count, n, empty, m, types, size, captured = r
+    assert (count, n, empty, m) == (2, 2, [False, False, True, True], 1)
+    assert types == [10, 11]               # CU_GRAPH_NODE_TYPE_MEM_ALLOC, CU_GRAPH_NODE_TYPE_MEM_FREE
+    assert size == 8 * MiB and captured == [10, 11]
+
+
 def test_graph_memory_watermarks_reset_to_zero_only(sim_env):
     r = cuda(GRAPH_MEM + """
 graph = ok(cu.cuGraphCreate(0))

@@ -151,10 +151,13 @@ struct vgpu_graph {
     size_t count, cap;
     struct graph_mem **mem;     /* its allocation nodes */
     size_t nmem, mem_cap;
+    struct vgpu_graph_node **all;   /* every node, as cuGraphGetNodes lists them (the graph owns them) */
+    size_t nall, all_cap;
 };
 struct vgpu_graph_node {
     struct hdr h;
     struct vgpu_graph *graph;
+    CUgraphNodeType type;
     struct graph_mem *mem;      /* memory nodes: the allocation */
     int frees;                  /* a free node (else an allocation node) */
 };
@@ -3699,6 +3702,8 @@ static uint64_t kernel_ns(int dev, const struct vgpu_function *f, uint64_t block
 }
 
 static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, uint64_t blocks);
+static struct vgpu_graph_node *graph_node_new(struct vgpu_graph *g, CUgraphNodeType type);
+static void graph_drop_node(struct vgpu_graph_node *n);
 
 /* Queue `dur_ns` on the stream's device, blocking while the stream's queue is full. */
 static void stream_enqueue(struct vgpu_stream *s, uint64_t dur_ns)
@@ -3735,8 +3740,13 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     if (!s)
         return err;
     uint64_t blocks = (uint64_t)gx * gy * gz;
-    if (s->capture)
-        return graph_add_kernel(s->capture, f, blocks);
+    if (s->capture) {
+        struct vgpu_graph_node *n = graph_node_new(s->capture, CU_GRAPH_NODE_TYPE_KERNEL);
+        CUresult r = n ? graph_add_kernel(s->capture, f, blocks) : CUDA_ERROR_OUT_OF_MEMORY;
+        if (n && r != CUDA_SUCCESS)
+            graph_drop_node(n);
+        return r;
+    }
     stream_enqueue(s, kernel_ns(s->ctx->dev, f, blocks));
     return CUDA_SUCCESS;
 }
@@ -3800,6 +3810,35 @@ SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int
 /* === graphs and stream capture ===
  * A graph is a list of kernels; on the serial timeline it costs their summed time. */
 
+/* A new node of graph g, kept in its list (cuGraphGetNodes); NULL when out of memory.  Made
+ * before the work it stands for, and dropped (graph_drop_node) when that work fails. */
+static struct vgpu_graph_node *graph_node_new(struct vgpu_graph *g, CUgraphNodeType type)
+{
+    if (g->nall == g->all_cap) {
+        size_t cap = g->all_cap ? g->all_cap * 2 : 16;
+        struct vgpu_graph_node **all = realloc(g->all, cap * sizeof *all);
+        if (!all)
+            return NULL;
+        g->all = all;
+        g->all_cap = cap;
+    }
+    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    if (!n)
+        return NULL;
+    n->graph = g;
+    n->type = type;
+    g->all[g->nall++] = n;
+    return n;
+}
+
+static void graph_drop_node(struct vgpu_graph_node *n)
+{
+    struct vgpu_graph *g = n->graph;
+    if (g->nall && g->all[g->nall - 1] == n)
+        g->nall--;
+    handle_free(n);
+}
+
 static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, uint64_t blocks)
 {
     if (g->count == g->cap) {
@@ -3825,6 +3864,9 @@ static void graph_free(struct vgpu_graph *g)
     pthread_mutex_unlock(&graph_mem_lock);
     free(g->mem);
     free(g->nodes);
+    for (size_t i = 0; i < g->nall; i++)
+        handle_free(g->all[i]);
+    free(g->all);
     handle_free(g);
 }
 
@@ -4023,16 +4065,15 @@ SIMGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phNode, CUgraph g, co
     (void)deps, (void)ndeps;
     if (!phNode || !params || !handle_ok(g, K_GRAPH))
         return CUDA_ERROR_INVALID_VALUE;
-    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    struct vgpu_graph_node *n = graph_node_new(g, CU_GRAPH_NODE_TYPE_MEM_ALLOC);
     if (!n)
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct graph_mem *m;
     CUresult r = graph_new_alloc(g, &params->poolProps, params->bytesize, &m);
     if (r != CUDA_SUCCESS) {
-        handle_free(n);
+        graph_drop_node(n);
         return r;
     }
-    n->graph = g;
     n->mem = m;
     params->dptr = m->dptr;
     *phNode = n;
@@ -4046,14 +4087,15 @@ SIMGPU_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phNode, CUgraph g, con
     (void)deps, (void)ndeps;
     if (!phNode || !handle_ok(g, K_GRAPH))
         return CUDA_ERROR_INVALID_VALUE;
-    struct graph_mem *m;
-    CUresult r = graph_new_free(g, dptr, &m);
-    if (r != CUDA_SUCCESS)
-        return r;
-    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    struct vgpu_graph_node *n = graph_node_new(g, CU_GRAPH_NODE_TYPE_MEM_FREE);
     if (!n)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    n->graph = g;
+    struct graph_mem *m;
+    CUresult r = graph_new_free(g, dptr, &m);
+    if (r != CUDA_SUCCESS) {
+        graph_drop_node(n);
+        return r;
+    }
     n->mem = m;
     n->frees = 1;
     *phNode = n;
@@ -4142,17 +4184,34 @@ static CUresult capture_alloc(struct vgpu_stream *s, CUdeviceptr *dptr, uint64_t
     CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
                             .location = {dev < 0 ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
                                          dev < 0 ? 0 : dev}};
+    struct vgpu_graph_node *n = graph_node_new(s->capture, CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
     struct graph_mem *m;
     CUresult r = graph_new_alloc(s->capture, &props, size, &m);
-    if (r == CUDA_SUCCESS)
-        *dptr = m->dptr;
+    if (r != CUDA_SUCCESS) {
+        graph_drop_node(n);
+        return r;
+    }
+    n->mem = m;
+    *dptr = m->dptr;
     return r;
 }
 
 static CUresult capture_free(struct vgpu_stream *s, CUdeviceptr dptr)
 {
+    struct vgpu_graph_node *n = graph_node_new(s->capture, CU_GRAPH_NODE_TYPE_MEM_FREE);
+    if (!n)
+        return CUDA_ERROR_OUT_OF_MEMORY;
     struct graph_mem *m;
-    return graph_new_free(s->capture, dptr, &m);
+    CUresult r = graph_new_free(s->capture, dptr, &m);
+    if (r != CUDA_SUCCESS) {
+        graph_drop_node(n);
+        return r;
+    }
+    n->mem = m;
+    n->frees = 1;
+    return r;
 }
 
 /* In a forked child: the parent's graph memory is the parent's. */
@@ -4193,15 +4252,14 @@ SIMGPU_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phNode, CUgraph g, c
         return CUDA_ERROR_INVALID_HANDLE;
     if (!p->gridDimX || !p->gridDimY || !p->gridDimZ)
         return CUDA_ERROR_INVALID_VALUE;
-    struct vgpu_graph_node *n = handle_new(K_GRAPH_NODE);
+    struct vgpu_graph_node *n = graph_node_new(g, CU_GRAPH_NODE_TYPE_KERNEL);
     if (!n)
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = graph_add_kernel(g, f, (uint64_t)p->gridDimX * p->gridDimY * p->gridDimZ);
     if (r != CUDA_SUCCESS) {
-        handle_free(n);
+        graph_drop_node(n);
         return r;
     }
-    n->graph = g;
     *phNode = n;
     return CUDA_SUCCESS;
 }
@@ -4252,6 +4310,53 @@ SIMGPU_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phExec, CUgraph g, CUg
     if (logBuffer && bufferSize)
         logBuffer[0] = 0;
     return cuGraphInstantiateWithFlags(phExec, g, 0);
+}
+
+/* cuda.h, cuGraphInstantiateWithParams: flags as cuGraphInstantiateWithFlags takes them
+ * (UPLOAD, with hUploadStream, is not modelled: refused); result_out says how it went. */
+SIMGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phExec, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    if (!p || (p->flags & ~(cuuint64_t)CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = cuGraphInstantiateWithFlags(phExec, g, p->flags);
+    p->hErrNode_out = NULL;
+    p->result_out = r == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
+    return r;
+}
+
+SIMGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phExec, CUgraph g,
+                                                         CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    PER_THREAD(cuGraphInstantiateWithParams(phExec, g, p));
+}
+
+/* cuda.h, cuGraphGetNodes: "nodes may be NULL, in which case this function will return the
+ * number of nodes in numNodes.  Otherwise, numNodes entries will be filled in.  If numNodes
+ * is higher than the actual number of nodes, the remaining entries in nodes will be set to
+ * NULL, and the number of nodes actually obtained will be returned in numNodes." */
+SIMGPU_EXPORT CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *numNodes)
+{
+    REQUIRE_INIT();
+    if (!numNodes || !handle_ok(g, K_GRAPH))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!nodes) {
+        *numNodes = g->nall;
+        return CUDA_SUCCESS;
+    }
+    size_t n = *numNodes < g->nall ? *numNodes : g->nall;
+    for (size_t i = 0; i < *numNodes; i++)
+        nodes[i] = i < n ? g->all[i] : NULL;
+    *numNodes = n;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType *type)
+{
+    REQUIRE_INIT();
+    if (!type || !handle_ok(node, K_GRAPH_NODE))
+        return CUDA_ERROR_INVALID_VALUE;
+    *type = node->type;
+    return CUDA_SUCCESS;
 }
 
 SIMGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
@@ -4566,6 +4671,10 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuGraphAddKernelNode, 12000, 0, cuGraphAddKernelNode_v2)                 \
     X(cuGraphInstantiate, 11000, 0, cuGraphInstantiate_v2)                     \
     X(cuGraphInstantiateWithFlags, 11040, 0, cuGraphInstantiateWithFlags)      \
+    X(cuGraphInstantiateWithParams, 12000, 0, cuGraphInstantiateWithParams)    \
+    X(cuGraphInstantiateWithParams, 12000, 1, cuGraphInstantiateWithParams_ptsz) \
+    X(cuGraphGetNodes, 10000, 0, cuGraphGetNodes)                              \
+    X(cuGraphNodeGetType, 10000, 0, cuGraphNodeGetType)                        \
     X(cuGraphExecDestroy, 10000, 0, cuGraphExecDestroy)                        \
     X(cuGraphUpload, 11010, 0, cuGraphUpload)                                  \
     X(cuGraphUpload, 11010, 1, cuGraphUpload_ptsz)                             \
