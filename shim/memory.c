@@ -99,6 +99,36 @@ static uint64_t overhead_bytes[VGPU_MAX_DEVICES];
 /* a context's own memory, at most (hundreds of MiB on today's cards, with its modules) */
 #define CONTEXT_OVERHEAD_MAX (2ull << 30)
 
+/* The rows NVML lists on device dev: their count, or -1 when NVML cannot say. */
+static int nvml_rows(int dev, nvmlProcessInfo_t *infos, unsigned int room)
+{
+    nvml_resolve();
+    nvmlDevice_t h;
+    unsigned int n = room;
+    if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS || nvml_handle(dev, &h) ||
+        !real_nvmlDeviceGetComputeRunningProcesses_v3 ||
+        real_nvmlDeviceGetComputeRunningProcesses_v3(h, &n, infos) != NVML_SUCCESS)
+        return -1;
+    return (int)n;
+}
+
+int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices)
+{
+    if (pid <= 0 || pid_ns != ROOT_PID_NS_INODE)
+        return -1;   /* NVML's pids are the root namespace's: this one cannot be found there */
+    nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        if (!(devices & 1u << d))
+            continue;
+        int n = nvml_rows(d, infos, sizeof infos / sizeof infos[0]);
+        for (int i = 0; i < n; i++)
+            if (infos[i].pid == (unsigned int)pid && infos[i].usedGpuMemory &&
+                infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE_ULL)
+                return 1;
+    }
+    return 0;
+}
+
 static uint64_t measure_overhead(int dev)
 {
     if (S.context_overhead_set)
@@ -108,17 +138,13 @@ static uint64_t measure_overhead(int dev)
              "overhead measured (VGPU_CONTEXT_OVERHEAD sets it)", dev);
         return 0;
     }
-    nvml_resolve();
-    nvmlDevice_t h;
-    unsigned int n = VGPU_MAX_PROCS * 4;
     nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];
-    if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS || nvml_handle(dev, &h) ||
-        !real_nvmlDeviceGetComputeRunningProcesses_v3 ||
-        real_nvmlDeviceGetComputeRunningProcesses_v3(h, &n, infos) != NVML_SUCCESS)
+    int n = nvml_rows(dev, infos, sizeof infos / sizeof infos[0]);
+    if (n < 0)
         return 0;
     uint64_t mine = LOAD(&S.usage->charge[dev][S.slot]), held = 0;
     int rows = 0;
-    for (unsigned int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++)
         if (infos[i].pid == (unsigned int)getpid()) {
             rows++;
             held = infos[i].usedGpuMemory;
@@ -249,6 +275,7 @@ static uint64_t graph_charged[VGPU_MAX_DEVICES];   /* graph memory reserve as ch
 static uint32_t graph_devices;                     /* bit d: device d's reserve is watched */
 #define GRAPH_EXECS 1024   /* executable graphs with allocation nodes, at once (see "graph memory") */
 static struct { CUgraphExec exec; uint64_t need[VGPU_MAX_DEVICES]; } graph_execs[GRAPH_EXECS];   /* graph_lock */
+static int graph_execs_top;   /* graph_execs[0..top) may be in use (graph_lock; read without it: 0, none) */
 static uint64_t graph_pending[VGPU_MAX_DEVICES];   /* charged ahead of graph launches in flight (vmm_lock) */
 static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_CONTEXTS 16
@@ -292,6 +319,7 @@ void memory_atfork_child(void)
     memset(graph_charged, 0, sizeof graph_charged);
     memset(graph_pending, 0, sizeof graph_pending);
     memset(graph_execs, 0, sizeof graph_execs);   /* a child has no graphs of its parent's */
+    graph_execs_top = 0;
     pthread_mutex_init(&graph_lock, NULL);
     pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
@@ -1104,10 +1132,14 @@ static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
 
 static void graph_exec_forget(CUgraphExec exec)
 {
+    if (!LOAD(&graph_execs_top))
+        return;
     pthread_mutex_lock(&graph_lock);
-    for (int i = 0; i < GRAPH_EXECS; i++)
+    for (int i = 0; i < graph_execs_top; i++)
         if (graph_execs[i].exec == exec)
             graph_execs[i].exec = NULL;
+    while (graph_execs_top && !graph_execs[graph_execs_top - 1].exec)
+        graph_execs_top--;
     pthread_mutex_unlock(&graph_lock);
 }
 
@@ -1136,6 +1168,8 @@ static void graph_exec_note(CUresult r, CUgraphExec *exec, CUgraph g)
     if (i < GRAPH_EXECS) {
         graph_execs[i].exec = *exec;
         memcpy(graph_execs[i].need, need, sizeof need);
+        if (i >= graph_execs_top)
+            STORE(&graph_execs_top, i + 1);
     }
     pthread_mutex_unlock(&graph_lock);
     if (i == GRAPH_EXECS && !said++)
@@ -1148,8 +1182,10 @@ CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
     memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
     uint64_t need[VGPU_MAX_DEVICES];
     int found = 0;
+    if (!LOAD(&graph_execs_top))
+        return CUDA_SUCCESS;     /* no graph with allocation nodes: the launch path as before */
     pthread_mutex_lock(&graph_lock);
-    for (int i = 0; i < GRAPH_EXECS && !found; i++)
+    for (int i = 0; i < graph_execs_top && !found; i++)
         if (graph_execs[i].exec == exec) {
             memcpy(need, graph_execs[i].need, sizeof need);
             found = 1;
@@ -1185,6 +1221,11 @@ CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
 
 void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES])
 {
+    int any = 0;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        any |= taken[d] != 0;
+    if (!any)
+        return;
     pthread_mutex_lock(&vmm_lock);
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
         graph_pending[d] -= taken[d] < graph_pending[d] ? taken[d] : graph_pending[d];

@@ -450,7 +450,8 @@ static uint64_t self_cgroup_id(void)
     return 0;
 }
 
-/* Is slot i's process done with its files?  Its lock drops when its last descriptor of
+/* Where slot i's process is: still there, gone (done with its files), or not ours to say.
+ * Its lock drops when its last descriptor of
  * the usage file is released, which at exit may come before the release of those through
  * which the driver holds its device memory (a real driver's context teardown can take
  * seconds): drained then, the slot would hand on budget the device still spends.  So a
@@ -460,26 +461,50 @@ static uint64_t self_cgroup_id(void)
  * with its last thread (kernel/exit.c).  A process still there, exiting or alive without
  * the file, keeps its charge: its memory may well be held.  Our own slot from before an
  * exec is ours to drain.  Only a process of our own pid namespace can be looked up: any
- * other's slot is drained at once, as before. */
-static int slot_owner_done(int i)
+ * other's slot is drained at once, as before (OWNER_UNKNOWN). */
+enum owner { OWNER_THERE, OWNER_GONE, OWNER_UNKNOWN };   /* UNKNOWN: not ours to look up, or its pid is another's */
+
+static enum owner slot_owner(int i)
 {
     const struct vgpu_usage_proc *p = &S.usage->procs[i];
     int32_t pid = LOAD(&p->pid);
     uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns);
     if (pid <= 0 || !ticks || !pid_ns || pid == getpid() || pid_ns != inode_of("/proc/self/ns/pid"))
-        return 1;
+        return OWNER_UNKNOWN;
     char path[64], state, status[2048];
     uint64_t now_ticks;
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    if (read_stat(path, &state, &now_ticks) || now_ticks != ticks)
-        return 1;
+    if (read_stat(path, &state, &now_ticks))
+        return OWNER_GONE;
+    if (now_ticks != ticks)
+        return OWNER_UNKNOWN;
     if (state != 'Z' && state != 'X')
-        return 0;
+        return OWNER_THERE;
     snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-    if (read_small(path, status, sizeof status) <= 0)
-        return 1;
-    const char *threads = strstr(status, "\nThreads:");
-    return !threads || strtol(threads + 9, NULL, 10) <= 1;
+    if (read_small(path, status, sizeof status) > 0) {
+        const char *threads = strstr(status, "\nThreads:");
+        if (threads && strtol(threads + 9, NULL, 10) > 1)
+            return OWNER_THERE;
+    }
+    return OWNER_GONE;
+}
+
+/* Is slot i's process done with its files, and does the driver no longer list memory under
+ * it?  The kernel can finish a process before the last of its device files is let go (a
+ * reference held elsewhere for a moment, a driver's deferred teardown): its memory is then
+ * still the device's, listed under its pid.  Only where NVML's pids are the slot's (the
+ * root pid namespace) can that be asked; elsewhere the kernel's word alone decides. */
+static int slot_owner_gone(int i)
+{
+    enum owner o = slot_owner(i);
+    if (o != OWNER_GONE)
+        return o == OWNER_UNKNOWN;   /* (a pid that is another's now: NVML's figure under it is not the slot's) */
+    const struct vgpu_usage_proc *p = &S.usage->procs[i];
+    uint32_t devices = 0;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        if (LOAD(&S.usage->charge[d][i]))
+            devices |= 1u << d;
+    return !devices || driver_holds(LOAD(&p->pid), LOAD(&p->pid_ns), devices) != 1;
 }
 
 static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
@@ -492,7 +517,7 @@ int take_free_slot(void)
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
         if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;   /* a live process holds it */
-        if (slot_in_use(i) && !slot_owner_done(i)) {
+        if (slot_in_use(i) && !slot_owner_gone(i)) {
             slot_lock(S.usage_fd, i, F_UNLCK);
             continue;   /* its process is still letting go of its memory */
         }
@@ -543,7 +568,7 @@ void reap_dead_locked(void)
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
         if (i == S.slot || memory_holds_slot(i) || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
-        if (!slot_owner_done(i)) {
+        if (!slot_owner_gone(i)) {
             slot_lock(S.usage_fd, i, F_UNLCK);
             continue;
         }
@@ -578,6 +603,10 @@ void maybe_reap(void)
     }
 }
 
+/* nvml_resolve's own lock, not S.lock: it is called with S.lock held (a reaper asking NVML
+ * whether a dead slot's process still holds memory). */
+static pthread_mutex_t nvml_resolve_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static void atfork_child(void)
 {
     /* The child shares the parent's open file description, and with it the locks of the
@@ -588,6 +617,7 @@ static void atfork_child(void)
      * the child does.  Close-on-exec, like the driver's.  It takes a description of its
      * own, and a slot of its own on its first allocation. */
     pthread_mutex_init(&S.lock, NULL);
+    pthread_mutex_init(&nvml_resolve_lock, NULL);
     S.slot = -1;
     S.next_claim_ns = 0;
     if (S.usage_fd >= 0) {
@@ -770,7 +800,9 @@ SHIM_EXPORT CUresult cuInit(unsigned int Flags)
 
 void nvml_resolve(void)
 {
-    pthread_mutex_lock(&S.lock);
+    if (LOAD(&S.nvml_ready))
+        return;
+    pthread_mutex_lock(&nvml_resolve_lock);
     if (!S.nvml_ready) {
         resolve_real_dlsym();
         S.nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_GLOBAL);
@@ -782,7 +814,7 @@ void nvml_resolve(void)
         }
         STORE(&S.nvml_ready, 1);
     }
-    pthread_mutex_unlock(&S.lock);
+    pthread_mutex_unlock(&nvml_resolve_lock);
 }
 
 /* === interception: dlsym and cuGetProcAddress === */

@@ -145,26 +145,30 @@ def same_process(pid, ticks) -> bool:
     return ticks is not None and start_ticks(pid) == ticks
 
 
-def done_with_files(pid, ticks) -> bool:
-    """Has the process that started at `ticks` under `pid` released its files: gone, its
-    pid another's, or a zombie with no other thread left (do_exit releases the files
-    before exit_notify makes the zombie; a thread group's table goes with its last
-    thread)?  A dead slot is drained only then: its lock may drop before the descriptors
-    through which the driver holds its memory (shim/shim.c slot_owner_done)."""
+THERE, GONE, REUSED = "there", "gone", "reused"
+
+
+def owner(pid, ticks) -> str:
+    """Where the process that started at `ticks` under `pid` is: THERE (running, or exiting
+    and not done with its files), GONE (no such pid, or a zombie with no other thread left:
+    do_exit releases the files before exit_notify makes the zombie, and a thread group's
+    table goes with its last thread), or REUSED (its pid is another process's).  A dead
+    slot is drained only once its process is not THERE: its lock may drop before the
+    descriptors through which the driver holds its memory (shim/shim.c slot_owner)."""
     data = _read(f"/proc/{pid}/stat", 2048)
     if not data:
-        return True
+        return GONE
     try:
         fields = data[data.rindex(b")") + 2:].split()
         state, start = fields[0], int(fields[_FIELD_START])
     except (ValueError, IndexError):
-        return True
+        return GONE
     if start != ticks:
-        return True
+        return REUSED
     if state not in (b"Z", b"X"):
-        return False
+        return THERE
     threads = re.search(rb"\nThreads:\s*(\d+)", _read(f"/proc/{pid}/status") or b"")
-    return not threads or int(threads.group(1)) <= 1
+    return THERE if threads and int(threads.group(1)) > 1 else GONE
 
 
 def host_pids(usage) -> dict:

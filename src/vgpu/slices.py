@@ -33,7 +33,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass, replace
 
-from . import board, procfs
+from . import board, nvml, procfs
 from . import usage as usage_file   # (slices name their Usage `usage`)
 from .errors import (BadFile, Busy, CapacityUnknown, Changed, Exists, InvalidRequest, NotFound,  # noqa: F401
                      Overcommitted, VgpuError)   # (re-exported: callers name them slices.X)
@@ -831,15 +831,29 @@ def reap_slice(directory, name) -> list:
             return [rec for rec in (_reap_slot(fd, p) for p in procs if not p.alive) if rec]
 
 
+def _driver_holds(proc) -> bool:
+    """Does NVML still list memory under the slot's gone process on a device it charges?  (The
+    kernel can finish a process before the last of its device files is let go: its memory
+    is still the device's.  NVML's pids are the root namespace's, as ours are here; NVML
+    not there: the kernel's word alone, as shim/shim.c slot_owner_gone.  A MIG slice's device
+    0 is its MIG device, on whichever GPU: GPU 0's list may not name it, and then the
+    kernel's word decides too.)"""
+    try:
+        return any((nvml.running_processes(d).get(proc.pid) or 0) > 0 for d in proc.memory)
+    except Exception:      # NVML unavailable, a device not answering
+        return False
+
+
 def _reap_slot(fd, proc):
     """Drain one slot with pread/pwrite only (no mapping: see vgpu.usage) while
     holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
     charges only ever lowers them, so a shim summing them mid-way sees a value between
     before and after, both true of a dead process."""
     i = proc.slot
-    if not proc.shared and proc.pid > 0 and proc.start_ticks and proc.pid_ns == procfs.pid_ns() and \
-            not procfs.done_with_files(proc.pid, proc.start_ticks):
-        return None    # dead by its lock, but still letting go of its memory (or alive without the file)
+    if not proc.shared and proc.pid > 0 and proc.start_ticks and proc.pid_ns == procfs.pid_ns():
+        where = procfs.owner(proc.pid, proc.start_ticks)
+        if where == procfs.THERE or (where == procfs.GONE and _driver_holds(proc)):
+            return None    # dead by its lock, but still letting go of its memory (or alive without the file)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
     except (BlockingIOError, PermissionError):
