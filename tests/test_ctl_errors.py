@@ -97,6 +97,22 @@ def test_a_bug_is_still_one_line_and_exit_1(node, monkeypatch):
     one_line(r, 1, "internal error: RuntimeError: simulated bug", "VGPU_DEBUG=1")
 
 
+def test_list_shows_a_slice_it_cannot_read_with_its_error(node):
+    """A slice whose usage file its container cut short: `list` shows the others as ever and
+    this one's row with its error (the error once fell in a cell past the headers, which the
+    table drops: the row showed dashes and nothing else)."""
+    for name in ("a", "b"):
+        assert ctl("create", name, "--memory", "1Gi", "--dir", node).exit_code == 0
+    with open(node / "b" / "usage", "r+b") as f:
+        f.truncate(100)
+    r = ctl("list", "--dir", node)
+    assert r.exit_code == 0, r.output
+    header, a, b = r.stdout.splitlines()
+    assert header.split() == ["NAME", "DEVICE", "MEMORY", "REQUEST", "LIMIT", "SM", "PROCESSES", "GEN"]
+    assert a.split()[:3] == ["a", "0", "1Gi"]
+    assert b.split()[:7] == ["b"] + ["-"] * 6 and "error:" in b and "has 100 bytes" in b, b
+
+
 # === quantities ===
 
 def test_sm_0_and_sm_above_100_say_what_a_share_is(node):

@@ -256,8 +256,13 @@ def test_a_pid_reused_while_a_held_slot_names_it_is_never_held_against_the_new_p
     assert p.proc.wait(10) == 0
     agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
 
-    q = _tenant_under_pid(node_, spawn, parent, "b" if where == "another slice" else "a")
+    q_slice = "b" if where == "another slice" else "a"
+    q = _tenant_under_pid(node_, spawn, parent, q_slice)
     assert q.call(alloc=256 * MiB) == 0
+    # nor does Q's shim take P's gigabyte for its context's cost: two rows under its pid
+    # are not its own alone (shim/memory.c measure_overhead)
+    held_before = GiB if q_slice == "a" else 0
+    assert node_.usage(q_slice).devices[0]["memory_current"] == held_before + 256 * MiB
     e = agent.wait_for(lambda e: e.get("event") == "pid-reused" and e.get("pid") == parent, 10)
     row = wait_until(lambda: (lambda r: r["memory_driver"] == GiB + 256 * MiB and r)(_rows(node_)[parent]), 5)
     assert row, _rows(node_)

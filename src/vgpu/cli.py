@@ -680,8 +680,8 @@ def list_cmd(directory, as_json):
     rows = []
     migs = any("mig" in c for c in out)   # a MIG column only where there are MIG slices
     for c in out:
-        if c["problem"]:
-            rows.append([c["name"], *(["-"] if migs else []), "-", "-", "-", "-", "-", "-", "-",
+        if c["problem"]:     # (the error in the last column: a cell past the headers would not show)
+            rows.append([c["name"], "-", *(["-"] if migs else []), "-", "-", "-", "-", "-",
                          f"error: {c['problem']}"])
             continue
         for d in c["devices"]:
