@@ -27,8 +27,8 @@ def node(tmp_path, monkeypatch):
     """A node directory with slices train (16Gi) and infer (6Gi) and the shim installed
     (with its ld.so.preload); NVML is a fake 24 GiB device (the pytest process must not
     load a real or simulated one)."""
-    monkeypatch.setattr(cli, "nvml_capacity", lambda d: 24 * GiB if d == 0 else None)
-    monkeypatch.setattr(cli, "nvml_count_hint", lambda: "")
+    monkeypatch.setattr(cli.common, "nvml_capacity", lambda d: 24 * GiB if d == 0 else None)
+    monkeypatch.setattr(cli.common, "nvml_count_hint", lambda: "")
     directory, shim_dir = tmp_path / "run-vgpu", tmp_path / "opt-vgpu"
 
     def ctl(*args):

@@ -160,7 +160,7 @@ def test_build_step_puts_the_shim_and_simgpu_in_the_wheel(built):
         names = set(zf.namelist())
         assert set(LIBS) <= names
         assert all(zf.read(lib)[:4] == b"\x7fELF" for lib in LIBS)
-    assert "vgpu/cli.py" in names and any(n.endswith("entry_points.txt") for n in names)
+    assert "vgpu/cli/__init__.py" in names and any(n.endswith("entry_points.txt") for n in names)
     assert re.search(r"vgpu/_lib/libvgpu\.so: \d+ bytes, needs glibc >= 2\.\d+", log)   # check-wheel.py ran
 
 

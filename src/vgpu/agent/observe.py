@@ -323,8 +323,9 @@ class Observer(DriverLook, Attributing, Evidence):
                 if standalone and place not in per_device and place not in errors:
                     continue     # a standalone quota holds every index: the devices that exist
                 known = 0 if ok and place in per_device else None
+                gpu_time = counters[d]["gpu_time_ns"] if d in counters else 0
                 mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max,
-                                              0 if ok and place in util else None, counters.get(d, {}).get("gpu_time_ns", 0), st,
+                                              0 if ok and place in util else None, gpu_time, st,
                                               shared=True, place=place)
             for key in old_keys[0]:
                 if key not in mine:

@@ -1,0 +1,13 @@
+"""vgpu-ctl: the operator's command line.
+
+A thin click layer over plain functions (vgpu.slices, vgpu.status, vgpu.runtime); nothing
+here touches NVML or the GPU at import, so `vgpu-ctl --help` works anywhere (the modules of
+one command family -- the agent, autoscaler, metrics server, MIG, Kubernetes, installers --
+are imported inside their commands, so a command loads only what it runs).  Errors are
+one line with a hint: runtime failures exit 1, usage errors exit 2 (click's convention).
+"""
+from . import (container_commands, manifest_commands, service_commands, sim_commands,  # noqa: F401
+               slice_commands)   # (imported for their commands, which join `main`)
+from .common import main
+
+__all__ = ["main"]
