@@ -269,7 +269,7 @@ def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp
     are broken is reported once and skipped; one deleted is forgotten."""
     import os
     from vgpu.autoscale import Autoscaler
-    from vgpu.reader import RESCAN_S
+    from vgpu.slices.reader import RESCAN_S
     from vgpu.policy import Policy
     d = tmp_path / "vgpu"
     for name in ("a", "b"):

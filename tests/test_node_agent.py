@@ -356,7 +356,8 @@ def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_t
 # its record and a charge written through a writable one, which it closes first.
 LATE_LOCK = r"""
 import fcntl, os, struct, sys, time
-from vgpu import slices, usage
+from vgpu import slices
+from vgpu.slices import usage
 path, slot = sys.argv[1], 7
 rw = os.open(path, os.O_RDWR)             # closing it is the agent's inotify event (a close after writing)
 ro = os.open(path, os.O_RDONLY)           # the slot's lock lives here: its close is no event

@@ -17,7 +17,8 @@ import pytest
 from conftest import run_python
 from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, SUCCESS, Child, wait_gone
-from vgpu import slices, usage
+from vgpu import slices
+from vgpu.slices import usage
 
 
 @pytest.fixture

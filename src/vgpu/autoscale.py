@@ -30,7 +30,7 @@ from .agent.model import record_place
 from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
                      restart)
 from .quantities import UNLIMITED
-from .reader import NodeReader
+from .slices.reader import NodeReader
 
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
 SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples

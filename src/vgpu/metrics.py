@@ -1,7 +1,7 @@
 """Prometheus metrics for a node's slices (`vgpu-ctl serve`, `vgpu-ctl autoscale --metrics-port`).
 
 A custom collector: every scrape reads the slice files (kept open, see
-vgpu.reader.NodeReader) and, where it is there, NVML.  Nothing is sampled between
+vgpu.slices.reader.NodeReader) and, where it is there, NVML.  Nothing is sampled between
 scrapes, so an idle exporter costs nothing.
 
 Per container and device (labels container, device):
@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import board, nvml, podlabels, procfs, slices
-from .reader import NodeReader
+from .slices.reader import NodeReader
 from .agent.model import record_place
 from .agent.observe import Observer
 from .quantities import SHARE_FULL, UNLIMITED

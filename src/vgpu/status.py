@@ -12,7 +12,7 @@ from . import board, mig, nvml, podlabels, procfs
 from .agent.state import annotate, describe_violation
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
-from .usage import COUNTERS
+from .slices.usage import COUNTERS
 
 SM_FULL = 10000      # 100% in the quota's unit
 

@@ -85,7 +85,8 @@ for line in sys.stdin:
     elif "hide" in cmd:
         # the layout of csrc/vgpu_region.h, as a tenant would read it from the header
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
-        from vgpu import slices, usage
+        from vgpu import slices
+        from vgpu.slices import usage
         fd = os.open(cmd["usage"], os.O_RDWR)
         slot = next(i for i in range(slices.MAX_PROCS)
                     if struct.unpack("<i", os.pread(fd, 4, usage.pid_offset(i)))[0] == os.getpid())
@@ -96,7 +97,8 @@ for line in sys.stdin:
     elif "forge" in cmd:
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
         import fcntl
-        from vgpu import slices, usage
+        from vgpu import slices
+        from vgpu.slices import usage
         fd = os.open(cmd["usage"], os.O_RDWR)    # kept open: the lock is this descriptor's
         slot = slices.MAX_PROCS - 1
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, slices._flock_struct(fcntl.F_WRLCK, slot))

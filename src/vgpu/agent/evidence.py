@@ -1,7 +1,8 @@
 """The Observer's second look before a gap is judged, and who holds a slot's lock."""
 import os
 
-from .. import slices, usage
+from .. import slices
+from ..slices import usage
 from .settings import CONFIRM_TRIES
 from .watch import _lock_start
 

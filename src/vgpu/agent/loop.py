@@ -7,7 +7,7 @@ import threading
 import time
 
 from .. import procfs, slices
-from ..reader import NodeReader
+from ..slices.reader import NodeReader
 from .act import Holder, _signal
 from .judge import Judge, _utc
 from .model import Tracked

@@ -4,7 +4,7 @@ import threading
 import time
 
 from .. import nvml, procfs, slices
-from ..reader import NodeReader
+from ..slices.reader import NodeReader
 from .attribute import Attributing
 from .driver import DriverLook
 from .evidence import Evidence

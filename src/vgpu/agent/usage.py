@@ -1,7 +1,8 @@
-"""A slice's usage file as the agent reads it every look: cheaply (vgpu.usage parses)."""
+"""A slice's usage file as the agent reads it every look: cheaply (vgpu.slices.usage parses)."""
 import os
 
-from .. import slices, usage
+from .. import slices
+from ..slices import usage
 from .settings import RECHECK_S
 
 

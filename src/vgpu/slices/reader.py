@@ -1,17 +1,18 @@
 """Every slice of a node, read cheaply and often: the autoscaler, the node agent and the
 metrics share one NodeReader.  A slice's quota is mapped read-only (only the controller
 writes it) and read as a seqlock; its usage file is read with pread on a kept descriptor
-(never mapped: see vgpu.usage).  A loop over 1,000 slices costs a load and a read per
+(never mapped: see vgpu.slices.usage).  A loop over 1,000 slices costs a load and a read per
 slice, not file opens."""
 import math
 import mmap
 import os
 import time
 
-from . import slices, usage
-from ._region import ffi, lib
-from .policy import Bounds
-from .quantities import UNLIMITED
+from .. import slices
+from . import usage
+from .._region import ffi, lib
+from ..policy import Bounds
+from ..quantities import UNLIMITED
 
 RESCAN_S = 30.0        # look for new / removed slices at least this often (and when the directory changes)
 RECENT_NS = 100_000_000   # a directory changed this recently (0.1 s: timestamps move by the jiffy) is scanned again next time

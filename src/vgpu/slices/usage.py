@@ -12,8 +12,10 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ._region import ffi, lib
-from .errors import BadFile
+from .._region import ffi, lib
+from ..errors import BadFile
+from .files import (_RO, USAGE, USAGE_SIZE, _check_regular, _fd, node_dir, _open_in, _open_node, _open_slice,
+                    slot_alive)
 
 MAX_DEVICES = lib.VGPU_MAX_DEVICES
 MAX_PROCS = lib.VGPU_MAX_PROCS
@@ -124,3 +126,48 @@ def read_counters(fd, d):
         return None
     return (sum(ROW.unpack(row)) & 0xFFFFFFFFFFFFFFFF,) + \
         tuple(int.from_bytes(data[off:off + 8], "little") for off in _STORED_AT)
+
+
+@dataclass
+class Usage:
+    devices: dict        # device -> {counter: value}
+    procs: list          # Proc of every used slot
+    path: str
+    inode: tuple         # (st_dev, st_ino): how processes that map it are found
+
+    def to_json(self):
+        return {"devices": {str(d): c for d, c in self.devices.items()},
+                "processes": [p.to_json() for p in self.procs]}
+
+
+def _read_usage_fd(fd, shown) -> Usage:
+    _check_regular(fd, shown, USAGE_SIZE)
+    st = os.fstat(fd)
+    data = os.pread(fd, USAGE_SIZE, 0)     # (a copy: see the module's doc)
+    if len(data) < USAGE_SIZE:
+        raise BadFile(f"{shown} is truncated ({len(data)} bytes, need {USAGE_SIZE})",
+                      "the container's processes recreate it; `vgpu-ctl delete` and `create` resets it")
+    check_header(data, shown)
+    records = data[PROCS_AT:PROCS_AT + MAX_PROCS * PROC.size]
+    current, counters, procs = parse(data, records, range(MAX_DEVICES))
+    for p in procs:
+        p.alive = slot_alive(fd, p.slot)
+    # the container's own file: a sum past 64 bits is its scribbling, shown as such
+    devices = {d: {"memory_current": current[d] & 0xFFFFFFFFFFFFFFFF, **counters[d]} for d in range(MAX_DEVICES)}
+    return Usage(devices, procs, shown, (st.st_dev, st.st_ino))
+
+
+def read_usage(directory, name):
+    """The slice's usage, or None when no usage file exists yet."""
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        return _read_slice_usage(cfd, directory, name)
+
+
+def _read_slice_usage(cfd, directory, name):
+    shown = os.path.join(node_dir(directory), name, USAGE)
+    try:
+        fd = _open_in(cfd, USAGE, _RO, shown)
+    except FileNotFoundError:
+        return None
+    with _fd(fd):
+        return _read_usage_fd(fd, shown)

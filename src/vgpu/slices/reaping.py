@@ -1,0 +1,99 @@
+"""Reaping: a dead process's slot drained, its memory back to the slice -- only once the
+process is done with its files and, where NVML can say, the driver no longer holds its memory."""
+import fcntl
+import os
+import struct
+
+from .. import nvml, procfs
+from ..errors import NotFound, VgpuError
+from .files import (MAX_DEVICES, _RW, USAGE, _fd, _flock_struct, list_names, node_dir, _open_in, _open_node,
+                    _open_slice)
+from . import usage
+from .usage import _read_usage_fd
+
+
+# === reap ===
+
+def reap(directory, names=None) -> list:
+    """Clear the process slots of dead processes (lock free, pid or charge still set):
+    their memory goes back to the slice.  Returns what was reclaimed.  A slice whose
+    usage file is broken is skipped and reported ({"container", "error"}), never fatal:
+    the file is writable from inside the container."""
+    out = []
+    for name in (list_names(directory) if names is None else names):
+        try:
+            out += [{"container": name, **rec} for rec in reap_slice(directory, name)]
+        except NotFound:
+            if names is not None:
+                raise
+        except VgpuError as e:
+            out.append({"container": name, "error": str(e)})
+    return out
+
+
+def reap_quietly(directory, name):
+    """Reap before reading, where this process may (root, or the slice's owner): what is
+    reported is then what live processes hold.  Anything wrong is for the read to say."""
+    try:
+        reap_slice(directory, name)
+    except (VgpuError, OSError):
+        pass
+
+
+def reap_slice(directory, name) -> list:
+    with _fd(_open_node(directory, name=name)) as node_fd, _fd(_open_slice(node_fd, directory, name)) as cfd:
+        shown = os.path.join(node_dir(directory), name, USAGE)
+        try:
+            fd = _open_in(cfd, USAGE, _RW, shown)
+        except FileNotFoundError:
+            return []
+        with _fd(fd):
+            procs = _read_usage_fd(fd, shown).procs
+            return [rec for rec in (_reap_slot(fd, p) for p in procs if not p.alive) if rec]
+
+
+def _driver_holds(proc) -> bool:
+    """Does NVML still list memory under the slot's gone process on a device it charges?  (The
+    kernel can finish a process before the last of its device files is let go: its memory
+    is still the device's.  NVML's pids are the root namespace's, as ours are here; NVML
+    not there: the kernel's word alone, as shim/shim.c slot_owner_gone.  A MIG slice's device
+    0 is its MIG device, on whichever GPU: GPU 0's list may not name it, and then the
+    kernel's word decides too.)"""
+    try:
+        return any((nvml.running_processes(d).get(proc.pid) or 0) > 0 for d in proc.memory)
+    except Exception:      # NVML unavailable, a device not answering
+        return False
+
+
+def _reap_slot(fd, proc):
+    """Drain one slot with pread/pwrite only (no mapping: see vgpu.slices.usage) while
+    holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
+    charges only ever lowers them, so a shim summing them mid-way sees a value between
+    before and after, both true of a dead process."""
+    i = proc.slot
+    if not proc.shared and proc.pid > 0 and proc.start_ticks and proc.pid_ns == procfs.pid_ns():
+        where = procfs.owner(proc.pid, proc.start_ticks)
+        if where == procfs.THERE or (where == procfs.GONE and _driver_holds(proc)):
+            return None    # dead by its lock, but still letting go of its memory (or alive without the file)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
+    except (BlockingIOError, PermissionError):
+        return None    # its owner is alive (or came to life since the read)
+    try:
+        memory = {}
+        for d in range(MAX_DEVICES):
+            at = usage.charge_offset(d, i)
+            raw = os.pread(fd, 8, at)
+            held = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+            if held:
+                os.pwrite(fd, bytes(8), at)
+                memory[d] = held
+        raw = os.pread(fd, 4, usage.pid_offset(i))
+        pid = struct.unpack("<i", raw)[0] if len(raw) == 4 else 0
+        if pid:
+            os.pwrite(fd, bytes(4), usage.pid_offset(i))
+        if not (pid or memory):
+            return None
+        return {"slot": i, "pid": pid, "comm": proc.comm, "memory": {str(d): b for d, b in memory.items()}}
+    finally:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_UNLCK, i))
