@@ -451,18 +451,22 @@ static uint64_t self_cgroup_id(void)
 }
 
 /* Where slot i's process is: still there, gone (done with its files), or not ours to say.
- * Its lock drops when its last descriptor of
- * the usage file is released, which at exit may come before the release of those through
- * which the driver holds its device memory (a real driver's context teardown can take
- * seconds): drained then, the slot would hand on budget the device still spends.  So a
- * slot whose lock is free is drained only once its process is gone, its pid is another
- * process's (another start time), or it is a zombie with no other thread left: do_exit
- * releases the files before exit_notify makes the zombie, and a thread group's table goes
- * with its last thread (kernel/exit.c).  A process still there, exiting or alive without
- * the file, keeps its charge: its memory may well be held.  Our own slot from before an
- * exec is ours to drain.  Only a process of our own pid namespace can be looked up: any
- * other's slot is drained at once, as before (OWNER_UNKNOWN). */
-enum owner { OWNER_THERE, OWNER_GONE, OWNER_UNKNOWN };   /* UNKNOWN: not ours to look up, or its pid is another's */
+ * Its lock drops when its last reference to the usage file goes, which at exit may come
+ * before the release of the files through which the driver holds its device memory (a
+ * real driver's context teardown can take seconds): drained then, the slot would hand on
+ * budget the device still spends.  So a slot whose lock is free is drained only once its
+ * process is gone, its pid is another process's (another start time), or it is a zombie
+ * with no other thread left: do_exit releases the files before exit_notify makes the
+ * zombie, and a thread group's table goes with its last thread (kernel/exit.c).  A
+ * process still there keeps its charge (exiting; or alive without the file, as after an
+ * exec of a program without the shim: its charge stays until it exits).  Our own slot
+ * from before an exec is ours to drain.  Only a process of our own pid namespace can be
+ * looked up: any other's slot is drained at once, as before. */
+enum owner {
+    OWNER_THERE,
+    OWNER_GONE,
+    OWNER_UNKNOWN,   /* not ours to look up, or its pid is another process's */
+};
 
 static enum owner slot_owner(int i)
 {
