@@ -188,6 +188,16 @@ def _instances(n, h):
     return sorted(out, key=lambda g: (g["start"], g["id"]))
 
 
+def instances_on(gpu_uuid: str):
+    """The GPU instances on the GPU with this UUID (as _instances), or None when it cannot
+    be read."""
+    n = _n()
+    try:
+        return _instances(n, n.nvmlDeviceGetHandleByUUID(gpu_uuid))
+    except n.NVMLError:
+        return None
+
+
 def find_profile(table: dict, wanted: str) -> dict:
     want = short_name(wanted).lower()
     for p in table["profiles"]:

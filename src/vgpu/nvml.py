@@ -301,6 +301,25 @@ def mig_processes(device: MigDevice) -> dict:
     return out
 
 
+def minor_number(index: int) -> int:
+    """The GPU's minor number (/dev/nvidia<minor>, `gpu<minor>` in mig-minors).  Raises
+    DeviceError when the device does not answer."""
+    n = _nvml()
+    try:
+        return n.nvmlDeviceGetMinorNumber(n.nvmlDeviceGetHandleByIndex(index))
+    except Exception as e:
+        raise DeviceError(f"device {index}: {_describe(e)}") from None
+
+
+def index_of(uuid: str):
+    """The NVML index of the GPU with this UUID, or None when no GPU has it now."""
+    n = _nvml()
+    try:
+        return n.nvmlDeviceGetIndex(n.nvmlDeviceGetHandleByUUID(uuid))
+    except Exception:
+        return None
+
+
 def driver_version():
     try:
         return _text(_nvml().nvmlSystemGetDriverVersion())

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 
-from .. import mig, overhead, podlabels, slices
+from .. import mig, nvml, overhead, podlabels, slices
 from ..quantities import SHARE_FULL, format_memory
 from . import CONTAINER_ANNOTATION, cdi, checkpoint, resourceslice
 
@@ -49,7 +49,7 @@ def _quantity(value, what, claim):
         raise ClaimError(f"claim {claim}: consumed {what} {value!r} is not a quantity") from None
 
 
-_EXPECTED = (ClaimError, slices.VgpuError, OSError)
+_EXPECTED = (ClaimError, slices.VgpuError, OSError, nvml.DeviceError, nvml.NvmlUnavailable)
 
 CALL_BUDGET = 40.0   # seconds for one prepare/unprepare call: under the kubelet's 45 s call timeout
 MIN_CLAIM_TIME = 1.0  # a claim is not begun with less than this left (it could not read its claim)
@@ -416,7 +416,7 @@ class Driver:
                 raise ClaimError(f"claim {shown}: {e}; undoing it failed too: {undo}") from None
             del self.claims[uid]
             checkpoint.save(self.checkpoint_path, self.claims)
-            if isinstance(e, (slices.VgpuError, cdi.VersionTooLow)):
+            if isinstance(e, (slices.VgpuError, cdi.VersionTooLow, nvml.DeviceError, nvml.NvmlUnavailable)):
                 raise ClaimError(f"claim {shown}: {_describe(e)}") from None
             raise
         entry["state"] = "prepared"
@@ -453,39 +453,30 @@ class Driver:
 
 def _mig_mode_on(index) -> bool:
     try:
-        n = mig._n()
-        return mig.mig_mode(n, n.nvmlDeviceGetHandleByIndex(index), index)[0] == 1
-    except slices.VgpuError:
+        return bool(nvml.mig_enabled(index))
+    except (nvml.DeviceError, nvml.NvmlUnavailable):
         return False
 
 
 def _minor(index) -> int:
     """The GPU's minor number (/dev/nvidia<minor>, `gpu<minor>` in mig-minors)."""
-    n = mig._n()
     try:
-        return n.nvmlDeviceGetMinorNumber(n.nvmlDeviceGetHandleByIndex(index))
-    except n.NVMLError:
+        return nvml.minor_number(index)
+    except (nvml.DeviceError, nvml.NvmlUnavailable):
         return index
 
 
-def _mig_devices(n, h):
+def _mig_devices(index):
     """{GPU instance ID: (compute instance ID, MIG UUID)} of a GPU's MIG devices."""
     out = {}
-    for i in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
-        try:
-            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            out.setdefault(n.nvmlDeviceGetGpuInstanceId(m),
-                           (n.nvmlDeviceGetComputeInstanceId(m), mig._text(n.nvmlDeviceGetUUID(m))))
-        except n.NVMLError:
-            continue    # NOT_FOUND: nothing at that index
+    for m in nvml.mig_devices(index):
+        out.setdefault(m.gpu_instance, (m.compute_instance, m.uuid))
     return out
 
 
 def _static_record(gpu, instance) -> dict:
     """The record of an instance made by hand: its MIG device as it is (never destroyed)."""
-    n = mig._n()
-    h = n.nvmlDeviceGetHandleByIndex(gpu.index)
-    found = _mig_devices(n, h).get(instance.gpu_instance)
+    found = _mig_devices(gpu.index).get(instance.gpu_instance)
     if found is None:
         raise ClaimError(f"GPU instance {instance.gpu_instance} on {gpu.name} has no compute instance (no MIG "
                          "device to give)")
@@ -497,19 +488,17 @@ def _static_record(gpu, instance) -> dict:
 def _instance_at(intent):
     """A record for the instance at an intended placement (made by an agent that died
     before recording it), or None."""
-    n = mig._n()
-    try:
-        h = n.nvmlDeviceGetHandleByUUID(intent["gpu_uuid"])
-    except n.NVMLError:
-        return None
-    try:
-        table = mig._instances(n, h)
-    except n.NVMLError:
+    index = nvml.index_of(intent["gpu_uuid"])
+    table = mig.instances_on(intent["gpu_uuid"]) if index is not None else None
+    if table is None:
         return None
     gi = next((g for g in table if (g["profile_id"], g["start"]) == (intent["profile_id"], intent["start"])), None)
     if gi is None:
         return None
-    ci, uuid = _mig_devices(n, h).get(gi["id"], (0, ""))
+    try:
+        ci, uuid = _mig_devices(index).get(gi["id"], (0, ""))
+    except nvml.DeviceError:
+        ci, uuid = 0, ""
     return {"device": intent["device"], "gpu_uuid": intent["gpu_uuid"], "profile": gi["profile"],
             "profile_id": gi["profile_id"], "placement": {"start": gi["start"], "size": gi["size"]},
             "gpu_instance": gi["id"], "compute_instance": ci, "uuid": uuid}
