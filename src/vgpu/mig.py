@@ -284,21 +284,6 @@ def _disable(n, h, index):
     return None
 
 
-def _mig_device(n, h, gi_id, ci_id):
-    """The MIG device handle of compute instance ci_id of GPU instance gi_id, or None."""
-    for i in range(n.nvmlDeviceGetMaxMigDeviceCount(h)):
-        try:
-            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-        except n.NVMLError:
-            continue   # NOT_FOUND: nothing at that index
-        try:
-            if n.nvmlDeviceGetGpuInstanceId(m) == gi_id and n.nvmlDeviceGetComputeInstanceId(m) == ci_id:
-                return m
-        except n.NVMLError:
-            continue
-    return None
-
-
 def check_profile(index, profile, placement=None) -> dict:
     """The profile `profile` of device `index` (and that `placement` is one of its
     starts): its table row, with the device's table.  Changes nothing."""
@@ -354,17 +339,21 @@ def create_instance(index, profile, placement=None, checked=None) -> dict:
             raise VgpuError(f"cannot create the compute instance of {p['name']} on device {index}: {e}",
                             "check the driver (nvidia-smi mig -lcip)") from None
         ci_info = n.nvmlComputeInstanceGetInfo(ci)
-        m = _mig_device(n, h, gi_info.id, ci_info.id)
+        try:
+            listed = nvml.mig_devices(index)
+        except nvml.DeviceError:
+            listed = []
+        m = next((x for x in listed if (x.gpu_instance, x.compute_instance) == (gi_info.id, ci_info.id)), None)
         if m is None:
             raise VgpuError(f"device {index}: the new MIG device (GPU instance {gi_info.id}, compute instance "
                             f"{ci_info.id}) is not listed by NVML", "check the driver (nvidia-smi -L)")
-        mem = n.nvmlDeviceGetMemoryInfo(m)
+        mem = n.nvmlDeviceGetMemoryInfo(m.handle)
         return {"version": RECORD_VERSION, "device": index, "gpu_uuid": _text(n.nvmlDeviceGetUUID(h)),
                 "gpu_name": _gpu_name(n, h), "profile": p["name"], "profile_id": gi_info.profileId,
                 "placement": {"start": gi_info.placement.start, "size": gi_info.placement.size},
                 "gpu_instance": gi_info.id, "compute_instance": ci_info.id,
-                "compute_profile_id": ci_info.profileId, "uuid": _text(n.nvmlDeviceGetUUID(m)),
-                "name": _gpu_name(n, m), "memory_total": mem.total,
+                "compute_profile_id": ci_info.profileId, "uuid": m.uuid,
+                "name": m.name, "memory_total": mem.total,
                 "multiprocessors": ci_profile.multiprocessorCount, "enabled_mig_mode": enabled_here,
                 "created": time.time()}
     except n.NVMLError as e:
