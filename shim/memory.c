@@ -1235,48 +1235,40 @@ void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES])
             graph_memory_settle(d);
 }
 
+/* Every form of instantiation: the driver's, then what the new executable graph needs. */
+#define INSTANTIATE(sym, ...)                     \
+    ENTER(sym, __VA_ARGS__);                      \
+    CUresult r_ = real_##sym(__VA_ARGS__);        \
+    graph_exec_note(r_, phGraphExec, hGraph);     \
+    return r_
+
 SHIM_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                                         char *logBuffer, size_t bufferSize)
 {
-    ENTER(cuGraphInstantiate, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
-    CUresult r = real_cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
-    graph_exec_note(r, phGraphExec, hGraph);
-    return r;
+    INSTANTIATE(cuGraphInstantiate, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
 }
 
 SHIM_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                                            char *logBuffer, size_t bufferSize)
 {
-    ENTER(cuGraphInstantiate_v2, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
-    CUresult r = real_cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
-    graph_exec_note(r, phGraphExec, hGraph);
-    return r;
+    INSTANTIATE(cuGraphInstantiate_v2, phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
 }
 
 SHIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
 {
-    ENTER(cuGraphInstantiateWithFlags, phGraphExec, hGraph, flags);
-    CUresult r = real_cuGraphInstantiateWithFlags(phGraphExec, hGraph, flags);
-    graph_exec_note(r, phGraphExec, hGraph);
-    return r;
+    INSTANTIATE(cuGraphInstantiateWithFlags, phGraphExec, hGraph, flags);
 }
 
 SHIM_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
                                                   CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
 {
-    ENTER(cuGraphInstantiateWithParams, phGraphExec, hGraph, instantiateParams);
-    CUresult r = real_cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
-    graph_exec_note(r, phGraphExec, hGraph);
-    return r;
+    INSTANTIATE(cuGraphInstantiateWithParams, phGraphExec, hGraph, instantiateParams);
 }
 
 SHIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
                                                        CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
 {
-    ENTER(cuGraphInstantiateWithParams_ptsz, phGraphExec, hGraph, instantiateParams);
-    CUresult r = real_cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams);
-    graph_exec_note(r, phGraphExec, hGraph);
-    return r;
+    INSTANTIATE(cuGraphInstantiateWithParams_ptsz, phGraphExec, hGraph, instantiateParams);
 }
 
 SHIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
