@@ -1203,10 +1203,9 @@ CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
             continue;
         CUresult r = admit(d, need[d] - spare);
         if (r != CUDA_SUCCESS) {
-            for (int u = 0; u < d; u++)
-                if (taken[u])
-                    refund(u, taken[u]);
-            graph_memory_launched(taken);   /* (nothing pending any more) */
+            /* what the devices before it took goes back: no longer pending, the settle
+             * finds them charged above their reserve and refunds the difference */
+            graph_memory_launched(taken);
             memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
             return r;
         }

@@ -489,6 +489,35 @@ def test_a_graph_whose_allocation_nodes_pass_the_cap_is_refused_before_it_launch
     assert settled(node) == 512 * MiB and node.referee().used == 6 * GiB + 512 * MiB
 
 
+TWO_DEVICE_GRAPH = PRELUDE + """
+context()
+s = ok(cu.cuStreamCreate(0))
+graph = ok(cu.cuGraphCreate(0))
+for device, size in ((0, 512 * MiB), (1, 20 * GiB)):
+    params = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    params.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    params.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    params.poolProps.location.id = device
+    params.bytesize = size
+    ok(cu.cuGraphAddMemAllocNode(graph, None, 0, params))
+exe = ok(cu.cuGraphInstantiate(graph, 0))
+step({"launch": rc(cu.cuGraphLaunch(exe, s)), "free": int(ok(cu.cuMemGetInfo())[0])})
+"""
+
+
+def test_a_graph_refused_on_one_device_gives_back_what_it_took_on_another(tmp_path, spawn):
+    """Its nodes fit device 0 (512 MiB) and not device 1 (20 GiB of a 1 GiB cap): what was
+    charged ahead on device 0 goes back, once -- the slot's charge returns to 0, not
+    below it (a second refund would wrap it round to 2^64 - 512 MiB)."""
+    node = Node(tmp_path, devices=2)
+    child = spawn(node.env(limit="1Gi"), TWO_DEVICE_GRAPH)
+    assert child.read() == {"launch": 2, "free": GiB}
+    usage = slices.read_usage(node.dir, "c1")
+    assert [usage.devices[d]["memory_current"] for d in (0, 1)] == [0, 0]
+    assert [p.memory for p in usage.procs] == [{}]
+    assert node.referee().used == 0 and node.referee(1).used == 0
+
+
 # === location types ===
 
 @pytest.mark.parametrize("loc,charged,result", [(1, True, 0), (2, False, 0), (7, False, 801)],
