@@ -181,11 +181,16 @@ def running_processes(index: int) -> dict:
             lists.append(_processes(n, extra, h))
         except Exception:   # NOT_SUPPORTED on compute-only boards, absent in an old driver
             pass
+    return _per_pid(lists)
+
+
+def _per_pid(lists) -> dict:
+    """{pid: bytes or None} from the process lists of one device (compute, graphics, MPS).
+    One list naming a pid twice: two contexts under one pid (an ended process's, kept by a
+    child, and the live process given its pid), their sum; a pid in two lists (compute and
+    graphics): one context, the larger figure."""
     out = {}
     for procs in lists:
-        # one list naming a pid twice: two contexts under one pid (an ended process's, kept
-        # by a child, and the live process given its pid), their sum; listed as compute and
-        # graphics: one context, the larger figure
         mine = {}
         for pid, used in procs:
             seen = mine.get(pid, 0)
@@ -287,18 +292,14 @@ def mig_processes(device: MigDevice) -> dict:
     handle no longer answers (the instance destroyed)."""
     n = _nvml()
     try:
-        procs = _processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", device.handle)
+        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", device.handle)]
     except Exception as e:
         raise DeviceError(f"MIG device {device.uuid}: {_describe(e)}") from None
     try:
-        procs += _processes(n, "nvmlDeviceGetGraphicsRunningProcesses_v3", device.handle)
+        lists.append(_processes(n, "nvmlDeviceGetGraphicsRunningProcesses_v3", device.handle))
     except Exception:
         pass
-    out = {}
-    for pid, used in procs:
-        seen = out.get(pid)
-        out[pid] = used if pid not in out else seen if used is None else used if seen is None else max(used, seen)
-    return out
+    return _per_pid(lists)
 
 
 def minor_number(index: int) -> int:
