@@ -36,7 +36,10 @@ def children():
         started.append(Child(code, env, args))
         return started[-1]
 
+    start.releases = []      # files a forked child waits for (touched at teardown: a failed test leaves none)
     yield start
+    for release in start.releases:
+        release.touch()
     for c in started:
         c.kill()
 
@@ -70,6 +73,7 @@ def _forked(node_, children, tmp_path, name="a"):
     """A parent of slice `name` holding 1 GiB, with a forked child that sleeps until
     `release` exists: (Child, parent pid, child pid, release)."""
     release = tmp_path / "release"
+    children.releases.append(release)
     p = children(FORKED, node_.shim_env(name), args=(release,))
     r = p.read()
     return p, r["parent"], r["child"], release
