@@ -21,7 +21,8 @@
 /* === memory accounting === */
 
 #define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
-#define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings) */
+#define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings), */
+#define KEY_GRAPH (1ull << 62)  /* and what an executable graph's allocation nodes need on a device */
 #define TABLE_BITS 20
 #define TABLE_SIZE (1u << TABLE_BITS)
 #define TOMBSTONE 1ull
@@ -273,11 +274,8 @@ static struct pool *pools;
 static size_t npools, pools_cap;
 static uint64_t graph_charged[VGPU_MAX_DEVICES];   /* graph memory reserve as charged */
 static uint32_t graph_devices;                     /* bit d: device d's reserve is watched */
-#define GRAPH_EXECS 1024   /* executable graphs with allocation nodes, at once (see "graph memory") */
-static struct { CUgraphExec exec; uint64_t need[VGPU_MAX_DEVICES]; } graph_execs[GRAPH_EXECS];   /* graph_lock */
-static int graph_execs_top;   /* graph_execs[0..top) may be in use (graph_lock; read without it: 0, none) */
+static int graph_needs;      /* 1 once an executable graph's need is in the table (see "graph memory") */
 static uint64_t graph_pending[VGPU_MAX_DEVICES];   /* charged ahead of graph launches in flight (vmm_lock) */
-static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_CONTEXTS 16
 static struct { CUcontext ctx; int dev, live; } contexts[MAX_CONTEXTS];   /* ids; [0] unused */
 static int ncontexts = 1;
@@ -318,9 +316,7 @@ void memory_atfork_child(void)
     overhead_devices = graph_devices = 0;
     memset(graph_charged, 0, sizeof graph_charged);
     memset(graph_pending, 0, sizeof graph_pending);
-    memset(graph_execs, 0, sizeof graph_execs);   /* a child has no graphs of its parent's */
-    graph_execs_top = 0;
-    pthread_mutex_init(&graph_lock, NULL);
+    graph_needs = 0;   /* (the table is fresh too: a child has no graphs of its parent's) */
     pthread_mutex_init(&overhead_lock, NULL);
     __atomic_add_fetch(&contexts_gen, 1, __ATOMIC_ACQ_REL);
 }
@@ -686,6 +682,23 @@ static int forget(uint64_t key, int *dev, uint64_t *bytes)
 {
     int ctx;
     return forget_in(key, dev, bytes, &ctx);
+}
+
+/* The bytes an entry holds, the entry kept; -1 when there is none. */
+static int recall(uint64_t key, uint64_t *bytes)
+{
+    if (!S.table)
+        return -1;
+    for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
+        uint64_t k = LOAD(&S.table[i].key);
+        if (k == 0)
+            return -1;
+        if (k == key) {
+            *bytes = LOAD(&S.table[i].value) >> 8;
+            return 0;
+        }
+    }
+    return -1;
 }
 
 static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
@@ -1090,9 +1103,16 @@ SHIM_EXPORT CUresult cuCtxSynchronize(void)
  * Before each launch what that need exceeds the reserve's free part (reserved less used)
  * by is charged as an allocation would be; over the cap the launch is refused with
  * CUDA_ERROR_OUT_OF_MEMORY and nothing runs.  The need is the sum of the nodes' sizes, an
- * upper bound (the driver may reuse the memory of nodes whose lives do not overlap).  An
- * executable graph whose walk fails, or that the table has no room for, is launched as
- * before and charged after (fail open, said once in the log). */
+ * upper bound (the driver may reuse the memory of nodes whose lives do not overlap).  The
+ * need lives in the allocation table (KEY_GRAPH: one entry per device, context 0, so a
+ * context's teardown never refunds it).  An executable graph whose walk fails, or that the
+ * table has no room for, is launched as before and charged after (fail open, said once in
+ * the log). */
+
+static inline uint64_t graph_key(CUgraphExec exec, int dev)
+{
+    return KEY_GRAPH | (uint64_t)(uintptr_t)exec << 4 | (uint64_t)dev;
+}
 
 /* Adds the bytes graph g's allocation nodes take on each device to need; -1 when it cannot
  * be told. */
@@ -1132,15 +1152,12 @@ static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
 
 static void graph_exec_forget(CUgraphExec exec)
 {
-    if (!LOAD(&graph_execs_top))
+    if (!LOAD(&graph_needs))
         return;
-    pthread_mutex_lock(&graph_lock);
-    for (int i = 0; i < graph_execs_top; i++)
-        if (graph_execs[i].exec == exec)
-            graph_execs[i].exec = NULL;
-    while (graph_execs_top && !graph_execs[graph_execs_top - 1].exec)
-        graph_execs_top--;
-    pthread_mutex_unlock(&graph_lock);
+    int dev;
+    uint64_t bytes;
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
+        forget(graph_key(exec, d), &dev, &bytes);
 }
 
 /* After an instantiation: what the new executable graph's launches will take. */
@@ -1156,52 +1173,35 @@ static void graph_exec_note(CUresult r, CUgraphExec *exec, CUgraph g)
             INFO("a graph's allocation nodes could not be listed: its launches are charged after they run");
         return;
     }
-    int any = 0;
+    int stored = 0;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
-        any |= need[d] != 0;
-    if (!any)
-        return;
-    pthread_mutex_lock(&graph_lock);
-    int i = 0;
-    while (i < GRAPH_EXECS && graph_execs[i].exec)
-        i++;
-    if (i < GRAPH_EXECS) {
-        graph_execs[i].exec = *exec;
-        memcpy(graph_execs[i].need, need, sizeof need);
-        if (i >= graph_execs_top)
-            STORE(&graph_execs_top, i + 1);
+        if (need[d]) {
+            STORE(&graph_needs, 1);
+            stored |= remember_in(graph_key(*exec, d), d, need[d] < 1ull << 56 ? need[d] : (1ull << 56) - 1, 0);
+        }
+    if (stored) {
+        graph_exec_forget(*exec);
+        if (!said++)
+            INFO("the allocation table is full: a graph's launches are charged after they run");
     }
-    pthread_mutex_unlock(&graph_lock);
-    if (i == GRAPH_EXECS && !said++)
-        INFO("more than %d executable graphs with allocation nodes: the rest are charged after their launches",
-             GRAPH_EXECS);
 }
 
 CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
 {
     memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
-    uint64_t need[VGPU_MAX_DEVICES];
-    int found = 0;
-    if (!LOAD(&graph_execs_top))
+    if (!LOAD(&graph_needs) || !real_cuDeviceGetGraphMemAttribute)
         return CUDA_SUCCESS;     /* no graph with allocation nodes: the launch path as before */
-    pthread_mutex_lock(&graph_lock);
-    for (int i = 0; i < graph_execs_top && !found; i++)
-        if (graph_execs[i].exec == exec) {
-            memcpy(need, graph_execs[i].need, sizeof need);
-            found = 1;
-        }
-    pthread_mutex_unlock(&graph_lock);
-    if (!found || !real_cuDeviceGetGraphMemAttribute)
-        return CUDA_SUCCESS;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        uint64_t need;
         cuuint64_t reserved = 0, used = 0;
-        if (!need[d] || real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
+        if (recall(graph_key(exec, d), &need) ||
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
             real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
             continue;
         uint64_t spare = reserved > used ? reserved - used : 0;
-        if (need[d] <= spare)
+        if (need <= spare)
             continue;
-        CUresult r = admit(d, need[d] - spare);
+        CUresult r = admit(d, need - spare);
         if (r != CUDA_SUCCESS) {
             /* what the devices before it took goes back: no longer pending, the settle
              * finds them charged above their reserve and refunds the difference */
@@ -1209,7 +1209,7 @@ CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
             memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
             return r;
         }
-        taken[d] = need[d] - spare;
+        taken[d] = need - spare;
         pthread_mutex_lock(&vmm_lock);   /* the reserve to come: settled against once it is there */
         graph_charged[d] += taken[d];
         graph_pending[d] += taken[d];
