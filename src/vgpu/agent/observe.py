@@ -136,16 +136,22 @@ class Observer(DriverLook, Attributing, Evidence):
             t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == self.my_pid_ns else None
             if t is None and sl.pid > 0 and sl.pid_ns == self.my_pid_ns and by_usage is not None and \
                     not_slots.get(sl.pid) != sl.start_ticks:
-                t = self.track(sl.pid)
-                if t.visible and t.start == sl.start_ticks:
-                    self._usage_of(t, by_usage, now)
-                else:            # another process has that pid now, or none: not the slot's
-                    self._drop(t)
-                    not_slots[sl.pid] = sl.start_ticks
-                    t = None
+                t = self._watch_slot(sl, by_usage, now)
             if t is None or not t.visible or t.start != sl.start_ticks:
                 unsure = True
         return reclaimed, unsure
+
+    def _watch_slot(self, sl, by_usage, now):
+        """The Tracked of a slot's process of our pid namespace, watched from now on through
+        its pidfd; None when another process has that pid now, or none (remembered, so the
+        slot is not looked up again)."""
+        t = self.track(sl.pid)
+        if t.visible and t.start == sl.start_ticks:
+            self._usage_of(t, by_usage, now)
+            return t
+        self._drop(t)
+        self._not_slots[sl.pid] = sl.start_ticks
+        return None
 
     def _reap(self, f, name):
         if f.rw is None:
@@ -375,14 +381,8 @@ class Observer(DriverLook, Attributing, Evidence):
             if t.visible and (t.usage is None or not t.usage and now - t.usage_at >= RECHECK_S):
                 self._usage_of(t, by_usage, now)
         for sl in newly:             # found without NVML: their end is seen at once
-            if sl.pid in tracked:
-                continue
-            t = self.track(sl.pid)
-            if t.visible and t.start == sl.start_ticks:
-                self._usage_of(t, by_usage, now)
-            else:                    # another process has that pid now, or none: not the slot's
-                self._drop(t)
-                not_slots[sl.pid] = sl.start_ticks
+            if sl.pid not in tracked:
+                self._watch_slot(sl, by_usage, now)
         if len(not_slots) > 4096:
             not_slots.clear()
         groups = self._groups(by_identity)
