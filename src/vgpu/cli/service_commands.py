@@ -1,6 +1,8 @@
 """The long-running services: autoscale, agent, serve, and the Kubernetes plugin and webhook."""
 import errno
 import json
+import signal
+import threading
 import time
 
 import click
@@ -32,12 +34,16 @@ class Ratio(click.ParamType):
 RATIO = Ratio()
 
 
-def _until_signalled(stop):
-    import signal
+def _until_signalled(run=None):
+    """run(stop) -- by default, wait -- until SIGTERM sets `stop` or Ctrl-C."""
+    stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop.wait(3600):
-            pass
+        if run is not None:
+            run(stop)
+        else:
+            while not stop.wait(3600):
+                pass
     except KeyboardInterrupt:
         pass
 
@@ -120,14 +126,7 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
         httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
                         autoscaler=scaler)
         click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
-    import signal
-    import threading
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        scaler.run(once=once, stop=stop)
-    except KeyboardInterrupt:
-        pass
+    _until_signalled(lambda stop: scaler.run(once=once, stop=stop))
 
 
 def _listen(directory, port, address, port_flag, address_flag, autoscaler=None, agent=None):
@@ -229,8 +228,6 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
       vgpu-ctl agent --autoscale --metrics-port 9400 --on-violation gap=kill
       vgpu-ctl agent --require-slices --on-violation unsliced=kill --on-violation compute=stop
     """
-    import signal
-    import threading
     from ..agent import Agent, Settings, parse_actions
     settings = Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
                              context_allowance=context_allowance, grace=grace, window=compute_window,
@@ -259,12 +256,7 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
         httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
                         autoscaler=scaler, agent=the_agent)
         click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        the_agent.run(stop=stop, once=once)
-    except KeyboardInterrupt:
-        pass
+    _until_signalled(lambda stop: the_agent.run(stop=stop, once=once))
 
 
 @main.command()
@@ -285,10 +277,9 @@ def serve(port, address, directory):
       vgpu-ctl serve --port 9400
       curl -s localhost:9400/metrics | grep vgpu_memory_used_bytes
     """
-    import threading
     httpd = _listen(directory, port, address, "--port", "--address")
     click.echo(f"serving metrics on http://{address}:{httpd.server_port}/metrics", err=True)
-    _until_signalled(threading.Event())
+    _until_signalled()
     httpd.shutdown()
 
 
@@ -338,8 +329,6 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
     Example (what deploy/dra/daemonset.yaml runs):
       vgpu-ctl k8s-plugin --node-name "$NODE_NAME" --shim-dir /opt/vgpu
     """
-    import signal
-    import threading
     from ..k8s import agent
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -392,7 +381,6 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
       vgpu-ctl k8s-webhook --tls-cert-file /tls/tls.crt --tls-private-key-file /tls/tls.key
     """
     import ssl
-    import threading
     from ..k8s import agent, webhook
     agent._require_extras()
     config = webhook.Config(driver_name=driver_name, device_class=device_class, memory_resource=memory_resource,
@@ -410,5 +398,5 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
         raise click.ClickException(f"cannot serve HTTPS on {address}:{port} with {tls_cert_file}: {e}; hint: check "
                                    "the certificate and key files (PEM) and that the port is free") from None
     log({"event": "serving", "address": address, "port": httpd.server_port, "resources": config.names()})
-    _until_signalled(threading.Event())
+    _until_signalled()
     httpd.shutdown()
