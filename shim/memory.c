@@ -684,24 +684,8 @@ static int forget(uint64_t key, int *dev, uint64_t *bytes)
     return forget_in(key, dev, bytes, &ctx);
 }
 
-/* The bytes an entry holds, the entry kept; -1 when there is none. */
-static int recall(uint64_t key, uint64_t *bytes)
-{
-    if (!S.table)
-        return -1;
-    for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
-        uint64_t k = LOAD(&S.table[i].key);
-        if (k == 0)
-            return -1;
-        if (k == key) {
-            *bytes = LOAD(&S.table[i].value) >> 8;
-            return 0;
-        }
-    }
-    return -1;
-}
-
-static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
+/* The index of key's entry, or -1 when there is none. */
+static int64_t table_find(uint64_t key)
 {
     if (!S.table)   /* failed closed before the table existed: nothing was charged */
         return -1;
@@ -709,16 +693,32 @@ static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
         uint64_t k = LOAD(&S.table[i].key);
         if (k == 0)
             return -1;
-        if (k == key) {
-            uint64_t v = LOAD(&S.table[i].value);
-            if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL,
-                                            __ATOMIC_ACQUIRE)) {
-                *dev = (int)(v & 15);
-                *ctx = (int)(v >> 4 & 15);
-                *bytes = v >> 8;
-                return 0;
-            }
-        }
+        if (k == key)
+            return i;
+    }
+    return -1;
+}
+
+/* The bytes an entry holds, the entry kept; -1 when there is none. */
+static int recall(uint64_t key, uint64_t *bytes)
+{
+    int64_t i = table_find(key);
+    if (i < 0)
+        return -1;
+    *bytes = LOAD(&S.table[i].value) >> 8;
+    return 0;
+}
+
+static int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
+{
+    for (int64_t i; (i = table_find(key)) >= 0;) {
+        uint64_t k = key, v = LOAD(&S.table[i].value);
+        if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *dev = (int)(v & 15);
+            *ctx = (int)(v >> 4 & 15);
+            *bytes = v >> 8;
+            return 0;
+        }   /* (another thread took it first: look again) */
     }
     return -1;
 }
