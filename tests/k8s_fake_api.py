@@ -36,6 +36,10 @@ sends).
 Anything else answers a 404 (405 for another method on a served path).  Errors are `Status`
 objects, as a real API server sends them, so the client raises ApiException with the code.
 
+Every resource.k8s.io object is stored as a real server stores it: defaulted, and its
+quantities canonical (`k8s_defaults.stored`), so what a client reads back may differ from
+what it sent.
+
 Stricter than a real server on purpose: every POSTed/PUT body must survive
 `k8s_models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
 real server, by default, drops an unknown field with only a warning header.  Not served:
@@ -68,6 +72,7 @@ import time
 import uuid
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from k8s_defaults import stored as defaulted
 from k8s_models import roundtrip
 
 RESOURCE_API = "resource.k8s.io/v1"
@@ -469,7 +474,7 @@ class FakeApiServer:
         model keeps every field: see check_model); fills uid and creationTimestamp if absent
         and sets a fresh resourceVersion, as the server would.  Returns a copy of what is
         stored."""
-        obj = copy.deepcopy(obj)
+        obj = defaulted({"apiVersion": RESOURCE_API, "kind": "ResourceClaim", **obj})
         check_model(obj)
         meta = obj.setdefault("metadata", {})
         with self._lock:
@@ -763,6 +768,7 @@ class FakeApiServer:
             if bool(r.get("exactly")) == bool(r.get("firstAvailable")):
                 raise invalid(f"spec.spec.devices.requests[{i}]: Required value: exactly one of `exactly` or "
                               "`firstAvailable` is required")
+        body = defaulted(body)
         with self._lock:
             if (namespace, name) in self._templates:
                 raise ApiError(409, f'resourceclaimtemplates.resource.k8s.io "{name}" already exists',
@@ -876,7 +882,7 @@ class FakeApiServer:
                                     'object has been modified; please apply your changes to the latest version and '
                                     'try again', reason="Conflict",
                                details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
-            new_status = copy.deepcopy(body.get("status") or {})
+            new_status = defaulted({"kind": "ResourceClaim", "status": body.get("status") or {}})["status"]
             old_status = stored.get("status") or {}
             problems = []
             if old_status.get("allocation") and new_status.get("allocation") != old_status["allocation"]:
@@ -1039,6 +1045,7 @@ class FakeApiServer:
             problems.append(str(e))
         if problems:
             raise invalid("; ".join(problems))
+        body.update(defaulted(body))
         if not self.partitionable_devices:   # the DRAPartitionableDevices gate off: dropped, no error
             (body.get("spec") or {}).pop("sharedCounters", None)
             for device in (body.get("spec") or {}).get("devices") or []:

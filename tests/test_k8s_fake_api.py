@@ -411,3 +411,31 @@ def test_black_hole_answers_nothing_until_started_again(api, kube):
         res.list_resource_slice(_request_timeout=0.5)
     api.start()
     assert res.list_resource_slice(_request_timeout=5).items == []
+
+
+# === what the server writes into a stored resource.k8s.io object (k8s_defaults) ===
+
+@pytest.mark.parametrize("sent, stored", [
+    ("1000000000", "1G"), ("1000M", "1G"), ("1500", "1500"), ("0.5", "500m"), ("2000m", "2"), ("100", "100"),
+    ("1024Mi", "1Gi"), ("1.5Gi", "1536Mi"), ("512Ki", "512Ki"), ("0.5Ki", "512"), ("1536", "1536"),
+    ("1e3", "1e3"), ("0", "0"), ("25769803776", "25769803776")])
+def test_quantities_are_stored_canonically_as_apimachinery_writes_them(sent, stored):
+    from k8s_defaults import canonical
+    assert canonical(sent) == stored
+
+
+def test_a_template_is_stored_with_the_request_defaults_and_canonical_quantities(api, kube):
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t", "namespace": "default"},
+            "spec": {"spec": {"devices": {"requests": [
+                {"name": "a", "exactly": {"deviceClassName": "c", "capacity": {"requests": {"memory": "1000000000"}},
+                                          "tolerations": [{"key": "k", "effect": "NoSchedule"}]}},
+                {"name": "b", "exactly": {"deviceClassName": "c", "allocationMode": "All"}},
+                {"name": "c", "firstAvailable": [{"name": "x", "deviceClassName": "c", "count": 2}]}]}}}}
+    made = client.ResourceV1Api(kube).create_namespaced_resource_claim_template("default", body)
+    a, b, c = kube.sanitize_for_serialization(made)["spec"]["spec"]["devices"]["requests"]
+    assert a["exactly"]["allocationMode"] == "ExactCount" and a["exactly"]["count"] == 1
+    assert a["exactly"]["capacity"]["requests"] == {"memory": "1G"}
+    assert a["exactly"]["tolerations"][0]["operator"] == "Equal"
+    assert b["exactly"]["allocationMode"] == "All" and "count" not in b["exactly"]
+    assert c["firstAvailable"][0]["allocationMode"] == "ExactCount" and c["firstAvailable"][0]["count"] == 2

@@ -167,7 +167,8 @@ def test_gpu_memory_and_utilization_limits_become_a_claim_from_a_template(cluste
     assert tmpl["metadata"]["namespace"] == NS
     assert tmpl["spec"]["metadata"]["annotations"] == {"vgpu.dev/container": "train"}
     [req] = tmpl["spec"]["spec"]["devices"]["requests"]
-    assert req == {"name": "gpu", "exactly": {"deviceClassName": "vgpu.dev",
+    assert req == {"name": "gpu", "exactly": {"deviceClassName": "vgpu.dev", "allocationMode": "ExactCount",
+                                               "count": 1,     # the API server's defaults
                                                "capacity": {"requests": {"memory": "4Gi", "sm": "50"}}}}
 
 
@@ -219,6 +220,23 @@ def test_a_pod_mutated_twice_is_unchanged_the_second_time(cluster):
     # the same ask again (another replica) reuses the template: nothing new is made
     again = patched(pod, hook.review(pod))
     assert again == once and api.templates() == templates
+
+
+@pytest.mark.parametrize("memory, stored", [("4Gi", "4Gi"), ("1000000000", "1G"), ("1000M", "1G")])
+def test_every_replica_of_a_deployment_is_admitted_though_the_server_defaults_and_canonicalizes(
+        cluster, memory, stored):
+    # kubernetes' defaulting adds allocationMode/count to the stored template and writes the
+    # quantity canonically: the second replica meets a template that differs from what was sent
+    api, hook = cluster
+    pod = pod_of(ctr(f"replica-{stored.lower()}", limits={"vgpu.dev/gpu-memory": memory}))
+    first = hook.review(pod)
+    name = patched(pod, first)["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    [tmpl] = [t for t in api.templates() if t["metadata"]["name"] == name]
+    assert tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"] == {"memory": stored}
+    for _ in range(2):
+        again = hook.review(pod)
+        assert again["allowed"] is True, again.get("status")
+        assert again["patch"] == first["patch"]
 
 
 def test_pods_asking_nothing_pass_untouched_and_other_operations_are_ignored(cluster):
@@ -294,7 +312,8 @@ def test_resource_names_are_configurable_and_hami_can_be_off(tmp_path):
             out = patched(pod, response)
             [tmpl] = api.templates()
             assert tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"] == {
-                "deviceClassName": "gpu.example.com", "capacity": {"requests": {"memory": "2Gi", "sm": "10"}}}
+                "deviceClassName": "gpu.example.com", "allocationMode": "ExactCount", "count": 1,
+                "capacity": {"requests": {"memory": "2Gi", "sm": "10"}}}
             assert out["spec"]["containers"][0]["resources"]["limits"] == {}
             hami = pod_of(ctr("h", limits={"nvidia.com/gpumem": "1024"}))
             assert "patch" not in hook.review(hami)         # not ours with --no-hami

@@ -192,6 +192,30 @@ def template(namespace, ask: Ask, config: Config) -> dict:
             "spec": spec}
 
 
+def template_meaning(spec):
+    """A template's spec as the API server means it, to compare what was sent with what is
+    stored: the server fills in its defaults (kubernetes pkg/apis/resource/v1/defaults.go:
+    an empty allocationMode is ExactCount, and then a count of 0 is 1; an empty toleration
+    operator is Equal, zz_generated.defaults.go) and writes quantities canonically ("1G" for
+    the "1000000000" sent), so both sides get the defaults and every quantity becomes a number."""
+    from kubernetes.utils import parse_quantity
+    spec = json.loads(json.dumps(spec or {}))
+
+    def request(r):
+        r["allocationMode"] = r.get("allocationMode") or "ExactCount"
+        if r["allocationMode"] == "ExactCount":
+            r["count"] = r.get("count") or 1
+        for t in r.get("tolerations") or []:
+            t["operator"] = t.get("operator") or "Equal"
+        asked = (r.get("capacity") or {}).get("requests") or {}
+        for k, v in asked.items():
+            asked[k] = parse_quantity(v)
+    for r in ((spec.get("spec") or {}).get("devices") or {}).get("requests") or []:
+        for one in ([r["exactly"]] if r.get("exactly") else []) + list(r.get("firstAvailable") or []):
+            request(one)
+    return spec
+
+
 # === the patch ===
 
 def _pointer(*parts) -> str:
@@ -318,7 +342,7 @@ class Admitter:
                              f"said {e.status}: {why}") from None
         have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
             meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
-        if have.get("spec") != tmpl["spec"]:
+        if template_meaning(have.get("spec")) != template_meaning(tmpl["spec"]):
             raise Denied(f"ResourceClaimTemplate {meta['namespace']}/{meta['name']} exists with other content "
                          "(edited by hand?): delete it and create the pod again")
 
