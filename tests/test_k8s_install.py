@@ -350,6 +350,16 @@ def caps_verdict(obj, data):
     return None
 
 
+def caps_admit(operation, obj, data):
+    """Whether the API server lets `operation` on `obj` through the claim-caps policy: only a
+    request whose operation the policy's matchConstraints name is judged at all (apiserver
+    pkg/admission/plugin/policy/matching: rules.Matcher checks the operation first)."""
+    policy = next(d for _, d in QUOTA_DOCS if d["kind"] == "ValidatingAdmissionPolicy")["spec"]
+    matched = any(operation in r["operations"] or "*" in r["operations"]
+                  for r in policy["matchConstraints"]["resourceRules"])
+    return not matched or caps_verdict(obj, data) is None
+
+
 def claim(requests, kind="ResourceClaim"):
     spec = {"devices": {"requests": requests}}
     body = {"spec": spec} if kind == "ResourceClaimTemplate" else spec
@@ -388,6 +398,17 @@ def test_the_claim_caps_policy_refuses_claims_above_the_namespace_caps(obj, data
         assert verdict is None
     else:
         assert verdict and refused in verdict and "namespace team-a" in verdict
+
+
+def test_a_lowered_cap_refuses_new_claims_but_never_blocks_the_updates_that_bind_and_free_old_ones():
+    made = claim([{"name": "gpu", "exactly": exactly("8Gi")}])
+    assert caps_admit("CREATE", made, LIMITS)
+    lowered = {"max-gpu-memory": "4Gi"}
+    # the scheduler's finalizer, added and removed by plain UPDATEs (spec unchanged, and immutable)
+    bound = {**made, "metadata": {**made["metadata"], "finalizers": ["resource.kubernetes.io/delete-protection"]}}
+    assert caps_admit("UPDATE", bound, lowered)
+    assert caps_admit("UPDATE", made, {"max-gpu-memory": "not-a-quantity"})
+    assert not caps_admit("CREATE", made, lowered)
 
 
 def test_a_template_the_webhook_makes_is_judged_by_the_policy_too():
