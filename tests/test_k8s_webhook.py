@@ -184,7 +184,7 @@ def test_hami_names_map_mib_and_percent_and_take_the_gpu_count(cluster):
     [tmpl] = [t for t in api.templates() if t["metadata"]["name"] == pc["resourceClaimTemplateName"]]
     caps = tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]
     assert caps == {"memory": "3000Mi", "sm": "30"}
-    assert any("2.93Gi is rounded up to 3Gi" in w for w in response["warnings"])   # 3000Mi is not a 256Mi step
+    assert "infer: GPU memory 3000Mi, which is rounded up to 3Gi (steps of 256Mi)" in response["warnings"]   # 3000Mi is not a 256Mi step
 
 
 def test_only_utilization_leaves_memory_to_the_class_default(cluster):
@@ -261,7 +261,7 @@ def test_a_dry_run_makes_no_template(cluster):
 
 @pytest.mark.parametrize("pod, message", [
     (pod_of(ctr("big", limits={"vgpu.dev/gpu-memory": "48Gi"})),
-     "container big asks for 48Gi of GPU memory, more than the largest GPU here has (24Gi)"),
+     "container big asks for 48Gi of GPU memory: more than the largest GPU here has (24Gi)"),
     (pod_of(ctr("zero", limits={"vgpu.dev/gpu-utilization": "0"})), "must be a whole percent from 1 to 100"),
     (pod_of(ctr("over", limits={"nvidia.com/gpucores": "150"})), "must be a whole percent from 1 to 100"),
     (pod_of(ctr("frac", limits={"vgpu.dev/gpu-utilization": "12.5"})), "must be a whole percent from 1 to 100"),
@@ -297,6 +297,30 @@ def test_a_hand_edited_template_of_the_same_name_is_a_denial_not_a_silent_mismat
             {"requests": {"memory": "20Gi"}}
     response = hook.review(pod)
     assert response["allowed"] is False and "exists with other content" in response["status"]["message"]
+
+
+def test_memory_is_checked_against_the_gpu_after_the_rounding_the_scheduler_applies(tmp_path):
+    # a 23028Mi card (an A10G as NVML reports it): 23028Mi itself would round up to 23040Mi
+    # and never fit, so it is refused at admission, not left Pending forever
+    with FakeApiServer() as api:
+        gpu = {"name": "gpu-0", "allowMultipleAllocations": True,
+               "capacity": {"memory": {"value": "23028Mi"}, "sm": {"value": "100"}}}
+        api._create_slice({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                           "metadata": {"name": "node-a-vgpu.dev"},
+                           "spec": {"driver": "vgpu.dev", "nodeName": "node-a", "devices": [gpu],
+                                    "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1}}}, {})
+        hook = Webhook(tmp_path, api)
+        try:
+            refused = hook.review(pod_of(ctr("whole", limits={"vgpu.dev/gpu-memory": "23028Mi"})))
+            assert refused["allowed"] is False
+            assert refused["status"]["message"] == (
+                "container whole asks for 23028Mi of GPU memory, which is rounded up to 23040Mi (steps of 256Mi): "
+                "more than the largest GPU here has (23028Mi)")
+            fits = hook.review(pod_of(ctr("most", limits={"vgpu.dev/gpu-memory": "22780Mi"})))
+            assert fits["allowed"] is True
+            assert fits["warnings"] == ["most: GPU memory 22780Mi, which is rounded up to 22784Mi (steps of 256Mi)"]
+        finally:
+            hook.stop()
 
 
 # === names are configurable, HAMi can be switched off ===

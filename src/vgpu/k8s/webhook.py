@@ -41,7 +41,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..quantities import format_memory
 from . import CONTAINER_ANNOTATION
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -242,13 +241,15 @@ def mutation(pod: dict, config: Config, largest_gpu=None):
         ops.append({"op": "add", "path": "/spec/resourceClaims", "value": []})
     for i, ask in asks:
         if ask.memory is not None:
-            if largest_gpu is not None and ask.memory > largest_gpu:
-                raise Denied(f"container {ask.container} asks for {format_memory(ask.memory)} of GPU memory, more "
-                             f"than the largest GPU here has ({format_memory(largest_gpu)})")
-            if ask.memory % MEMORY_STEP:
-                up = -(-ask.memory // MEMORY_STEP) * MEMORY_STEP
-                warnings.append(f"{ask.container}: GPU memory {format_memory(ask.memory)} is rounded up to "
-                                f"{format_memory(up)} (steps of 256Mi)")
+            # what the scheduler will consume: the slice's requestPolicy (min and step 256Mi)
+            # rounds up first, and it is the rounded amount that must fit on a GPU
+            up = max(MEMORY_STEP, -(-ask.memory // MEMORY_STEP) * MEMORY_STEP)
+            rounded = f", which is rounded up to {canonical_memory(up)} (steps of 256Mi)" if up != ask.memory else ""
+            if largest_gpu is not None and up > largest_gpu:
+                raise Denied(f"container {ask.container} asks for {canonical_memory(ask.memory)} of GPU memory"
+                             f"{rounded}: more than the largest GPU here has ({canonical_memory(largest_gpu)})")
+            if rounded:
+                warnings.append(f"{ask.container}: GPU memory {canonical_memory(ask.memory)}{rounded}")
         name = claim_name(ask.container)
         if name in existing:
             raise Denied(f"container {ask.container}: the pod already has a resourceClaims entry {name!r}; "
