@@ -14,6 +14,8 @@ serves just what the agent uses:
     GET    /api/v1/nodes, /api/v1/pods, /api/v1/namespaces/{ns}/pods[/{name}]     (fieldSelector)
     GET    /apis/resource.k8s.io/v1/resourceclaims, .../namespaces/{ns}/resourceclaims
     PUT    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status
+    PATCH  /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status  (server-side
+           apply of status.devices only)
     POST   /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates
     GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/{name}
 
@@ -43,7 +45,7 @@ what it sent.
 Stricter than a real server on purpose: every POSTed/PUT body must survive
 `k8s_models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
 real server, by default, drops an unknown field with only a warning header.  Not served:
-PATCH, pagination (`limit` is ignored and everything comes back in one list).
+any other PATCH, pagination (`limit` is ignored and everything comes back in one list).
 
 Watches (`?watch=true`) stream ADDED/MODIFIED/DELETED events of ResourceSlices as chunked
 JSON lines, from `resourceVersion` on (none or "0": the current objects as ADDED first),
@@ -372,6 +374,7 @@ class FakeApiServer:
         self._slices = {}           # name -> ResourceSlice
         self._pods = {}             # (namespace, name) -> Pod
         self._templates = {}        # (namespace, name) -> ResourceClaimTemplate
+        self._device_owners = {}    # (namespace, name) -> {status.devices key: fieldManager}
         self._users = {}            # token -> {"username", "extra", "rules"}
         self._failures = []         # [method, path prefix, code, times left]
         self._events = []           # (resourceVersion, type, ResourceSlice) for watches
@@ -535,6 +538,7 @@ class FakeApiServer:
     def delete_claim(self, namespace, name):
         with self._lock:
             self._claims.pop((namespace, name), None)
+            self._device_owners.pop((namespace, name), None)
 
     def slices(self) -> list:
         """Copies of the stored ResourceSlices, by name."""
@@ -632,10 +636,12 @@ class FakeApiServer:
             return 200, self._list(RESOURCE_API, "ResourceClaimList", self._claims.values(),
                                    lambda o: ns is None or o["metadata"].get("namespace") == ns)
         if m := _CLAIM_STATUS_RE.match(path):
-            self._only(method, "GET", "PUT")
+            self._only(method, "GET", "PUT", "PATCH")
             key = (m.group(1), m.group(2))
             if method == "GET":
                 return 200, self._get(self._claims, key, "resourceclaims.resource.k8s.io", key[1])
+            if method == "PATCH":
+                return 200, self._apply_claim_status(key, self._body(raw), user, query, headers.get("Content-Type"))
             return 200, self._replace_claim_status(key, self._body(raw), user, query)
         if m := _TEMPLATES_RE.match(path):
             self._only(method, "GET", "POST")
@@ -850,15 +856,71 @@ class FakeApiServer:
                     out.append(f"{where}.data: Invalid value: \"<value omitted>\": must be a valid JSON object")
         return out
 
-    def _replace_claim_status(self, key, body, user, query):
+    def _claim_invalid(self, name, msg):
+        return ApiError(422, f'ResourceClaim.resource.k8s.io "{name}" is invalid: {msg}',
+                        details={"name": name, "group": "resource.k8s.io", "kind": "ResourceClaim"})
+
+    def _stored_claim(self, key, meta):
+        """The stored claim a status write is for (the caller holds the lock), after the uid and
+        resourceVersion preconditions a write carries."""
+        name = key[1]
+        stored = self._claims.get(key)
+        if stored is None:
+            raise ApiError(404, f'resourceclaims.resource.k8s.io "{name}" not found',
+                           details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
+        old_meta = stored["metadata"]
+        if meta.get("uid") and meta["uid"] != old_meta["uid"]:
+            raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
+                                f"{old_meta['uid']}")
+        if meta.get("resourceVersion") and meta["resourceVersion"] != old_meta["resourceVersion"]:
+            raise ApiError(409, f'Operation cannot be fulfilled on resourceclaims.resource.k8s.io "{name}": the '
+                                'object has been modified; please apply your changes to the latest version and '
+                                'try again', reason="Conflict",
+                           details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
+        return stored
+
+    def _store_claim_status(self, key, stored, new_status, user, verb, query):
+        """The status strategy on a write of `verb` (update or patch), then the new status
+        stored (the caller holds the lock)."""
         namespace, name = key
+        old_status = stored.get("status") or {}
+        problems = []
+        if old_status.get("allocation") and new_status.get("allocation") != old_status["allocation"]:
+            problems.append("status.allocation: Forbidden: field is immutable after it has been set")
+        if (new_status.get("allocation") != old_status.get("allocation") or
+                new_status.get("reservedFor") != old_status.get("reservedFor")) and \
+                not self._synthetic(user, verb, "binding", namespace, ""):
+            problems.append('status: Forbidden: changing status.allocation or status.reservedFor requires '
+                            f'resource="resourceclaims/binding", verb="{verb}" permission')
+        drivers = self._modified_drivers(new_status, old_status)
+        if drivers and user is not None:
+            node = self._node_of(new_status.get("allocation"))
+            extra = user["extra"].get("authentication.kubernetes.io/node-name") or []
+            associated = bool(node) and user["username"].startswith("system:serviceaccount:") and \
+                len(extra) == 1 and extra[0] == node
+            verbs = ([f"associated-node:{verb}"] if associated else []) + [f"arbitrary-node:{verb}"]
+            for driver in sorted(drivers):
+                if not any(self._allows(user["rules"], v, "resource.k8s.io", "resourceclaims/driver", driver)
+                           for v in verbs):
+                    problems.append(f'status.devices: Forbidden: changing status.devices requires '
+                                    f'resource="resourceclaims/driver", verb="{verbs}" permission: '
+                                    f'driver {driver}')
+        problems += self._validate_device_status(new_status)
+        if problems:
+            raise self._claim_invalid(name, "; ".join(problems))
+        obj = copy.deepcopy(stored)      # the status strategy: spec and metadata stay as stored
+        obj["status"] = new_status
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        if query.get("dryRun") != "All":
+            self._claims[key] = obj
+        return copy.deepcopy(obj)
+
+    def _replace_claim_status(self, key, body, user, query):
+        name = key[1]
         meta = body.get("metadata") or {}
         if meta.get("name") != name:
             raise ApiError(400, f"the name of the object ({meta.get('name')}) does not match the name on the URL "
                                 f"({name})")
-        invalid = lambda msg: ApiError(   # noqa: E731
-            422, f'ResourceClaim.resource.k8s.io "{name}" is invalid: {msg}',
-            details={"name": name, "group": "resource.k8s.io", "kind": "ResourceClaim"})
         checked = copy.deepcopy(body)
         checked.setdefault("apiVersion", RESOURCE_API)
         checked.setdefault("kind", "ResourceClaim")
@@ -866,54 +928,61 @@ class FakeApiServer:
         try:
             check_model(checked)
         except AssertionError as e:
-            raise invalid(str(e))
-        verb = "update"
+            raise self._claim_invalid(name, str(e))
         with self._lock:
-            stored = self._claims.get(key)
-            if stored is None:
-                raise ApiError(404, f'resourceclaims.resource.k8s.io "{name}" not found',
-                               details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
-            old_meta = stored["metadata"]
-            if meta.get("uid") and meta["uid"] != old_meta["uid"]:
-                raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
-                                    f"{old_meta['uid']}")
-            if meta.get("resourceVersion") and meta["resourceVersion"] != old_meta["resourceVersion"]:
-                raise ApiError(409, f'Operation cannot be fulfilled on resourceclaims.resource.k8s.io "{name}": the '
-                                    'object has been modified; please apply your changes to the latest version and '
-                                    'try again', reason="Conflict",
-                               details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
+            stored = self._stored_claim(key, meta)
             new_status = defaulted({"kind": "ResourceClaim", "status": body.get("status") or {}})["status"]
-            old_status = stored.get("status") or {}
-            problems = []
-            if old_status.get("allocation") and new_status.get("allocation") != old_status["allocation"]:
-                problems.append("status.allocation: Forbidden: field is immutable after it has been set")
-            if (new_status.get("allocation") != old_status.get("allocation") or
-                    new_status.get("reservedFor") != old_status.get("reservedFor")) and \
-                    not self._synthetic(user, verb, "binding", namespace, ""):
-                problems.append('status: Forbidden: changing status.allocation or status.reservedFor requires '
-                                f'resource="resourceclaims/binding", verb="{verb}" permission')
-            drivers = self._modified_drivers(new_status, old_status)
-            if drivers and user is not None:
-                node = self._node_of(new_status.get("allocation"))
-                extra = user["extra"].get("authentication.kubernetes.io/node-name") or []
-                associated = bool(node) and user["username"].startswith("system:serviceaccount:") and \
-                    len(extra) == 1 and extra[0] == node
-                verbs = ([f"associated-node:{verb}"] if associated else []) + [f"arbitrary-node:{verb}"]
-                for driver in sorted(drivers):
-                    if not any(self._allows(user["rules"], v, "resource.k8s.io", "resourceclaims/driver", driver)
-                               for v in verbs):
-                        problems.append(f'status.devices: Forbidden: changing status.devices requires '
-                                        f'resource="resourceclaims/driver", verb="{verbs}" permission: '
-                                        f'driver {driver}')
-            problems += self._validate_device_status(new_status)
-            if problems:
-                raise invalid("; ".join(problems))
-            obj = copy.deepcopy(stored)      # the status strategy: spec and metadata stay as stored
-            obj["status"] = new_status
-            obj["metadata"]["resourceVersion"] = self._next_rv()
+            owners = self._device_owners.setdefault(key, {})
+            for d in new_status.get("devices") or []:     # an update owns what it wrote (as managedFields)
+                k = self._device_key(d)
+                if d not in ((stored.get("status") or {}).get("devices") or []):
+                    owners[k] = query.get("fieldManager") or "update"
+            return self._store_claim_status(key, stored, new_status, user, "update", query)
+
+    def _apply_claim_status(self, key, body, user, query, content_type):
+        """Server-side apply of status.devices entries (list-map keyed by driver, pool, device,
+        shareID: k8s.io/api resource/v1 types.go AllocatedDeviceStatus): the applied entries
+        replace their namesakes, and the entries this fieldManager applied before and leaves out
+        now are removed; an entry another manager owns is a 409 conflict unless force=true.
+        Only status.devices is served: anything else applied is refused."""
+        name = key[1]
+        if (content_type or "").split(";")[0].strip() != "application/apply-patch+yaml":
+            raise ApiError(415, f"the fake serves only server-side apply on resourceclaims/status, not "
+                                f"{content_type}")
+        manager = query.get("fieldManager")
+        if not manager:
+            raise ApiError(400, "PATCH, fieldManager is required for apply requests")
+        meta = body.get("metadata") or {}
+        if (body.get("apiVersion"), body.get("kind")) != (RESOURCE_API, "ResourceClaim") or meta.get("name") != name:
+            raise ApiError(400, "an apply patch must be a resource.k8s.io/v1 ResourceClaim with the URL's name")
+        if set(body.get("status") or {}) - {"devices"} or set(body) - {"apiVersion", "kind", "metadata", "status"}:
+            raise self._claim_invalid(name, "the fake applies status.devices only")
+        applied = defaulted({"kind": "ResourceClaim", "status": body.get("status") or {}})["status"].get("devices") or []
+        force = query.get("force") in ("true", "1")
+        with self._lock:
+            stored = self._stored_claim(key, meta)
+            owners = dict(self._device_owners.get(key) or {})
+            live = {self._device_key(d): d for d in (stored.get("status") or {}).get("devices") or []}
+            wanted = {self._device_key(d): d for d in applied}
+            for k, d in wanted.items():
+                other = owners.get(k, manager)
+                if other != manager and live.get(k) not in (None, d) and not force:
+                    raise ApiError(409, f'Apply failed with 1 conflict: conflict with "{other}": .status.devices'
+                                        f'[driver="{k[0]}",pool="{k[1]}",device="{k[2]}"]', reason="Conflict")
+            devices = [d for k, d in live.items() if k in wanted or owners.get(k) != manager]
+            devices = [wanted.get(self._device_key(d), d) for d in devices] + \
+                [d for k, d in wanted.items() if k not in live]
+            for k in live:
+                if k not in wanted and owners.get(k) == manager:
+                    owners.pop(k)
+            owners.update({k: manager for k in wanted})
+            new_status = {**copy.deepcopy(stored.get("status") or {}), "devices": devices}
+            if not devices:
+                new_status.pop("devices")
+            out = self._store_claim_status(key, stored, new_status, user, "patch", query)
             if query.get("dryRun") != "All":
-                self._claims[key] = obj
-            return copy.deepcopy(obj)
+                self._device_owners[key] = owners
+            return out
 
     @staticmethod
     def _only(method, *allowed):

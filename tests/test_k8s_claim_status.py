@@ -104,7 +104,7 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     assert stored["status"]["allocation"]["devices"]["results"][0]["shareID"] == share
     assert stored["status"]["reservedFor"][0]["name"] == "train-0"
     # nothing changes: nothing more is written
-    writes = lambda: [r for r in api.requests if r[0] == "PUT" and r[1].endswith("/status")]   # noqa: E731
+    writes = lambda: [r for r in api.requests if r[0] == "PATCH" and r[1].endswith("/status")]   # noqa: E731
     n = len(writes())
     time.sleep(1.0)
     assert len(writes()) == n
@@ -118,6 +118,31 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     assert not [e for e in agent.events() if e["event"] == "claim_status_refused"]
 
 
+def test_only_our_status_entries_are_written_and_fields_newer_than_the_client_survive(tmp_path, api):
+    # a claim as a newer API server has it: an allocation field this client's models do not
+    # know, and another driver's device with a status entry of its own
+    node = plugin_node(tmp_path, api, shipped_rules())
+    node.start("--claim-status-interval", "200ms")
+    claim, share = pod_claim(node, "mixed")
+    with api._lock:
+        stored = api._claims[(NS, "mixed")]
+        allocation = stored["status"]["allocation"]
+        allocation["devices"]["results"].append({"request": "nic", "driver": "nic.example.com", "pool": NODE,
+                                                 "device": "nic-0"})
+        allocation["futureField"] = {"from": "a newer release"}
+        stored["status"]["devices"] = [{"driver": "nic.example.com", "pool": NODE, "device": "nic-0",
+                                        "data": {"link": "up"}}]
+    node.kubelet().prepare(claim)
+    reads = lambda: [r for r in api.requests if r[1].endswith("/mixed") and r[0] == "GET"]   # noqa: E731
+    before = len(reads())          # the kubelet's, when it prepared the claim
+    wait(lambda: our_entries(api, "mixed"), "our status.devices entry")
+    status = api.claim(NS, "mixed")["status"]
+    assert status["allocation"]["futureField"] == {"from": "a newer release"}
+    assert [d["driver"] for d in status["devices"]] == ["nic.example.com", DRIVER]
+    assert status["devices"][0]["data"] == {"link": "up"}
+    assert len(reads()) == before          # the writer read nothing first
+
+
 def test_writes_are_rate_limited_to_one_per_interval_per_claim(tmp_path, api):
     node = plugin_node(tmp_path, api, shipped_rules())
     node.start("--claim-status-interval", "1s")
@@ -129,7 +154,7 @@ def test_writes_are_rate_limited_to_one_per_interval_per_claim(tmp_path, api):
     for i in range(30):      # the figures change every 100 ms for 3 s
         write_usage_counters(node.slice_dir, share, 0, oom_refusals=i + 1)
         time.sleep(0.1)
-    puts = [r for r in api.requests if r[0] == "PUT" and r[1].endswith("/busy/status")]
+    puts = [r for r in api.requests if r[0] == "PATCH" and r[1].endswith("/busy/status")]
     assert 2 <= len(puts) <= 2 + int(time.monotonic() - t0) + 1, len(puts)
 
 
@@ -141,7 +166,7 @@ def test_without_the_driver_rule_the_status_strategy_refuses_and_the_agent_says_
     assert node.kubelet().prepare(claim)[claim[1]].error == ""       # preparing is not affected
     refused = agent.wait_for(lambda e: e["event"] == "claim_status_refused", "refusal")
     assert "422" in refused["error"] and 'resource="resourceclaims/driver"' in refused["error"]
-    assert "associated-node:update" in refused["hint"]
+    assert "associated-node:patch" in refused["hint"]
     time.sleep(1.5)
     assert len([e for e in agent.events() if e["event"] == "claim_status_refused"]) == 1
     assert our_entries(api, "no-driver-rule") == []
@@ -154,9 +179,9 @@ def test_without_status_rbac_the_403_is_logged_once_and_backed_off(tmp_path, api
     claim, _ = pod_claim(node, "no-status-rbac")
     node.kubelet().prepare(claim)
     refused = agent.wait_for(lambda e: e["event"] == "claim_status_refused", "refusal")
-    assert "403" in refused["error"] and 'cannot update resource "resourceclaims/status"' in refused["error"]
+    assert "403" in refused["error"] and 'cannot patch resource "resourceclaims/status"' in refused["error"]
     time.sleep(2.0)
-    puts = [r for r in api.requests if r[0] == "PUT" and r[1].endswith("/no-status-rbac/status")]
+    puts = [r for r in api.requests if r[0] == "PATCH" and r[1].endswith("/no-status-rbac/status")]
     assert 1 <= len(puts) <= 4, len(puts)        # 0.2 s, then doubling: not ten tries in 2 s
     assert len([e for e in agent.events() if e["event"] == "claim_status_refused"]) == 1
 
@@ -168,7 +193,7 @@ def test_an_agent_on_another_node_is_refused_the_associated_node_verb(tmp_path, 
     claim, _ = pod_claim(node, "elsewhere")
     node.kubelet().prepare(claim)
     refused = agent.wait_for(lambda e: e["event"] == "claim_status_refused", "refusal")
-    assert "arbitrary-node:update" in refused["error"]
+    assert "arbitrary-node:patch" in refused["error"]
 
 
 def test_figures_are_kept_within_10_ki_dropping_processes_from_the_end():

@@ -439,3 +439,32 @@ def test_a_template_is_stored_with_the_request_defaults_and_canonical_quantities
     assert a["exactly"]["tolerations"][0]["operator"] == "Equal"
     assert b["exactly"]["allocationMode"] == "All" and "count" not in b["exactly"]
     assert c["firstAvailable"][0]["allocationMode"] == "ExactCount" and c["firstAvailable"][0]["count"] == 2
+
+
+def test_server_side_apply_of_status_devices_merges_by_key_and_owns_what_each_manager_applied(api, kube):
+    api.put_claim(allocated_claim("default", "c", "gpu.example.com", "node-a",
+                                  [{"request": "a", "device": "gpu-0"}, {"request": "b", "device": "gpu-1"}]))
+    resource = client.ResourceV1Api(kube)
+
+    def apply(manager, devices, force=False):
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c"},
+                "status": {"devices": [{"driver": "gpu.example.com", "pool": "node-a", "device": d,
+                                        "data": {"by": manager}} for d in devices]}}
+        resource.patch_namespaced_resource_claim_status("c", "default", body, field_manager=manager, force=force,
+                                                        _content_type="application/apply-patch+yaml")
+        return [(d["device"], d["data"]["by"]) for d in api.claim("default", "c")["status"].get("devices") or []]
+
+    assert apply("one", ["gpu-0", "gpu-1"]) == [("gpu-0", "one"), ("gpu-1", "one")]
+    assert apply("one", ["gpu-1"]) == [("gpu-1", "one")]           # what it leaves out now is removed
+    assert apply("two", ["gpu-0"]) == [("gpu-1", "one"), ("gpu-0", "two")]
+    with pytest.raises(ApiException) as e:                          # another manager's entry: a conflict
+        apply("two", ["gpu-0", "gpu-1"])
+    assert e.value.status == 409
+    assert json.loads(e.value.body)["message"].startswith('Apply failed with 1 conflict: conflict with "one"')
+    assert apply("two", ["gpu-0", "gpu-1"], force=True) == [("gpu-1", "two"), ("gpu-0", "two")]
+    assert apply("one", []) == [("gpu-1", "two"), ("gpu-0", "two")]     # nothing of one's is left to remove
+    with pytest.raises(ApiException) as e:
+        resource.patch_namespaced_resource_claim_status(
+            "c", "default", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c"}},
+            _content_type="application/apply-patch+yaml")
+    assert e.value.status == 400 and "fieldManager is required" in e.value.body

@@ -215,6 +215,26 @@ print(d.cuDeviceGetCount()[1], d.cuDeviceTotalMem(d.cuDeviceGet(0)[1])[1])
     assert kubelet.unprepare(claim)[claim[1]].error == ""
 
 
+def test_a_prepared_mig_claim_is_ready_in_its_status_naming_its_instance(mig_node):
+    mig_node.start("--claim-status-interval", "200ms")
+    pool(mig_node)
+    claim = mig_claim(mig_node, "isolated", "gpu-0-mig-3g40gb-4")
+    assert mig_node.kubelet().prepare(claim)[claim[1]].error == ""
+    [inst] = nvml_state(mig_node.env)[0]["instances"]
+    deadline = time.monotonic() + 20
+    while not (entries := (mig_node.api.claim(NS, "isolated").get("status") or {}).get("devices")):
+        assert time.monotonic() < deadline, "no status.devices entry"
+        time.sleep(0.05)
+    [entry] = entries
+    assert entry["device"] == "gpu-0-mig-3g40gb-4"
+    assert entry["data"]["mig"] == {"uuid": inst["uuid"], "profile": "3g.40gb", "placement": 4,
+                                    "gpu_instance": inst["gi"]}
+    assert entry["data"]["memory.max"] == inst["memory"]
+    [ready] = entry["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "MigInstancePrepared")
+    assert ready["message"] == f"MIG device {inst['uuid']}"
+
+
 def test_a_restart_between_prepare_and_unprepare_destroys_the_instance_it_made(mig_node):
     agent = mig_node.start()
     pool(mig_node)

@@ -19,13 +19,16 @@ once (vgpu.status.collect, the model status and metrics use) and writes a claim 
 figures changed since the last write, and at most once per interval.  `data` is kept within
 the API's 10 Ki (processes are left out from the end, `processes.omitted` says how many).
 
-Written with GET then PUT of /status carrying the resourceVersion read, so the status of
-other drivers' devices and the scheduler's allocation and reservedFor go back unchanged
-(changing those would need resourceclaims/binding).  On a 409 the claim is read again once.
-A refusal -- 403 from RBAC without update on resourceclaims/status, 422 from the status
-strategy when the caller lacks `associated-node:update` on resourceclaims/driver (1.36+) --
-is logged once per claim and kind of refusal and retried with a backoff up to 5 minutes; it
-never touches preparing claims.
+Written with server-side apply of this driver's status.devices entries only (field manager
+vgpu-claim-status; the list is keyed by driver, pool, device and shareID, so the scheduler's
+allocation and reservedFor, other drivers' entries and any field newer than this client stay
+as the API server has them, and nothing is read first).  A MIG claim's entry names its
+instance (uuid, profile, placement) and is Ready while NVML finds it.  A refusal -- 403 from
+RBAC without patch on resourceclaims/status, 422 from the status strategy when the caller
+lacks `associated-node:patch` on resourceclaims/driver (1.36+) -- is logged once per claim
+and kind of refusal and retried with a backoff up to 5 minutes; it never touches preparing
+claims.  A condition's lastTransitionTime is kept from this process's last write (a restart
+starts it again).
 """
 import copy
 import datetime
@@ -33,12 +36,13 @@ import json
 import threading
 import time
 
-from .. import nvml, status as status_mod
+from .. import mig, nvml, status as status_mod
 from ..agent.state import describe_violation
 
 DATA_MAX = 10 * 1024       # bytes of `data`, as the client serialises it (json.dumps, default separators)
 API_TIMEOUT = 10
 MAX_BACKOFF = 300.0
+FIELD_MANAGER = "vgpu-claim-status"   # owns this driver's status.devices entries (server-side apply)
 COMMAND_MAX = 80
 
 
@@ -96,11 +100,38 @@ def fit(data: dict, limit=DATA_MAX) -> dict:
     return data
 
 
-def ready_condition(ready: bool, previous=None, message="") -> dict:
+def ready_condition(ready: bool, previous=None, message="", mig_device=False) -> dict:
     status = "True" if ready else "False"
     since = previous.get("lastTransitionTime") if previous and previous.get("status") == status else None
-    return {"type": "Ready", "status": status, "reason": "SlicePrepared" if ready else "SliceMissing",
-            "message": message[:1000], "lastTransitionTime": since or _now()}
+    reason = ("MigInstancePrepared" if ready else "MigInstanceMissing") if mig_device else \
+        ("SlicePrepared" if ready else "SliceMissing")
+    return {"type": "Ready", "status": status, "reason": reason, "message": message[:1000],
+            "lastTransitionTime": since or _now()}
+
+
+def mig_entry(record) -> dict:
+    """data, ready and message of a prepared MIG device (its mig.create_instance record, None
+    when the claim has no record of it): ready while NVML finds the instance."""
+    if record is None:
+        return {"data": {"mig": {}, "problem": "no MIG instance is recorded for this device"}, "ready": False,
+                "message": "no MIG instance is recorded for this device"}
+    seen = mig.view(record)
+    placement = record.get("placement")
+    data = {"mig": {"uuid": record.get("uuid"), "profile": record.get("profile"),
+                    "placement": placement.get("start") if isinstance(placement, dict) else placement,
+                    "gpu_instance": record.get("gpu_instance")}}
+    if seen["memory_total"] is not None:
+        data.update({"memory.max": seen["memory_total"], "memory.current": seen["memory_used"]})
+    message = f"MIG device {record.get('uuid')}" if seen["present"] else \
+        f"MIG device {record.get('uuid')} is gone: {seen.get('note', '')}".rstrip(": ")
+    if not seen["present"]:
+        data["problem"] = message
+    return {"data": data, "ready": seen["present"], "message": message}
+
+
+def _key(d) -> tuple:
+    """A status.devices entry's key (the list-map keys of AllocatedDeviceStatus)."""
+    return (d["driver"], d["pool"], d["device"], d.get("shareID") or "")
 
 
 def violating_condition(violations, previous=None) -> dict:
@@ -130,6 +161,7 @@ class Writer:
         self.driver, self.slice_dir, self.interval, self.log = driver, slice_dir, interval, log
         self.use_nvml = use_nvml
         self.written = {}      # uid -> the device entries last written (less lastTransitionTime)
+        self.conditions = {}   # uid -> {entry key: the conditions last written}
         self.next_at = {}      # uid -> monotonic time before which it is not written again
         self.backoff = {}      # uid -> seconds
         self.refused = {}      # uid -> the kind of the last refusal logged
@@ -154,7 +186,7 @@ class Writer:
     def round(self):
         claims = self._prepared()
         for uid in set(self.written) - set(claims):     # unprepared: forget
-            for d in (self.written, self.next_at, self.backoff, self.refused):
+            for d in (self.written, self.conditions, self.next_at, self.backoff, self.refused):
                 d.pop(uid, None)
         if not claims:
             return
@@ -168,22 +200,31 @@ class Writer:
         for uid, entry in sorted(claims.items()):
             if now < self.next_at.get(uid, 0):
                 continue
-            container = by_slice.get(entry["slice"])
-            devices = self.entries(entry, container)
+            devices = self.entries(entry, by_slice.get(entry["slice"]))
             if self.written.get(uid) == devices:
                 continue
-            self.write(uid, entry, devices, container is not None)
+            self.write(uid, entry, devices)
 
     def entries(self, entry, container) -> list:
+        """Our status.devices entries of a prepared claim, each with `ready` and `message`
+        (what its Ready condition says) and, while the node agent judges, `violations`."""
         out = []
-        for d in entry["devices"]:
+        records = entry.get("mig") or []   # a MIG claim's instances, in the order of its devices
+        for i, d in enumerate(entry["devices"]):
             e = {"driver": self.driver.driver, "pool": d["pool_name"], "device": d["device_name"]}
             if d.get("share_id"):
                 e["shareID"] = d["share_id"]
+            if "mig" in entry:       # a MIG claim: its instance, not a slice
+                e.update(mig_entry(records[i] if i < len(records) else None))
+                out.append(e)
+                continue
             index = device_index(d["device_name"])
-            e["data"] = figures(container, index, self.driver_memory(index)) \
-                if container is not None and index is not None else \
-                {"slice": entry["slice"], "problem": "the slice is gone from this node"}
+            if container is not None and index is not None:
+                e.update(data=figures(container, index, self.driver_memory(index)), ready=True,
+                         message=f"slice {entry['slice']}")
+            else:
+                e.update(data={"slice": entry["slice"], "problem": "the slice is gone from this node"}, ready=False,
+                         message="the slice is gone from this node")
             if self._violations is not None:
                 e["violations"] = [v for v in self._violations if v.get("container") == entry["slice"] and
                                    v.get("device", index) == index]
@@ -201,60 +242,48 @@ class Writer:
                 self._driver_memory[index] = None
         return self._driver_memory[index]
 
-    def write(self, uid, entry, devices, ready):
+    def write(self, uid, entry, devices):
+        """Apply our entries of the claim's status.devices (server-side apply, field manager
+        FIELD_MANAGER): only that field is sent, nothing is read first, so the scheduler's
+        allocation, other drivers' entries and fields newer than this client are untouched."""
         from kubernetes.client.exceptions import ApiException
         ns, name = entry["namespace"], entry["name"]
-        for attempt in (1, 2):
-            try:
-                claim = self.api.sanitize_for_serialization(
-                    self.resource.read_namespaced_resource_claim(name, ns, _request_timeout=API_TIMEOUT))
-                if (claim.get("metadata") or {}).get("uid") != uid:
-                    return self._forget(uid)       # deleted and made again: not the claim we prepared
-                body = self.body(claim, devices, ready)
-                self.resource.replace_namespaced_resource_claim_status(name, ns, body, _request_timeout=API_TIMEOUT)
-            except ApiException as e:
-                if e.status == 404:
-                    return self._forget(uid)
-                if e.status == 409 and attempt == 1:
-                    continue
-                return self._refused(uid, ns, name, e)
-            except Exception as e:          # unreachable, timed out
-                return self._refused(uid, ns, name, e)
-            self.written[uid] = devices
-            self.writes += 1
-            self.backoff.pop(uid, None)
-            if self.refused.pop(uid, None):
-                self.log({"event": "claim_status_written_again", "claim": f"{ns}/{name}"})
-            self.next_at[uid] = time.monotonic() + self.interval
-            return None
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "status": {"devices": self.applied(uid, devices)}}
+        try:
+            response = self.resource.patch_namespaced_resource_claim_status(
+                name, ns, body, field_manager=FIELD_MANAGER, force=True,
+                _content_type="application/apply-patch+yaml", _preload_content=False, _request_timeout=API_TIMEOUT)
+            response.release_conn()
+        except ApiException as e:
+            if e.status == 404:
+                return self._forget(uid)
+            return self._refused(uid, ns, name, e)
+        except Exception as e:          # unreachable, timed out
+            return self._refused(uid, ns, name, e)
+        self.written[uid] = devices
+        self.conditions[uid] = {_key(d): d["conditions"] for d in body["status"]["devices"]}
+        self.writes += 1
+        self.backoff.pop(uid, None)
+        if self.refused.pop(uid, None):
+            self.log({"event": "claim_status_written_again", "claim": f"{ns}/{name}"})
+        self.next_at[uid] = time.monotonic() + self.interval
         return None
 
-    def body(self, claim, devices, ready) -> dict:
-        """The claim with our devices' entries replaced (every other entry kept as it was)."""
-        status = claim.setdefault("status", {})
-        ours = {(d["driver"], d["pool"], d["device"], d.get("shareID")) for d in devices}
-        kept, before = [], {}
-        for d in status.get("devices") or []:
-            key = (d.get("driver"), d.get("pool"), d.get("device"), d.get("shareID"))
-            if key in ours:
-                before[key] = d
-            else:
-                kept.append(d)
-        fresh = []
+    def applied(self, uid, devices) -> list:
+        """The entries as applied: conditions instead of ready/message/violations; a condition
+        keeps its lastTransitionTime while its status stays (as this writer last wrote it)."""
+        out = []
         for d in devices:
-            key = (d["driver"], d["pool"], d["device"], d.get("shareID"))
-            old = next((c for c in (before.get(key) or {}).get("conditions") or [] if c.get("type") == "Ready"),
-                       None)
-            message = f"slice {d['data'].get('slice')}" if ready else d["data"].get("problem", "")
-            conditions = [ready_condition(ready, old, message)]
-            entry = {k: v for k, v in d.items() if k != "violations"}
+            before = (self.conditions.get(uid) or {}).get(_key(d)) or []
+            was = lambda kind: next((c for c in before if c.get("type") == kind), None)   # noqa: E731
+            conditions = [ready_condition(d["ready"], was("Ready"), d["message"], mig_device="mig" in d["data"])]
             if "violations" in d:
-                was = next((c for c in (before.get(key) or {}).get("conditions") or []
-                            if c.get("type") == "Violating"), None)
-                conditions.append(violating_condition(d["violations"], was))
-            fresh.append({**entry, "conditions": conditions})
-        status["devices"] = kept + fresh
-        return claim
+                conditions.append(violating_condition(d["violations"], was("Violating")))
+            out.append({**{k: v for k, v in d.items() if k not in ("ready", "message", "violations")},
+                        "conditions": conditions})
+        return out
 
     def _forget(self, uid):
         self.written.pop(uid, None)
@@ -273,7 +302,7 @@ class Writer:
             kind, text = type(e).__name__, f"{type(e).__name__}: {e}"
         hint = ""
         if kind in (403, 422) and ("forbidden" in text.lower()):
-            hint = ("grant update on resourceclaims/status and associated-node:update on resourceclaims/driver "
+            hint = ("grant patch on resourceclaims/status and associated-node:patch on resourceclaims/driver "
                     f"named {self.driver.driver} (deploy/dra/rbac.yaml)")
         if self.refused.get(uid) != kind:
             self.refused[uid] = kind
