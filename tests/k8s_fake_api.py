@@ -12,6 +12,7 @@ serves just what the agent uses:
     PUT    /apis/resource.k8s.io/v1/resourceslices/{name}
     DELETE /apis/resource.k8s.io/v1/resourceslices/{name}
     GET    /api/v1/nodes, /api/v1/pods, /api/v1/namespaces/{ns}/pods[/{name}]     (fieldSelector)
+    GET    /api/v1/namespaces/{ns}/events (fieldSelector), POST (core/v1 Events)
     GET    /apis/resource.k8s.io/v1/resourceclaims, .../namespaces/{ns}/resourceclaims
     PUT    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status
     PATCH  /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status  (server-side
@@ -89,6 +90,17 @@ _TEMPLATE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resou
 _PODS_RE = re.compile(r"^/api/v1(?:/namespaces/([^/]+))?/pods$")
 _POD_RE = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 _NODES = "/api/v1/nodes"
+_EVENTS_RE = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
+# the field selectors the API server supports on core Events (pkg/registry/core/event/strategy.go
+# ToSelectableFields); `kubectl describe pod` asks name, namespace, kind and uid of the pod
+# (client-go typed/core/v1/event_expansion.go GetFieldSelector), so an Event without the
+# pod's uid is never shown there
+_EVENT_FIELDS = {f"involvedObject.{k}": (lambda k: lambda o: (o.get("involvedObject") or {}).get(k))(k)
+                 for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")}
+_EVENT_FIELDS.update({"reason": lambda o: o.get("reason"), "type": lambda o: o.get("type"),
+                      "source": lambda o: (o.get("source") or {}).get("component"),
+                      "metadata.name": lambda o: o["metadata"].get("name"),
+                      "metadata.namespace": lambda o: o["metadata"].get("namespace")})
 _POD_FIELDS = {
     "metadata.name": lambda o: o.get("metadata", {}).get("name"),
     "metadata.namespace": lambda o: o.get("metadata", {}).get("namespace"),
@@ -375,6 +387,7 @@ class FakeApiServer:
         self._pods = {}             # (namespace, name) -> Pod
         self._templates = {}        # (namespace, name) -> ResourceClaimTemplate
         self._device_owners = {}    # (namespace, name) -> {status.devices key: fieldManager}
+        self._core_events = []      # core/v1 Events, as created
         self._users = {}            # token -> {"username", "extra", "rules"}
         self._failures = []         # [method, path prefix, code, times left]
         self._events = []           # (resourceVersion, type, ResourceSlice) for watches
@@ -624,6 +637,16 @@ class FakeApiServer:
         if path.rstrip("/") == _NODES:
             self._only(method, "GET")
             return 200, self._list("v1", "NodeList", self._nodes.values(), lambda o: True)
+        if m := _EVENTS_RE.match(path):
+            self._only(method, "GET", "POST")
+            if method == "POST":
+                return 201, self._create_event(m.group(1), self._body(raw))
+            fields = _parse_selector(query.get("fieldSelector"), "field selector")
+            if unknown := [k for k, _, _ in fields if k not in _EVENT_FIELDS]:
+                raise ApiError(400, f'"{unknown[0]}" is not a known field selector: only "involvedObject.kind", ...')
+            return 200, self._list("v1", "EventList", self._core_events,
+                                   lambda o: o["metadata"]["namespace"] == m.group(1) and
+                                   _matches(fields, lambda k: _EVENT_FIELDS[k](o)))
         if m := _PODS_RE.match(path):
             self._only(method, "GET")
             return 200, self._list("v1", "PodList", self._pods.values(), self._pod_filter(query, m.group(1)))
@@ -747,6 +770,39 @@ class FakeApiServer:
         return lambda o: ((namespace is None or o["metadata"].get("namespace") == namespace) and
                           _matches(fields, lambda k: _POD_FIELDS[k](o)) and
                           _matches(labels, lambda k: (o["metadata"].get("labels") or {}).get(k)))
+
+    def _create_event(self, namespace, body):
+        """A core/v1 Event, validated as pkg/apis/core/validation/events.go does for one
+        without eventTime (the legacy path): the involved object's namespace is the Event's."""
+        body.setdefault("apiVersion", "v1")
+        body.setdefault("kind", "Event")
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("namespace", namespace)
+        try:
+            check_model(body)
+        except AssertionError as e:
+            raise ApiError(422, f"Event is invalid: {e}")
+        involved = body.get("involvedObject") or {}
+        if meta["namespace"] != namespace or involved.get("namespace") != namespace:
+            raise ApiError(422, f'Event "{meta.get("name") or meta.get("generateName")}" is invalid: '
+                                f'involvedObject.namespace: Invalid value: "{involved.get("namespace")}": does not '
+                                "match event.namespace")
+        with self._lock:
+            if not meta.get("name"):
+                meta["name"] = (meta.get("generateName") or "") + "".join(random.choices(_GENERATE_CHARS, k=5))
+            self._stamp(body)
+            self._core_events.append(body)
+            return copy.deepcopy(body)
+
+    def events_of(self, namespace, name) -> list:
+        """The Events `kubectl describe pod` shows for pod namespace/name: those naming the
+        stored pod's uid (its field selector; see _EVENT_FIELDS)."""
+        pod = self.pod(namespace, name)
+        with self._lock:
+            return [copy.deepcopy(e) for e in self._core_events
+                    if e["involvedObject"].get("kind") == "Pod" and e["involvedObject"].get("name") == name and
+                    e["involvedObject"].get("namespace") == namespace and
+                    e["involvedObject"].get("uid") == pod["metadata"]["uid"]]
 
     def _create_template(self, namespace, body, query):
         body.setdefault("apiVersion", RESOURCE_API)

@@ -14,10 +14,11 @@ _API = client.ApiClient()
 
 def model_class(api_version: str, kind: str):
     """The client's model class for apiVersion/kind: V1DaemonSet for apps/v1 DaemonSet, or
-    with the group in front where two groups share a kind (ResourceV1ResourceClaim)."""
+    with the group in front where two groups share a kind (ResourceV1ResourceClaim, and
+    CoreV1Event for the core group's)."""
     group, _, version = api_version.rpartition("/")
     version = version[:1].upper() + version[1:]
-    names = [version + kind, group.split(".")[0].capitalize() + version + kind]
+    names = [version + kind, (group.split(".")[0] or "core").capitalize() + version + kind]   # CoreV1Event
     cls = next((getattr(client, n) for n in names if hasattr(client, n)), None)
     if cls is None:
         raise AssertionError(f"the kubernetes client has no model {' or '.join(names)} for {api_version} {kind}")

@@ -255,6 +255,32 @@ def test_a_prepared_claim_labels_its_slice_with_namespace_pod_and_container(tmp_
     assert slices.list_names(node.slice_dir) == []
 
 
+def test_the_agents_events_name_the_pods_uid_so_kubectl_describe_pod_shows_them(tmp_path, api):
+    from kubernetes import client, config
+    from vgpu.k8s import events
+    node = plugin_node(tmp_path, api, shipped_rules())
+    node.start("--claim-status-interval", "0")
+    claim, share = pod_claim(node, "train-0-vgpu-train-q7k2m", pod="train-0")
+    node.kubelet().prepare(claim)
+    owner = api.claim(NS, claim[2])["status"]["reservedFor"][0]
+    api.put_pod({"metadata": {"name": "train-0", "namespace": NS, "uid": owner["uid"]},
+                 "spec": {"containers": [{"name": "train", "image": "cuda"}]}})
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=str(api.write_kubeconfig(tmp_path / "admin")),
+                            client_configuration=configuration)
+    sink = events.EventSink(slices.node_dir(node.slice_dir), NODE, api=client.ApiClient(configuration))
+    sink.action(share, "over-cap", "kill", 4242, "killed")
+    sink.queue.join()
+    assert (sink.sent, sink.dropped) == (1, 0)
+    [shown] = api.events_of(NS, "train-0")       # what kubectl describe pod lists
+    assert (shown["reason"], shown["type"]) == ("VgpuAction", "Warning")
+    assert shown["message"] == "kill pid 4242 (over-cap): killed"
+    # a pod of the same name made again (another uid) does not inherit it
+    api.put_pod({"metadata": {"name": "train-0", "namespace": NS, "uid": str(uuid.uuid4())},
+                 "spec": {"containers": [{"name": "train", "image": "cuda"}]}})
+    assert api.events_of(NS, "train-0") == []
+
+
 def test_metrics_of_a_dra_slice_carry_namespace_pod_and_pod_container(tmp_path):
     d = tmp_path / "vgpu"
     slices.create(d, "c0ffee00-0000-4000-8000-000000000001", {0: slices.device_quota(4 * GiB, 5000)},

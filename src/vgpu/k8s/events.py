@@ -21,12 +21,17 @@ REASONS = {"over-cap": "VgpuOverCap", "gap": "VgpuUncountedMemory", "unsliced": 
 COMPONENT = "vgpu-agent"
 
 
-def event(namespace, pod, reason, message, node, kind="Warning") -> dict:
-    """A core/v1 Event about pod `namespace/pod` (as the API takes it)."""
+def event(namespace, pod, reason, message, node, kind="Warning", pod_uid=None) -> dict:
+    """A core/v1 Event about pod `namespace/pod` (as the API takes it).  `kubectl describe
+    pod` lists only Events naming the pod's uid (its field selector has involvedObject.uid),
+    so it is set whenever known."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod}
+    if pod_uid:
+        involved["uid"] = pod_uid
     return {"apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{pod}.vgpu-", "namespace": namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod},
+            "involvedObject": involved,
             "reason": reason, "message": message[:1024], "type": kind,
             "source": {"component": COMPONENT, "host": node}, "reportingComponent": f"vgpu.dev/{COMPONENT}",
             "reportingInstance": node, "firstTimestamp": now, "lastTimestamp": now, "count": 1}
@@ -48,19 +53,23 @@ class EventSink:
         threading.Thread(target=self._run, name="vgpu-events", daemon=True).start()
 
     def _pod(self, container):
+        """(namespace, pod, pod uid) the slice serves; pod None when it serves none."""
         labels = podlabels.read(self.directory, container) if container else {}
-        return (labels.get("namespace"), labels.get("pod")) if labels.get("pod") else (None, None)
+        return (labels.get("namespace"), labels.get("pod"), labels.get("pod_uid")) if labels.get("pod") else \
+            (None, None, None)
 
     def violation(self, v, record):
-        namespace, pod = self._pod(v.container)
+        namespace, pod, uid = self._pod(v.container)
         if pod:
             self._put(event(namespace, pod, REASONS.get(v.kind, "VgpuViolation"),
-                            f"slice {v.container} device {v.device}: {describe_violation(record)}", self.node))
+                            f"slice {v.container} device {v.device}: {describe_violation(record)}", self.node,
+                            pod_uid=uid))
 
     def action(self, container, kind, action, pid, result):
-        namespace, pod = self._pod(container)
+        namespace, pod, uid = self._pod(container)
         if pod:
-            self._put(event(namespace, pod, "VgpuAction", f"{action} pid {pid} ({kind}): {result}", self.node))
+            self._put(event(namespace, pod, "VgpuAction", f"{action} pid {pid} ({kind}): {result}", self.node,
+                            pod_uid=uid))
 
     def _put(self, body):
         try:
