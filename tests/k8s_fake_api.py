@@ -273,6 +273,18 @@ def _check_counter_map(counters, where) -> list:
     return out
 
 
+def _drop_capacity_requests(claim_spec):
+    """What the claim and template strategies drop from a new object while DRAConsumableCapacity
+    is off (kubernetes pkg/api/resourceclaimspec/util.go,
+    dropDisabledDRAResourceClaimConsumableCapacityFields): every request's and subrequest's
+    `capacity`, and the constraints' distinctAttribute."""
+    for c in ((claim_spec or {}).get("devices") or {}).get("constraints") or []:
+        c.pop("distinctAttribute", None)
+    for r in ((claim_spec or {}).get("devices") or {}).get("requests") or []:
+        for one in ([r["exactly"]] if r.get("exactly") else []) + list(r.get("firstAvailable") or []):
+            one.pop("capacity", None)
+
+
 def _parse_selector(text, what):
     """[(key, op, value)] from `k=v,k==v,k!=v` (what a field or simple label selector holds)."""
     terms = []
@@ -370,7 +382,8 @@ class FakeApiServer:
 
     def __init__(self, port=0, token=None, consumable_capacity=True, partitionable_devices=True):
         """consumable_capacity=False: the DRAConsumableCapacity feature gate is off, and
-        ResourceSlices are stored without allowMultipleAllocations and requestPolicy.
+        ResourceSlices are stored without allowMultipleAllocations and requestPolicy,
+        ResourceClaimTemplates without their requests' capacity.
         partitionable_devices=False: DRAPartitionableDevices is off (1.35 by default), and
         they are stored without sharedCounters and consumesCounters (the strategy drops
         fields of a disabled gate, as for any new object)."""
@@ -673,9 +686,13 @@ class FakeApiServer:
                                        lambda o: o["metadata"].get("namespace") == m.group(1))
             return 201, self._create_template(m.group(1), self._body(raw), query)
         if m := _TEMPLATE_RE.match(path):
-            self._only(method, "GET")
-            return 200, self._get(self._templates, (m.group(1), m.group(2)),
-                                  "resourceclaimtemplates.resource.k8s.io", m.group(2))
+            self._only(method, "GET", "DELETE")
+            key = (m.group(1), m.group(2))
+            found = self._get(self._templates, key, "resourceclaimtemplates.resource.k8s.io", m.group(2))
+            if method == "DELETE":
+                with self._lock:
+                    self._templates.pop(key, None)
+            return 200, found
         if m := _CLAIM_RE.match(path):
             self._only(method, "GET")
             return 200, self._get(self._claims, (m.group(1), m.group(2)),
@@ -831,6 +848,8 @@ class FakeApiServer:
                 raise invalid(f"spec.spec.devices.requests[{i}]: Required value: exactly one of `exactly` or "
                               "`firstAvailable` is required")
         body = defaulted(body)
+        if not self.consumable_capacity:   # the strategy drops a disabled gate's fields of a new object
+            _drop_capacity_requests(body["spec"].get("spec"))
         with self._lock:
             if (namespace, name) in self._templates:
                 raise ApiError(409, f'resourceclaimtemplates.resource.k8s.io "{name}" already exists',

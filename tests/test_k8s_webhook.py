@@ -323,6 +323,22 @@ def test_memory_is_checked_against_the_gpu_after_the_rounding_the_scheduler_appl
             hook.stop()
 
 
+def test_an_api_server_that_drops_capacity_gets_a_denial_not_a_pod_with_a_whole_gpu(tmp_path):
+    # DRAConsumableCapacity off (the default on 1.34-1.35): the template is stored without its
+    # amounts, and a claim made from it would take a whole GPU
+    with FakeApiServer(consumable_capacity=False) as api:
+        hook = Webhook(tmp_path, api)
+        try:
+            for limits in ({"vgpu.dev/gpu-memory": "4Gi"}, {"vgpu.dev/gpu-utilization": "20"}):
+                response = hook.review(pod_of(ctr("train", limits=limits)))
+                assert response["allowed"] is False
+                assert "DRAConsumableCapacity feature gate is off" in response["status"]["message"]
+                assert api.templates() == []          # not left for the next pod to find
+            assert hook.review(pod_of(ctr("web", limits={"cpu": "1"})))["allowed"] is True
+        finally:
+            hook.stop()
+
+
 # === names are configurable, HAMi can be switched off ===
 
 def test_resource_names_are_configurable_and_hami_can_be_off(tmp_path):

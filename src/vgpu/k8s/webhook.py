@@ -28,7 +28,8 @@ slice with it.
 Denied, with a message naming the container: memory above the largest GPU the driver
 publishes, a utilization outside 1-100 or not whole, a fraction together with a MIG
 resource or a claim of its own, an init container asking, more than one GPU, both naming
-schemes in one container.  Idempotent: a pod that already went through has nothing left to
+schemes in one container, an API server that drops the template's amounts (its
+DRAConsumableCapacity gate off).  Idempotent: a pod that already went through has nothing left to
 map, and gets an empty patch.  A dry-run request makes no template (sideEffects:
 NoneOnDryRun).
 """
@@ -330,8 +331,10 @@ class Admitter:
         resource = client.ResourceV1Api(self.api)
         meta = tmpl["metadata"]
         try:
-            resource.create_namespaced_resource_claim_template(meta["namespace"], tmpl, _request_timeout=API_TIMEOUT)
+            made = self.api.sanitize_for_serialization(resource.create_namespaced_resource_claim_template(
+                meta["namespace"], tmpl, _request_timeout=API_TIMEOUT))
             self.log({"event": "template_created", "namespace": meta["namespace"], "name": meta["name"]})
+            self._capacity_kept(resource, tmpl, made)
             return
         except ApiException as e:
             if e.status != 409:     # e.g. refused by a quota or the claim-caps policy: say why
@@ -343,9 +346,32 @@ class Admitter:
                              f"said {e.status}: {why}") from None
         have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
             meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
+        self._capacity_kept(resource, tmpl, have)
         if template_meaning(have.get("spec")) != template_meaning(tmpl["spec"]):
             raise Denied(f"ResourceClaimTemplate {meta['namespace']}/{meta['name']} exists with other content "
                          "(edited by hand?): delete it and create the pod again")
+
+    def _capacity_kept(self, resource, sent, stored):
+        """Denied when the API server stored the template without the capacity asked: its
+        DRAConsumableCapacity gate is off (the default on 1.34-1.35) and it drops the field
+        without an error, so every pod would silently get a whole GPU.  The stored template is
+        deleted (best effort): made again once the gate is on, it keeps the amounts."""
+        def asked(spec):
+            return [(r.get("exactly") or {}).get("capacity") for r in
+                    (((spec or {}).get("spec") or {}).get("devices") or {}).get("requests") or []]
+        if asked(sent["spec"]) == [None] * len(asked(sent["spec"])) or \
+                all(a is not None for a in asked(stored.get("spec"))):
+            return
+        meta = sent["metadata"]
+        try:
+            resource.delete_namespaced_resource_claim_template(meta["name"], meta["namespace"],
+                                                               _request_timeout=API_TIMEOUT)
+        except Exception as e:     # still denied; the log says what is left behind
+            self.log({"event": "template_delete_failed", "name": meta["name"], "error": f"{type(e).__name__}"})
+        self.log({"event": "capacity_dropped", "namespace": meta["namespace"], "name": meta["name"]})
+        raise Denied("the API server dropped the GPU amounts from the claim template (its DRAConsumableCapacity "
+                     "feature gate is off: turn it on for the API server, scheduler and kubelet, or use "
+                     "Kubernetes 1.36+); without them every pod would get a whole GPU")
 
     def review(self, body: dict) -> dict:
         """An AdmissionReview request in, an AdmissionReview response out."""
