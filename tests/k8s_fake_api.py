@@ -3,6 +3,7 @@
 The agent talks to it with the real `kubernetes` client over real HTTP on loopback; the fake
 serves just what the agent uses:
 
+    GET    /version                                          (the `version` given, v1.37.0 by default)
     GET    /api/v1/nodes/{name}
     GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}
     GET    /apis/resource.k8s.io/v1/resourceslices          (fieldSelector, labelSelector; watch)
@@ -154,8 +155,9 @@ def check_model(obj: dict):
     return roundtrip(obj)
 
 
-def _validate_slice_spec(spec) -> list:
-    """What a real API server's validation would refuse in a ResourceSlice spec (a subset)."""
+def _validate_slice_spec(spec, version=(1, 37)) -> list:
+    """What a real API server's validation would refuse in a ResourceSlice spec (a subset);
+    version: (major, minor) of the server whose rules apply."""
     if not isinstance(spec, dict):
         return ["spec: Required value"]
     out = []
@@ -199,11 +201,51 @@ def _validate_slice_spec(spec) -> list:
                 out.append(f"spec.devices[{i}].capacity[{cap}].value: Invalid value: {value!r}: "
                            "not a quantity")
     devices = spec.get("devices") or []
+    if tuple(version) < (1, 35):
+        if len(devices) > 128:     # ResourceSliceMaxDevices
+            out.append(f"spec.devices: Too many: {len(devices)}: must have at most 128 items")
+        return out + _validate_counters_134(spec, devices)
     advanced = any((d or {}).get("consumesCounters") or (d or {}).get("taints") for d in devices)
     limit = 64 if advanced else 128     # ResourceSliceMaxDevicesWithAdvancedFeatures / ResourceSliceMaxDevices
     if len(devices) > limit:
         out.append(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
     out += _validate_counters(spec, devices)
+    return out
+
+
+def _validate_counters_134(spec, devices) -> list:
+    """KEP-4815's rules as resource.k8s.io/v1 has them in 1.34 (kubernetes/api
+    resource/v1/types.go at v0.34.0): counter sets sit in the slice whose devices use them
+    ("available to be used by devices defined in the ResourceSlice"), at most 32 counters
+    in all of a slice's sets (ResourceSliceMaxSharedCounters), per device one consumption
+    per counter set of at most 32 counters (ResourceSliceMaxCountersPerDevice), at most 1024
+    consumed counters in all of a slice's devices (ResourceSliceMaxDeviceCountersPerSlice)."""
+    out = []
+    shared = spec.get("sharedCounters") or []
+    total = sum(len((cs or {}).get("counters") or {}) for cs in shared)
+    if total > 32:
+        out.append(f"spec.sharedCounters: Too many: {total}: must have at most 32 counters in all sets")
+    names = {(cs or {}).get("name") for cs in shared}
+    for i, cs in enumerate(shared):
+        out += _check_counter_map((cs or {}).get("counters") or {}, f"spec.sharedCounters[{i}].counters")
+    consumed = 0
+    for i, dev in enumerate(devices):
+        seen = set()
+        for j, use in enumerate((dev or {}).get("consumesCounters") or []):
+            where = f"spec.devices[{i}].consumesCounters[{j}]"
+            cs = (use or {}).get("counterSet")
+            if cs not in names:
+                out.append(f"{where}.counterSet: Invalid value: {cs!r}: must reference a counter set of this slice")
+            if cs in seen:
+                out.append(f"{where}.counterSet: Duplicate value: {cs!r}")
+            seen.add(cs)
+            counters = (use or {}).get("counters") or {}
+            consumed += len(counters)
+            if len(counters) > 32:
+                out.append(f"{where}.counters: Too many: {len(counters)}: must have at most 32 items")
+            out += _check_counter_map(counters, f"{where}.counters")
+    if consumed > 1024:
+        out.append(f"spec.devices: Too many: {consumed} consumed counters: must have at most 1024")
     return out
 
 
@@ -380,13 +422,17 @@ class FakeApiServer:
     and a later start() serves the same store on the same port (an API server restart).
     """
 
-    def __init__(self, port=0, token=None, consumable_capacity=True, partitionable_devices=True):
+    def __init__(self, port=0, token=None, consumable_capacity=True, partitionable_devices=True,
+                 version="v1.37.0"):
         """consumable_capacity=False: the DRAConsumableCapacity feature gate is off, and
         ResourceSlices are stored without allowMultipleAllocations and requestPolicy,
         ResourceClaimTemplates without their requests' capacity.
+        version: the server's gitVersion; ResourceSlices are validated by its rules (1.34's
+        counter sets beside their devices, 1.35's apart).
         partitionable_devices=False: DRAPartitionableDevices is off (1.35 by default), and
         they are stored without sharedCounters and consumesCounters (the strategy drops
         fields of a disabled gate, as for any new object)."""
+        self.version = version           # what GET /version says, and whose slice validation applies
         self.token = token or secrets.token_hex(16)
         self.consumable_capacity = consumable_capacity
         self.partitionable_devices = partitionable_devices
@@ -603,6 +649,10 @@ class FakeApiServer:
             return gone
 
     # --- the API -----------------------------------------------------------------------------
+    def _minor_version(self) -> tuple:
+        major, minor = re.match(r"^v(\d+)\.(\d+)", self.version).groups()
+        return int(major), int(minor)
+
     def _track(self, conn, alive):
         with self._lock:
             (self._conns.add if alive else self._conns.discard)(conn)
@@ -634,7 +684,8 @@ class FakeApiServer:
                 user = self._users.get((headers.get("Authorization") or "").removeprefix("Bearer "))
             if user is None:
                 raise ApiError(401, "Unauthorized")
-            self._authorize(user, method, path, query)
+            if path.rstrip("/") != "/version":   # a non-resource URL every identity may read
+                self._authorize(user, method, path, query)   # (the system:public-info-viewer role)
         with self._lock:
             for failure in self._failures:
                 fmethod, prefix, code, times, message = failure
@@ -644,6 +695,12 @@ class FakeApiServer:
                         self._failures.remove(failure)
                     raise ApiError(code, message or f"injected failure {code} for {method} {path}")
 
+        if path.rstrip("/") == "/version":
+            self._only(method, "GET")
+            major, minor = self._minor_version()
+            return 200, {"major": str(major), "minor": str(minor), "gitVersion": self.version,
+                         "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
+                         "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
         if m := _NODE_RE.match(path):
             self._only(method, "GET")
             return 200, self._get(self._nodes, m.group(1), "nodes", m.group(1))
@@ -1180,7 +1237,7 @@ class FakeApiServer:
                      "kind": "ResourceSlice"})
         problems = []
         try:
-            problems += _validate_slice_spec(body.get("spec"))
+            problems += _validate_slice_spec(body.get("spec"), self._minor_version())
         except Exception:    # a mistyped spec: the model check below names the field
             pass
         try:

@@ -361,8 +361,10 @@ def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
         assert published["spec"]["pool"]["generation"] == 2
         assert publisher.sync(gpus) == "updated"                   # and came back
         assert api.slices()[0]["spec"]["pool"]["generation"] == 3
-    assert [e["event"] for e in events] == ["resourceslice_created", "resourceslice_updated",
+    assert [e["event"] for e in events] == ["kubernetes_version", "resourceslice_created", "resourceslice_updated",
                                             "resourceslice_updated"]
+    assert events[0] == {"event": "kubernetes_version", "version": "1.37.0", "layout": "counters-apart",
+                         "mig_beside_slices": True}
 
 
 def test_a_server_without_consumable_capacity_is_told_once_not_rewritten_forever(tmp_path):

@@ -315,9 +315,13 @@ def serve(port, address, directory):
               callback=lambda ctx, param, v: 0.0 if str(v).strip() in ("0", "0s") else DURATION.convert(v, param, ctx),
               help="How often each prepared claim's live figures may be written into its "
                    "status.devices (only when they changed); 0 for never.")
+@click.option("--mig-gpus", envvar="VGPU_MIG_GPUS", default="none", show_default=True,
+              help="On Kubernetes up to 1.36.1, where MIG beside software slices on one GPU is unsafe: the "
+                   "MIG-capable GPUs that serve MIG (comma list of indexes, 'all' or 'none'); the others "
+                   "serve software slices.  From 1.36.2 every GPU offers both [env: VGPU_MIG_GPUS].")
 @dir_option
 def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_version, shim_dir, ld_so_preload,
-               gpu_cdi_device, lend_memory, kubeconfig, rescan, claim_status_interval, directory):
+               gpu_cdi_device, lend_memory, kubeconfig, rescan, claim_status_interval, mig_gpus, directory):
     """Run the Kubernetes DRA driver for this node (a DaemonSet's container).
 
     Publishes this node's GPUs as one ResourceSlice (resource.k8s.io/v1, consumable
@@ -329,7 +333,11 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
     Example (what deploy/dra/daemonset.yaml runs):
       vgpu-ctl k8s-plugin --node-name "$NODE_NAME" --shim-dir /opt/vgpu
     """
-    from ..k8s import agent
+    from ..k8s import agent, versions
+    try:
+        mig_gpus = versions.parse_mig_gpus(mig_gpus)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--mig-gpus") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = agent.Config(node_name=node_name, driver_name=driver_name,
@@ -339,7 +347,7 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
                           shim_dir=shim_dir, ld_so_preload=ld_so_preload,
                           gpu_cdi_devices=[gpu_cdi_device] if gpu_cdi_device else [],
                           lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan,
-                          claim_status_interval=claim_status_interval)
+                          claim_status_interval=claim_status_interval, mig_gpus=mig_gpus)
     try:
         agent.run(config, stop, log=lambda line: click.echo(line, err=True))
     except agent.AgentError as e:

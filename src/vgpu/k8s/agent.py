@@ -51,6 +51,7 @@ class Config:
     kubeconfig: str = None
     rescan: float = 30.0
     claim_status_interval: float = 5.0   # live figures into ResourceClaim.status.devices (0: off)
+    mig_gpus: frozenset = frozenset()    # GPUs serving MIG where a GPU must choose (versions.GpuModes)
 
     @property
     def dra_socket(self):
@@ -154,7 +155,8 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     gpus[:] = _gpus(driver.mig_instances())
     if not gpus:
         raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
-    publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT)
+    publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT,
+                                        mig_gpus=config.mig_gpus)
     kick = threading.Event()     # publish now: set by the watch, a registration, or stop
     threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
     try:

@@ -380,6 +380,11 @@ class Driver:
         made by hand is used as it is) and a CDI spec exposing exactly those instances."""
         gpus = self.gpus()
         targets = [self._mig_target(shown, r, gpus) for r in results]
+        for gpu, _, start in targets:
+            serving = self._slices_on(gpu.index) if start is not None else []
+            if serving:   # a scheduler up to 1.36.1 can place MIG beside slices (versions.py): never make it
+                raise ClaimError(f"claim {shown}: {gpu.name} serves software slices ({', '.join(serving[:3])}): "
+                                 "a MIG instance there would take memory and SMs they were promised; not made")
         spec_path = cdi.spec_path(self.cdi_dir, self.driver, uid)
         ids = [cdi.mig_device_id(self.driver, uid)] + self.gpu_cdi_devices
         answer, seen_requests = [], set()
@@ -425,6 +430,19 @@ class Driver:
                   "mig": [{k: rec.get(k) for k in ("device", "profile", "placement", "gpu_instance", "uuid",
                                                     "static")} for rec in entry["mig"]]})
         return answer
+
+    def _slices_on(self, index) -> list:
+        """Names of the software slices holding GPU `index` (one whose quota cannot be read
+        counts: it may be one being made)."""
+        out = []
+        for name in slices.list_names(self.slice_dir):
+            try:
+                if slices.has_mig(self.slice_dir, name) or index not in slices.read_quota(self.slice_dir, name).held():
+                    continue
+            except slices.VgpuError:
+                pass
+            out.append(name)
+        return out
 
     def _remove_mig(self, entry):
         """Destroy the instances the entry made (not those made by hand), also one an agent

@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass
 
 from .. import mig, nvml
+from . import versions
 
 MEMORY_STEP = 256 << 20         # 256Mi
 MEMORY_DEFAULT = 1 << 30        # 1Gi
@@ -222,30 +223,44 @@ MAX_COUNTERS_PER_SET = 32
 MAX_CONSUMPTIONS_PER_DEVICE = 2
 MAX_COUNTERS_PER_CONSUMPTION = 32
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_DEVICE_COUNTERS_PER_SLICE_134 = 1024   # 1.34: ResourceSliceMaxDeviceCountersPerSlice
+
+
+def _gpu_devices(g, partitionable, modes) -> tuple:
+    """(counter set or None, devices) of one GPU: a partitionable GPU offers software slices
+    (the whole-GPU device) and/or MIG devices as `modes` says; the whole GPU consumes the
+    counters only when MIG devices stand beside it."""
+    if not (partitionable and g.partitionable):
+        return None, static_devices(g) if g.mig_instances else [device(g, partitionable=False)]
+    mig, soft = modes.serves_mig(g.index), modes.serves_slices(g.index)
+    devices = ([device(g, partitionable=mig)] if soft else []) + (mig_devices(g) if mig else [])
+    counter_set = {"name": counter_set_name(g), "counters": {c: {"value": str(v)} for c, v in counters(g).items()}}
+    return (counter_set if mig else None), devices
 
 
 def resource_slices(node: str, driver: str, gpus: list, generation: int, node_uid=None,
-                    partitionable=True) -> list:
-    """The pool's ResourceSlices.  Without a partitionable GPU: one slice, every GPU in
-    it.  With one: the counter sets in slices of their own (at most 8 a slice; the API
-    allows no devices beside them), a slice per partitionable GPU (its whole-GPU device and
-    MIG devices: at most 64), and one for the rest (GPUs without MIG, instances made by
-    hand).  partitionable=False: no counters and no dynamic MIG devices (an API server
-    without DRAPartitionableDevices would drop the counters and hand a GPU out twice)."""
-    gpus = sorted(gpus, key=lambda g: g.index)
-    parted = [g for g in gpus if partitionable and g.partitionable]
-    plain = [d for g in gpus if g not in parted for d in
-             (static_devices(g) if g.mig_instances else [device(g, partitionable)])]
+                    partitionable=True, modes=versions.GpuModes(exclusive=False), gpu_per_slice=False) -> list:
+    """The pool's ResourceSlices.  Without counters to publish: one slice, every GPU in it.
+    With them (1.35+ layout): the counter sets in slices of their own (at most 8 a slice;
+    the API allows no devices beside them), a slice per GPU with counters (its devices: at
+    most 64), and one for the rest.  gpu_per_slice (the 1.34 layout, versions.py): a slice
+    per GPU, holding its counter set beside its devices.  partitionable=False: no counters
+    and no dynamic MIG devices (an API server without DRAPartitionableDevices would drop
+    the counters and hand a GPU out twice).  modes: which GPUs offer MIG, which software
+    slices (versions.GpuModes)."""
+    per_gpu = [(g, *_gpu_devices(g, partitionable, modes)) for g in sorted(gpus, key=lambda g: g.index)]
     specs = []
-    if not parted:
-        specs.append(("", {"devices": plain}))
+    if gpu_per_slice:
+        specs = [(g.name, {**({"sharedCounters": [cs]} if cs else {}), "devices": devs}) for g, cs, devs in per_gpu]
+    elif not any(cs for _, cs, _ in per_gpu):
+        specs.append(("", {"devices": [d for _, _, devs in per_gpu for d in devs]}))
     else:
+        parted = [(g, cs, devs) for g, cs, devs in per_gpu if cs]
         for k in range(0, len(parted), MAX_COUNTER_SETS):
-            specs.append((f"counters-{k // MAX_COUNTER_SETS}", {"sharedCounters": [
-                {"name": counter_set_name(g), "counters": {c: {"value": str(v)} for c, v in counters(g).items()}}
-                for g in parted[k:k + MAX_COUNTER_SETS]]}))
-        for g in parted:
-            specs.append((g.name, {"devices": [device(g)] + mig_devices(g)}))
+            specs.append((f"counters-{k // MAX_COUNTER_SETS}",
+                          {"sharedCounters": [cs for _, cs, _ in parted[k:k + MAX_COUNTER_SETS]]}))
+        specs += [(g.name, {"devices": devs}) for g, _, devs in parted]
+        plain = [d for _, cs, devs in per_gpu if not cs for d in devs]
         if plain:
             specs.append(("", {"devices": plain}))
     out = []
@@ -258,7 +273,7 @@ def resource_slices(node: str, driver: str, gpus: list, generation: int, node_ui
                     "spec": {"driver": driver, "nodeName": node,
                              "pool": {"name": node, "generation": generation, "resourceSliceCount": len(specs)},
                              **body}})
-    problems = check_limits(out)
+    problems = check_limits(out, counters_in_device_slice=gpu_per_slice)
     if problems:
         raise ValueError("; ".join(problems))
     return out
@@ -270,12 +285,17 @@ def resource_slice(node: str, driver: str, gpus: list, generation: int, node_uid
     return only
 
 
-def check_limits(slices: list) -> list:
+def check_limits(slices: list, counters_in_device_slice=False) -> list:
     """What the API server's validation refuses in one pool's slices, as far as counters
     and sizes go: counter sets and devices never in one slice, at most 8 counter sets of
     at most 32 counters, at most 128 devices (64 when one consumes counters), at most 2
     consumptions of at most 32 counters per device, 32 attributes and capacities, each
-    consumption naming a counter set and counters of the pool."""
+    consumption naming a counter set and counters of the pool.  counters_in_device_slice:
+    1.34's rules instead (kubernetes/api resource/v1/types.go at v0.34.0): counter sets
+    beside the devices that use them, in the same slice, at most 32 counters in all of a
+    slice's sets and 1024 consumed counters in all of its devices."""
+    if counters_in_device_slice:
+        return _check_limits_134(slices)
     out, sets = [], {}
     for s in slices:
         for cs in s["spec"].get("sharedCounters") or []:
@@ -316,6 +336,34 @@ def check_limits(slices: list) -> list:
     return out
 
 
+def _check_limits_134(slices: list) -> list:
+    out = []
+    for s in slices:
+        name, spec = s["metadata"]["name"], s["spec"]
+        devices, shared = spec.get("devices") or [], spec.get("sharedCounters") or []
+        sets = {cs["name"]: set(cs["counters"]) for cs in shared}
+        total = sum(len(cs["counters"]) for cs in shared)
+        if total > MAX_COUNTERS_PER_SET:
+            out.append(f"{name}: {total} counters in its counter sets, at most {MAX_COUNTERS_PER_SET}")
+        if len(devices) > MAX_DEVICES:
+            out.append(f"{name}: {len(devices)} devices, at most {MAX_DEVICES}")
+        consumed = sum(len(u["counters"]) for d in devices for u in d.get("consumesCounters") or [])
+        if consumed > MAX_DEVICE_COUNTERS_PER_SLICE_134:
+            out.append(f"{name}: its devices consume {consumed} counters, at most {MAX_DEVICE_COUNTERS_PER_SLICE_134}")
+        for d in devices:
+            if len(d.get("attributes") or {}) + len(d.get("capacity") or {}) > MAX_ATTRIBUTES_AND_CAPACITIES:
+                out.append(f"{name}: device {d['name']} has more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes "
+                           "and capacities")
+            for u in d.get("consumesCounters") or []:
+                if u["counterSet"] not in sets:
+                    out.append(f"{name}: device {d['name']} consumes from counter set {u['counterSet']}, "
+                               "which is not in its slice")
+                else:
+                    out += [f"{name}: device {d['name']} consumes counter {c} that {u['counterSet']} lacks"
+                            for c in set(u["counters"]) - sets[u["counterSet"]]]
+    return out
+
+
 def _comparable(devices: list):
     """Devices with every capacity quantity as a number: the API server may write "24Gi"
     for the "25769803776" we sent, which is the same slice."""
@@ -323,7 +371,7 @@ def _comparable(devices: list):
 
     def walk(v, in_capacity):
         if isinstance(v, dict):
-            return {k: walk(x, in_capacity or k == "capacity") for k, x in v.items()}
+            return {k: walk(x, in_capacity or k in ("capacity", "counters")) for k, x in v.items()}
         if isinstance(v, list):
             return [walk(x, in_capacity) for x in v]
         return parse_quantity(v) if in_capacity and isinstance(v, str) else v
@@ -337,7 +385,8 @@ class Publisher:
     """Keeps the ResourceSlices of (node, driver) -- one pool, the node's name -- equal to
     the GPUs it is given."""
 
-    def __init__(self, api_client, node: str, driver: str, log, timeout=10, partitionable=True):
+    def __init__(self, api_client, node: str, driver: str, log, timeout=10, partitionable=True,
+                 mig_gpus=frozenset()):
         from kubernetes import client
         self.resource = client.ResourceV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
@@ -351,6 +400,8 @@ class Publisher:
         self.written_version = None   # resourceVersion of our last write: its watch event is no news
         self.written_versions = {}    # every slice of our last write: name -> resourceVersion
         self.partitionable = partitionable   # publish counters and MIG devices (off once the server drops them)
+        self.mig_gpus = mig_gpus             # --mig-gpus: where a GPU must choose, these serve MIG
+        self.server = None                   # (version, GpuModes, gpu_per_slice) once /version answered
 
     @property
     def selector(self) -> str:
@@ -367,23 +418,41 @@ class Publisher:
                 self.node_uid = ""
         return self.node_uid
 
+    def learn_server(self):
+        """Read the API server's version once and settle the layout and the GPU modes it
+        allows (versions.py); API errors propagate (the next round asks again)."""
+        if self.server is not None:
+            return self.server
+        version = versions.read(self.api_client, self.timeout)
+        modes = versions.modes_for(version, self.mig_gpus)
+        self.server = (version, modes, bool(version and version.counters_in_device_slice))
+        event = {"event": "kubernetes_version", "version": str(version) if version else "unknown",
+                 "layout": "gpu-per-slice" if self.server[2] else "counters-apart",
+                 "mig_beside_slices": not modes.exclusive}
+        if modes.exclusive:
+            event["warning"] = ("MIG beside software slices on one GPU is unsafe on this Kubernetes version (fixed "
+                                "in 1.36.2): a GPU serves either; --mig-gpus names those serving MIG")
+        self.log(event)
+        return self.server
+
     def sync(self, gpus: list) -> str:
         """Publish `gpus`; returns "created", "updated" or "unchanged".  API errors propagate
         (the caller retries on its next round).  Every slice of the pool carries one
         generation, raised on any change; slices no longer wanted go after the new ones
         are written."""
+        _, modes, gpu_per_slice = self.learn_server()
         existing = self.resource.list_resource_slice(field_selector=self.selector,
                                                      _request_timeout=self.timeout).items
         current = {s.metadata.name: s for s in existing}
         generation = max((s.spec.pool.generation for s in existing), default=0)
         have = {n: _comparable(self._spec(s)) for n, s in current.items()}
         key = (tuple(gpus), self.partitionable)
-        want = resource_slices(self.node, self.driver, gpus, generation, partitionable=self.partitionable)
+        layout = {"partitionable": self.partitionable, "modes": modes, "gpu_per_slice": gpu_per_slice}
+        want = resource_slices(self.node, self.driver, gpus, generation, **layout)
         if have == {b["metadata"]["name"]: _comparable(b["spec"]) for b in want} or self.written == (key, have):
             self.written_versions = {n: s.metadata.resource_version for n, s in current.items()}
             return "unchanged"
-        bodies = resource_slices(self.node, self.driver, gpus, generation + 1, self._owner(),
-                                 partitionable=self.partitionable)
+        bodies = resource_slices(self.node, self.driver, gpus, generation + 1, self._owner(), **layout)
         stored, created = {}, []
         for body in bodies:
             name = body["metadata"]["name"]
