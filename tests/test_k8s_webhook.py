@@ -411,3 +411,21 @@ def test_a_template_the_api_server_refuses_is_a_denial_that_says_why(tmp_path):
             assert "may ask for at most 8Gi of GPU memory" in response["status"]["message"]
         finally:
             hook.stop()
+
+
+@pytest.mark.parametrize("outage", ["stopped", "black hole"])
+def test_an_api_server_that_does_not_answer_is_a_one_line_denial_not_a_library_traceback(tmp_path, outage):
+    with FakeApiServer() as api:
+        hook = Webhook(tmp_path, api)
+        try:
+            api.stop() if outage == "stopped" else api.black_hole()
+            response = hook.review(pod_of(ctr("c", limits={"vgpu.dev/gpu-memory": "4Gi"})))
+            assert response["allowed"] is False
+            message = response["status"]["message"]
+            why = "connection refused" if outage == "stopped" else "timed out after 3 s"
+            assert message.startswith("cannot create ResourceClaimTemplate team-a/vgpu-c-") and \
+                message.endswith(f"the API server did not answer ({why}); create the pod again"), message
+            assert "\n" not in message and "Pool" not in message and len(message) < 200
+            assert hook.wait_for("api_unreachable")["error"]       # the details stay in the log
+        finally:
+            hook.stop()

@@ -279,6 +279,18 @@ def mutation(pod: dict, config: Config, largest_gpu=None):
 
 # === the AdmissionReview ===
 
+def unreachable(e) -> str:
+    """Why a request to the API server got no answer, in a few words."""
+    text = f"{type(e).__name__} {e}".lower()
+    if "timed out" in text or "timeout" in text:
+        return f"timed out after {API_TIMEOUT:g} s"
+    if "refused" in text:
+        return "connection refused"
+    if "name or service not known" in text or "resolution" in text:
+        return "its name does not resolve"
+    return type(e).__name__
+
+
 def review_response(uid, allowed=True, patch=None, message=None, warnings=(), code=403) -> dict:
     response = {"uid": uid, "allowed": allowed}
     if patch:
@@ -330,6 +342,7 @@ class Admitter:
         from kubernetes.client.exceptions import ApiException
         resource = client.ResourceV1Api(self.api)
         meta = tmpl["metadata"]
+        shown = f"ResourceClaimTemplate {meta['namespace']}/{meta['name']}"
         try:
             made = self.api.sanitize_for_serialization(resource.create_namespaced_resource_claim_template(
                 meta["namespace"], tmpl, _request_timeout=API_TIMEOUT))
@@ -342,10 +355,18 @@ class Admitter:
                     why = json.loads(e.body).get("message") or e.reason
                 except (TypeError, ValueError, AttributeError):
                     why = e.reason
-                raise Denied(f"cannot create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: API server "
-                             f"said {e.status}: {why}") from None
-        have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
-            meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
+                raise Denied(f"cannot create {shown}: API server said {e.status}: {why}") from None
+        except Exception as e:    # unreachable, timed out: one line, not the client library's text
+            self.log({"event": "api_unreachable", "template": shown, "error": f"{type(e).__name__}: {e}"[:500]})
+            raise Denied(f"cannot create {shown}: the API server did not answer ({unreachable(e)}); "
+                         "create the pod again") from None
+        try:
+            have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
+                meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
+        except Exception as e:
+            self.log({"event": "api_unreachable", "template": shown, "error": f"{type(e).__name__}: {e}"[:500]})
+            raise Denied(f"cannot read {shown}: the API server did not answer ({unreachable(e)}); "
+                         "create the pod again") from None
         self._capacity_kept(resource, tmpl, have)
         if template_meaning(have.get("spec")) != template_meaning(tmpl["spec"]):
             raise Denied(f"ResourceClaimTemplate {meta['namespace']}/{meta['name']} exists with other content "
@@ -480,7 +501,8 @@ def serve(admitter: Admitter, cert_file, key_file, address="0.0.0.0", port=8443)
                 admitter.log({"event": "internal_error", "error": f"{type(e).__name__}: {e}"[:300]})
                 uid = body.get("request", {}).get("uid", "") if isinstance(body, dict) else ""
                 answer = review_response(uid, allowed=False, code=500,
-                                         message=f"vgpu webhook internal error: {type(e).__name__}: {e}")
+                                         message=f"vgpu webhook internal error ({type(e).__name__}): its log "
+                                                 "(event internal_error) has the details")
             self._answer(200, answer)
 
     class Server(http.server.ThreadingHTTPServer):
