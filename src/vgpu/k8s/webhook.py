@@ -339,38 +339,40 @@ class Admitter:
     def ensure_template(self, tmpl):
         """Make the template, or find it made already with the same content."""
         from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
         resource = client.ResourceV1Api(self.api)
         meta = tmpl["metadata"]
         shown = f"ResourceClaimTemplate {meta['namespace']}/{meta['name']}"
-        try:
-            made = self.api.sanitize_for_serialization(resource.create_namespaced_resource_claim_template(
-                meta["namespace"], tmpl, _request_timeout=API_TIMEOUT))
+        made = self._api_call("create", shown, lambda: resource.create_namespaced_resource_claim_template(
+            meta["namespace"], tmpl, _request_timeout=API_TIMEOUT), exists_ok=True)
+        if made is not None:
             self.log({"event": "template_created", "namespace": meta["namespace"], "name": meta["name"]})
             self._capacity_kept(resource, tmpl, made)
             return
-        except ApiException as e:
-            if e.status != 409:     # e.g. refused by a quota or the claim-caps policy: say why
-                try:
-                    why = json.loads(e.body).get("message") or e.reason
-                except (TypeError, ValueError, AttributeError):
-                    why = e.reason
-                raise Denied(f"cannot create {shown}: API server said {e.status}: {why}") from None
-        except Exception as e:    # unreachable, timed out: one line, not the client library's text
-            self.log({"event": "api_unreachable", "template": shown, "error": f"{type(e).__name__}: {e}"[:500]})
-            raise Denied(f"cannot create {shown}: the API server did not answer ({unreachable(e)}); "
-                         "create the pod again") from None
-        try:
-            have = self.api.sanitize_for_serialization(resource.read_namespaced_resource_claim_template(
-                meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
-        except Exception as e:
-            self.log({"event": "api_unreachable", "template": shown, "error": f"{type(e).__name__}: {e}"[:500]})
-            raise Denied(f"cannot read {shown}: the API server did not answer ({unreachable(e)}); "
-                         "create the pod again") from None
+        have = self._api_call("read", shown, lambda: resource.read_namespaced_resource_claim_template(
+            meta["name"], meta["namespace"], _request_timeout=API_TIMEOUT))
         self._capacity_kept(resource, tmpl, have)
         if template_meaning(have.get("spec")) != template_meaning(tmpl["spec"]):
-            raise Denied(f"ResourceClaimTemplate {meta['namespace']}/{meta['name']} exists with other content "
-                         "(edited by hand?): delete it and create the pod again")
+            raise Denied(f"{shown} exists with other content (edited by hand?): delete it and create the pod again")
+
+    def _api_call(self, verb, shown, call, exists_ok=False):
+        """call()'s answer as a dict; Denied in one line when the API server refuses (saying
+        why) or does not answer (the client library's text goes to the log only).  With
+        exists_ok a 409 AlreadyExists is None."""
+        from kubernetes.client.exceptions import ApiException
+        try:
+            return self.api.sanitize_for_serialization(call())
+        except ApiException as e:
+            if e.status == 409 and exists_ok:
+                return None
+            try:            # e.g. refused by a quota or the claim-caps policy: say why
+                why = json.loads(e.body).get("message") or e.reason
+            except (TypeError, ValueError, AttributeError):
+                why = e.reason
+            raise Denied(f"cannot {verb} {shown}: API server said {e.status}: {why}") from None
+        except Exception as e:    # unreachable, timed out
+            self.log({"event": "api_unreachable", "template": shown, "error": f"{type(e).__name__}: {e}"[:500]})
+            raise Denied(f"cannot {verb} {shown}: the API server did not answer ({unreachable(e)}); "
+                         "create the pod again") from None
 
     def _capacity_kept(self, resource, sent, stored):
         """Denied when the API server stored the template without the capacity asked: its
