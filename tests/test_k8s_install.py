@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kubernetes.utils import parse_quantity
 
 from k8s_models import roundtrip
 from test_deploy_dra import NODE, host_path, parse, plugin_dir
@@ -306,34 +305,15 @@ def test_the_resource_quota_counts_devices_of_the_vgpu_class():
     assert limits["metadata"]["namespace"] == quota["metadata"]["namespace"]
 
 
-def cel_quantity_library():
-    """The Kubernetes CEL quantity library (quantity(), compareTo, isGreaterThan, isLessThan)
-    for cel-python, on exact decimal values."""
-    from celpy import celtypes
-
-    class Quantity(celtypes.StringType):
-        pass
-
-    def quantity(s):
-        parse_quantity(str(s))      # an invalid quantity is an evaluation error, as in Kubernetes
-        return Quantity(str(s))
-
-    def compare(a, b):
-        x, y = parse_quantity(str(a)), parse_quantity(str(b))
-        return celtypes.IntType((x > y) - (x < y))
-    return {"quantity": quantity, "compareTo": compare,
-            "isGreaterThan": lambda a, b: celtypes.BoolType(compare(a, b) > 0),
-            "isLessThan": lambda a, b: celtypes.BoolType(compare(a, b) < 0)}
-
-
 def caps_verdict(obj, data):
     """The claim-caps policy on `obj` with ConfigMap data `data`: None when allowed, else the
     first failing validation's message."""
     celpy = pytest.importorskip("celpy", reason="cel-python is not installed")
     from celpy import celtypes
     policy = next(d for _, d in QUOTA_DOCS if d["kind"] == "ValidatingAdmissionPolicy")["spec"]
+    from k8s_cel import functions as kubernetes_functions
     env = celpy.Environment()
-    functions = cel_quantity_library()
+    functions = kubernetes_functions()
     activation = {"object": celpy.json_to_cel(obj), "params": celpy.json_to_cel({"data": data}),
                   "request": celpy.json_to_cel({"namespace": obj["metadata"]["namespace"]})}
 

@@ -11,16 +11,29 @@ prepare never makes a MIG instance on a GPU that serves software slices.
 import pytest
 
 from conftest import make_sim_env
+from k8s_controllers import Unschedulable, instantiate_claims, schedule_pod
 from k8s_fake_api import FakeApiServer, _validate_slice_spec
-from k8s_node import DRIVER, NODE, Node
-from test_k8s_mig import devices_of, mig_claim, nvml_state, pool
+from k8s_node import DRIVER, NODE, NS, Node
+from test_k8s_mig import CLASSES, EXAMPLE, devices_of, mig_claim, nvml_state, pod_with_template, pool
 from vgpu.k8s import resourceslice, versions
 
+SOFT = {"deviceClassName": "gpu.vgpu.dev", "capacity": {"requests": {"memory": "4Gi"}}}
 
-def node_at(tmp_path, version, devices=2):
+
+def node_at(tmp_path, version, devices=2, profile="h100-80g"):
     api = FakeApiServer(version=version).start()
-    node = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile="h100-80g", devices=devices))
+    node = Node(tmp_path, api, make_sim_env(tmp_path / "simgpu", profile=profile, devices=devices))
     return api, node
+
+
+def scheduled(node, name, exactly, version):
+    """A pod `pod-<name>` asking `exactly`, through the resourceclaim controller and the
+    scheduler of `version`: its one claim's (device, (namespace, uid, name))."""
+    pod_with_template(node.api, name, exactly)
+    instantiate_claims(node.api, NS, f"pod-{name}")
+    [claim] = schedule_pod(node.api, NS, f"pod-{name}", CLASSES, version=version)
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    return result["device"], (NS, claim["metadata"]["uid"], claim["metadata"]["name"])
 
 
 @pytest.fixture
@@ -120,3 +133,53 @@ def test_prepare_refuses_a_mig_instance_on_a_gpu_that_serves_software_slices(nod
     assert kubelet.prepare(iso)[iso[1]].error == ""
     assert len(nvml_state(node.env)[0]["instances"]) == 1
     assert kubelet.unprepare(iso)[iso[1]].error == ""
+
+
+@pytest.mark.parametrize("version", ["v1.35.2", "v1.36.1", "v1.36.2"])
+def test_a_software_slice_and_a_mig_instance_never_share_a_gpu_on_each_schedulers_rules(nodes, tmp_path, version):
+    node = nodes(tmp_path, version)
+    unsafe = not versions.parse(version).mig_beside_slices_safe
+    node.start(*(["--mig-gpus", "1"] if unsafe else []))
+    pool(node)
+    kubelet = node.kubelet()
+    soft, soft_ref = scheduled(node, "soft", SOFT, version)
+    iso, iso_ref = scheduled(node, "iso", EXAMPLE, version)      # scheduled in a later cycle
+    assert soft == "gpu-0" and iso.startswith("gpu-1-mig-3g40gb-"), (soft, iso)
+    assert kubelet.prepare(soft_ref)[soft_ref[1]].error == ""
+    assert kubelet.prepare(iso_ref)[iso_ref[1]].error == ""
+    state = nvml_state(node.env)
+    assert state[0]["instances"] == [] and len(state[1]["instances"]) == 1
+
+
+@pytest.mark.parametrize("version", ["1.35", "1.36.0", "1.36.1"])
+def test_where_an_older_scheduler_puts_mig_beside_a_slice_prepare_refuses_it(nodes, tmp_path, version):
+    # a pool that offers both on every GPU (what this driver published before it read the
+    # version) and a scheduler with the counter bug: the MIG claim lands on gpu-0
+    node = nodes(tmp_path, "v1.37.0", devices=1)
+    node.start()
+    pool(node)
+    kubelet = node.kubelet()
+    soft, soft_ref = scheduled(node, "soft", SOFT, version)
+    iso, iso_ref = scheduled(node, "iso", EXAMPLE, version)
+    assert (soft, iso[:6]) == ("gpu-0", "gpu-0-")
+    assert kubelet.prepare(soft_ref)[soft_ref[1]].error == ""
+    assert "gpu-0 serves software slices" in kubelet.prepare(iso_ref)[iso_ref[1]].error
+    assert nvml_state(node.env)[0]["instances"] == []
+
+
+@pytest.mark.parametrize("server, placed", [("v1.34.3", ["gpu-0", "gpu-1"]), ("v1.37.0", ["gpu-0", None])])
+def test_on_1_34_each_gpu_is_a_slice_so_its_scheduler_judges_a_claim_against_that_gpu(nodes, tmp_path, server, placed):
+    # two A10s (24Gi) and two 16Gi claims: 1.34's allocator checks a request against the
+    # first device of the slice too; with every GPU in one slice (the 1.35+ layout) the
+    # second claim fits nowhere, with a slice per GPU it goes to gpu-1
+    node = nodes(tmp_path, server, profile="a10")
+    node.start()
+    pool(node)
+    got = []
+    for name in ("one", "two"):
+        try:
+            got.append(scheduled(node, name, {"deviceClassName": "vgpu.dev",
+                                              "capacity": {"requests": {"memory": "16Gi"}}}, "1.34")[0])
+        except Unschedulable:
+            got.append(None)
+    assert got == placed
