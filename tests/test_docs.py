@@ -287,3 +287,14 @@ def test_the_readme_links_every_page_of_docs_once():
         if page.name in {Path(p).name for p in PENDING}:
             continue     # linked from docs/kubernetes.md
         assert len(links) == 1, f"README links docs/{page.name} {len(links)} times"
+
+
+def test_every_test_the_support_matrix_names_exists():
+    # docs/kubernetes-versions.md names the test behind each row; "…" shortens a name
+    text = (ROOT / "docs/kubernetes-versions.md").read_text()
+    named = re.findall(r"`(test_[A-Za-z0-9_]+)(…)?(?:\[[^`]*\])?`", text)
+    assert len(named) >= 8, named
+    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py")),
+                             re.M))
+    for name, shortened in named:
+        assert any(d == name or (shortened and d.startswith(name)) for d in defined), f"no test {name}"
