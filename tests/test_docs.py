@@ -298,3 +298,20 @@ def test_every_test_the_support_matrix_names_exists():
                              re.M))
     for name, shortened in named:
         assert any(d == name or (shortened and d.startswith(name)) for d in defined), f"no test {name}"
+
+
+def test_the_kubernetes_walkthrough_names_what_the_manifests_have():
+    import yaml
+    text = (ROOT / "docs/kubernetes.md").read_text()
+    docs = [d for f in (ROOT / "deploy/dra").glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d]
+    [plugin] = [d for d in docs if d["kind"] == "DaemonSet"]
+    containers = {c["name"] for c in plugin["spec"]["template"]["spec"]["containers"]}
+    named = set(re.findall(r"ds/vgpu-dra-plugin -c (\w+)|<plugin pod> -c (\w+)", text))
+    assert named and {n for pair in named for n in pair if n} <= containers, (named, containers)
+    assert f"ds/{plugin['metadata']['name']}" in text
+    webhook = next(d for d in docs if d["kind"] == "Deployment")
+    assert f"deploy/{webhook['metadata']['name']}" in text
+    for path in set(re.findall(r"deploy/[\w./-]+\.yaml", text)):
+        assert (ROOT / path).is_file(), path
+    pods = {d["metadata"]["name"] for d in docs if d["kind"] == "Pod"}
+    assert {"cuda-4gi", "cuda-half-gpu"} <= pods
