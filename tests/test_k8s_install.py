@@ -211,7 +211,7 @@ def test_the_webhook_is_reachable_as_configured_and_reads_its_certificate_from_t
     ref = hook["clientConfig"]["service"]
     assert (ref["name"], ref["namespace"], ref["port"], ref["path"]) == \
         (svc["metadata"]["name"], svc["metadata"]["namespace"], port["port"], "/mutate")
-    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
                               "resources": ["pods"], "scope": "Namespaced"}]
     assert (hook["failurePolicy"], hook["sideEffects"], hook["admissionReviewVersions"]) == \
         ("Fail", "NoneOnDryRun", ["v1"])

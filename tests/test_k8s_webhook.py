@@ -239,6 +239,28 @@ def test_every_replica_of_a_deployment_is_admitted_though_the_server_defaults_an
         assert again["patch"] == first["patch"]
 
 
+def test_applying_the_same_bare_pod_again_is_a_no_op_and_other_amounts_are_denied(cluster):
+    # kubectl apply's three-way merge puts the limits the webhook took out back into the
+    # update (they are in the file and in last-applied, not in the live pod)
+    _, hook = cluster
+    limits = {"vgpu.dev/gpu-memory": "4Gi", "vgpu.dev/gpu-utilization": "25"}
+    pod = pod_of(ctr("again", limits={**limits, "cpu": "1"}))
+    live = patched(pod, hook.review(pod))
+    reapplied = copy.deepcopy(live)
+    reapplied["spec"]["containers"][0]["resources"]["limits"].update(limits)
+    response = hook.review(reapplied, operation="UPDATE")
+    assert response["allowed"] is True and patched(reapplied, response) == live
+    other = copy.deepcopy(live)
+    other["spec"]["containers"][0]["resources"]["limits"].update({**limits, "vgpu.dev/gpu-memory": "8Gi"})
+    denied = hook.review(other, operation="UPDATE")
+    assert denied["allowed"] is False
+    assert denied["status"]["message"] == ("container again: the GPU amounts of a pod cannot change (its claim "
+                                           "vgpu-again keeps what it asked at creation); delete the pod and create "
+                                           "it again")
+    # an update that leaves the limits out (a label, an image) changes nothing of ours
+    assert "patch" not in hook.review(live, operation="UPDATE")
+
+
 def test_pods_asking_nothing_pass_untouched_and_other_operations_are_ignored(cluster):
     _, hook = cluster
     plain = pod_of(ctr("web", limits={"cpu": "1"}))

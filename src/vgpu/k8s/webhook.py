@@ -404,14 +404,17 @@ class Admitter:
             raise ValueError("expected an admission.k8s.io/v1 AdmissionReview with a request and its uid")
         uid = request["uid"]
         kind = request.get("kind") or {}
-        if (kind.get("group"), kind.get("kind")) != ("", "Pod") or request.get("operation") != "CREATE" or \
+        operation = request.get("operation")
+        if (kind.get("group"), kind.get("kind")) != ("", "Pod") or operation not in ("CREATE", "UPDATE") or \
                 request.get("subResource"):
-            return review_response(uid)       # registered for pod CREATE only; anything else passes untouched
+            return review_response(uid)       # registered for pods only; anything else passes untouched
         pod = request.get("object") or {}
         pod = {**pod, "metadata": {**(pod.get("metadata") or {}),
                                    "namespace": (pod.get("metadata") or {}).get("namespace") or
                                    request.get("namespace")}}
         shown = f"{request.get('namespace')}/{pod['metadata'].get('name') or pod['metadata'].get('generateName')}"
+        if operation == "UPDATE":
+            return self._review_update(uid, pod, shown)
         try:
             if not mutation(pod, self.config)[0]:     # nothing to map: no API call at all
                 return review_response(uid)
@@ -425,6 +428,37 @@ class Admitter:
         self.log({"event": "mutated", "pod": shown, "templates": [t["metadata"]["name"] for t in templates],
                   "dry_run": bool(request.get("dryRun"))})
         return review_response(uid, patch=ops, warnings=warnings)
+
+    def _review_update(self, uid, pod, shown) -> dict:
+        """A pod updated with the limits the webhook took out at creation back in (`kubectl
+        apply` of the same file again: its three-way merge restores them): taken out again
+        when they ask what the container's claim template asks, so the update is the no-op
+        it means; other amounts are denied (a running pod's claim cannot change).  A
+        container that never went through the webhook (no claim entry of ours) is left
+        alone, so labelling an old pod still works."""
+        spec = pod.get("spec") or {}
+        entries = {c.get("name"): c.get("resourceClaimTemplateName") for c in spec.get("resourceClaims") or []}
+        namespace = pod["metadata"].get("namespace") or ""
+        ops = []
+        try:
+            for i, c in enumerate(spec.get("containers") or []):
+                ask = container_ask({**c, "resources": {k: v for k, v in (c.get("resources") or {}).items()
+                                                        if k != "claims"}}, self.config)
+                name = claim_name(c.get("name", ""))
+                if ask is None or name not in entries:
+                    continue
+                if entries[name] != template(namespace, ask, self.config)["metadata"]["name"]:
+                    raise Denied(f"container {ask.container}: the GPU amounts of a pod cannot change (its claim "
+                                 f"{name} keeps what it asked at creation); delete the pod and create it again")
+                resources = c.get("resources") or {}
+                ops += [{"op": "remove", "path": _pointer("spec", "containers", i, "resources", part, n)}
+                        for part in ("limits", "requests") for n in ask.names if n in (resources.get(part) or {})]
+        except Denied as e:
+            self.log({"event": "denied", "pod": shown, "message": str(e)})
+            return review_response(uid, allowed=False, message=str(e))
+        if ops:
+            self.log({"event": "limits_taken_out_again", "pod": shown})
+        return review_response(uid, patch=ops)
 
 
 # === HTTPS ===
