@@ -19,7 +19,9 @@ serves just what the agent uses:
     PATCH  /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}/status  (server-side
            apply of status.devices only)
     POST   /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates
-    GET    /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/{name}
+    GET    /apis/resource.k8s.io/v1[/namespaces/{ns}]/resourceclaimtemplates      (labelSelector)
+    GET, PATCH (merge: metadata only), DELETE (preconditions)
+           /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates/{name}
 
 Identities: the kubeconfig's token is an admin (everything allowed).  `add_user(token,
 username, node=..., rules=[PolicyRule...])` makes another whose every request RBAC checks
@@ -86,7 +88,7 @@ _CLAIM_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resource
 _SLICE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/resourceslices/([^/]+)$")
 _CLAIMS_RE = re.compile(r"^/apis/resource\.k8s\.io/v1(?:/namespaces/([^/]+))?/resourceclaims$")
 _CLAIM_STATUS_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)/status$")
-_TEMPLATES_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaimtemplates$")
+_TEMPLATES_RE = re.compile(r"^/apis/resource\.k8s\.io/v1(?:/namespaces/([^/]+))?/resourceclaimtemplates$")
 _TEMPLATE_RE = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaimtemplates/([^/]+)$")
 _PODS_RE = re.compile(r"^/api/v1(?:/namespaces/([^/]+))?/pods$")
 _POD_RE = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
@@ -737,19 +739,21 @@ class FakeApiServer:
                 return 200, self._apply_claim_status(key, self._body(raw), user, query, headers.get("Content-Type"))
             return 200, self._replace_claim_status(key, self._body(raw), user, query)
         if m := _TEMPLATES_RE.match(path):
-            self._only(method, "GET", "POST")
+            self._only(method, "GET", *(("POST",) if m.group(1) else ()))
             if method == "GET":
+                labels = _parse_selector(query.get("labelSelector"), "label selector")
                 return 200, self._list(RESOURCE_API, "ResourceClaimTemplateList", self._templates.values(),
-                                       lambda o: o["metadata"].get("namespace") == m.group(1))
+                                       lambda o: m.group(1) in (None, o["metadata"].get("namespace")) and
+                                       _matches(labels, lambda k: (o["metadata"].get("labels") or {}).get(k)))
             return 201, self._create_template(m.group(1), self._body(raw), query)
         if m := _TEMPLATE_RE.match(path):
-            self._only(method, "GET", "DELETE")
+            self._only(method, "GET", "PATCH", "DELETE")
             key = (m.group(1), m.group(2))
-            found = self._get(self._templates, key, "resourceclaimtemplates.resource.k8s.io", m.group(2))
+            if method == "PATCH":
+                return 200, self._patch_template(key, self._body(raw), headers.get("Content-Type"))
             if method == "DELETE":
-                with self._lock:
-                    self._templates.pop(key, None)
-            return 200, found
+                return 200, self._delete_template(key, self._body(raw) if raw else None)
+            return 200, self._get(self._templates, key, "resourceclaimtemplates.resource.k8s.io", m.group(2))
         if m := _CLAIM_RE.match(path):
             self._only(method, "GET")
             return 200, self._get(self._claims, (m.group(1), m.group(2)),
@@ -916,6 +920,35 @@ class FakeApiServer:
             if query.get("dryRun") != "All":
                 self._templates[(namespace, name)] = body
             return copy.deepcopy(body)
+
+    def _patch_template(self, key, body, content_type):
+        """A JSON merge patch (RFC 7386) of a template's metadata labels and annotations; the
+        spec is immutable (pkg/apis/resource/validation ValidateResourceClaimTemplateUpdate)."""
+        if (content_type or "").split(";")[0].strip() not in ("application/merge-patch+json",
+                                                               "application/strategic-merge-patch+json"):
+            raise ApiError(415, f"the fake serves merge patches of templates only, not {content_type}")
+        if set(body) - {"metadata"} or set(body.get("metadata") or {}) - {"labels", "annotations"}:
+            raise ApiError(422, f'ResourceClaimTemplate.resource.k8s.io "{key[1]}" is invalid: spec: Invalid '
+                                "value: field is immutable (the fake patches metadata labels and annotations only)")
+        with self._lock:
+            stored = self._get(self._templates, key, "resourceclaimtemplates.resource.k8s.io", key[1])
+            for part, changes in (body.get("metadata") or {}).items():
+                merged = {**(stored["metadata"].get(part) or {}), **(changes or {})}
+                stored["metadata"][part] = {k: v for k, v in merged.items() if v is not None}
+            stored["metadata"]["resourceVersion"] = self._next_rv()
+            self._templates[key] = stored
+            return copy.deepcopy(stored)
+
+    def _delete_template(self, key, options):
+        with self._lock:
+            stored = self._get(self._templates, key, "resourceclaimtemplates.resource.k8s.io", key[1])
+            pre = (options or {}).get("preconditions") or {}
+            for k in ("uid", "resourceVersion"):
+                if pre.get(k) and pre[k] != stored["metadata"][k]:
+                    raise ApiError(409, f"Precondition failed: {k} in precondition: {pre[k]}, "
+                                        f"{k} in object meta: {stored['metadata'][k]}", reason="Conflict")
+            del self._templates[key]
+            return stored
 
     @staticmethod
     def _node_of(allocation) -> str:

@@ -225,7 +225,9 @@ def test_the_webhook_is_reachable_as_configured_and_reads_its_certificate_from_t
         assert f.startswith(mount["mountPath"] + "/")
     role = the(docs, "ClusterRole", "vgpu-webhook")
     assert {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]} == {
-        ("resourceclaimtemplates", "get"), ("resourceclaimtemplates", "create"), ("resourceslices", "list")}
+        ("resourceclaimtemplates", "get"), ("resourceclaimtemplates", "create"), ("resourceslices", "list"),
+        ("resourceclaimtemplates", "list"), ("resourceclaimtemplates", "patch"), ("resourceclaimtemplates", "delete"),
+        ("pods", "list")}
 
 
 def match(expression, pod):

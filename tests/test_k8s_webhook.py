@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import urllib3
+import yaml
 
 from k8s_fake_api import FakeApiServer
 from k8s_models import roundtrip
@@ -25,6 +26,7 @@ from k8s_models import roundtrip
 jsonpatch = pytest.importorskip("jsonpatch")
 GiB, MiB = 1 << 30, 1 << 20
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "vgpu-webhook.vgpu-system.svc"
 NS = "team-a"
 
@@ -108,6 +110,13 @@ class Webhook:
     def stop(self):
         self.proc.terminate()
         self.proc.wait(10)
+
+
+def wait_until(predicate, what, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} in {timeout} s"
+        time.sleep(0.05)
 
 
 def patched(pod, response):
@@ -449,5 +458,40 @@ def test_an_api_server_that_does_not_answer_is_a_one_line_denial_not_a_library_t
                 message.endswith(f"the API server did not answer ({why}); create the pod again"), message
             assert "\n" not in message and "Pool" not in message and len(message) < 200
             assert hook.wait_for("api_unreachable")["error"]       # the details stay in the log
+        finally:
+            hook.stop()
+
+
+def test_templates_no_pod_uses_go_after_the_grace_and_those_in_use_stay(tmp_path):
+    # under the webhook's shipped RBAC; a round every 200 ms, a grace of 1.5 s
+    rules = next(d for d in yaml.safe_load_all((ROOT / "deploy/dra/webhook.yaml").read_text())
+                 if d and d["kind"] == "ClusterRole")["rules"]
+    with FakeApiServer() as api:
+        api.add_user("webhook-token", "system:serviceaccount:vgpu-system:vgpu-webhook", rules=rules)
+        kubeconfig = api.write_user_kubeconfig(tmp_path / "webhook-kubeconfig", "webhook-token")
+        hook = Webhook(tmp_path, api, "--kubeconfig", str(kubeconfig), "--template-gc-interval", "200ms",
+                       "--template-gc-grace", "1500ms")
+        try:
+            def template_of(name, memory):
+                out = patched(pod_of(ctr(name, limits={"vgpu.dev/gpu-memory": memory})),
+                              hook.review(pod_of(ctr(name, limits={"vgpu.dev/gpu-memory": memory}))))
+                return out, out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+            names = lambda: {t["metadata"]["name"] for t in api.templates()}   # noqa: E731
+            used, used_name = template_of("used", "2Gi")
+            stored = api.put_pod({**used, "metadata": {"name": "used-0", "namespace": NS}})
+            _, idle_name = template_of("idle", "3Gi")
+            # a Deployment whose pods keep being admitted: reused, never stored yet, never taken
+            _, busy_name = template_of("busy", "5Gi")
+            deadline = time.monotonic() + 4.5
+            while time.monotonic() < deadline:
+                assert busy_name in names()
+                template_of("busy", "5Gi")
+                time.sleep(0.2)
+            assert idle_name not in names()                    # gone after its grace
+            assert used_name in names()                        # a pod names it
+            api._pods.pop((NS, stored["metadata"]["name"]))    # the pod is deleted
+            wait_until(lambda: used_name not in names() and busy_name not in names(), "the unused templates to go")
+            assert [e for e in hook.events() if e["event"] == "templates_deleted"]
+            assert not [e for e in hook.events() if e["event"] == "template_collection_failed"]
         finally:
             hook.stop()

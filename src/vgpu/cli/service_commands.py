@@ -375,8 +375,13 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
               help="Also map HAMi's nvidia.com/gpumem (MiB), nvidia.com/gpucores (%) and nvidia.com/gpu: 1.")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False), envvar="KUBECONFIG",
               help="Kubeconfig to reach the API server [default: the pod's service account].")
+@click.option("--template-gc-interval", default="10m", show_default=True,
+              callback=lambda ctx, param, v: 0.0 if str(v).strip() in ("0", "0s") else DURATION.convert(v, param, ctx),
+              help="How often to delete the claim templates it made that no pod uses any more; 0 for never.")
+@click.option("--template-gc-grace", type=DURATION, default="1h", show_default=True,
+              help="How long a template no pod names is kept after it was last given to a pod.")
 def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name, device_class, memory_resource,
-                utilization_resource, hami, kubeconfig):
+                utilization_resource, hami, kubeconfig, template_gc_interval, template_gc_grace):
     """Run the mutating admission webhook that turns GPU fractions in resources.limits into DRA claims.
 
     A container asking `vgpu.dev/gpu-memory: 4Gi` (and `vgpu.dev/gpu-utilization: "50"`)
@@ -392,7 +397,7 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
     from ..k8s import agent, webhook
     agent._require_extras()
     config = webhook.Config(driver_name=driver_name, device_class=device_class, memory_resource=memory_resource,
-                            utilization_resource=utilization_resource, hami=hami)
+                            utilization_resource=utilization_resource, hami=hami, template_grace=template_gc_grace)
     try:
         api = agent.api_client(kubeconfig)
     except agent.AgentError as e:
@@ -400,11 +405,17 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
 
     def log(event):
         click.echo(json.dumps({"time": round(time.time(), 3), **event}), err=True)
+    admitter = webhook.Admitter(config, api, log)
     try:
-        httpd = webhook.serve(webhook.Admitter(config, api, log), tls_cert_file, tls_private_key_file, address, port)
+        httpd = webhook.serve(admitter, tls_cert_file, tls_private_key_file, address, port)
     except (OSError, ssl.SSLError) as e:
         raise click.ClickException(f"cannot serve HTTPS on {address}:{port} with {tls_cert_file}: {e}; hint: check "
                                    "the certificate and key files (PEM) and that the port is free") from None
     log({"event": "serving", "address": address, "port": httpd.server_port, "resources": config.names()})
-    _until_signalled()
+    def run(stop):
+        if template_gc_interval:
+            webhook.collect_templates_every(admitter, template_gc_interval, stop)
+        while not stop.wait(3600):
+            pass
+    _until_signalled(run)
     httpd.shutdown()

@@ -21,7 +21,8 @@ be owner-referenced to it, and would leak whenever a later admission step refuse
 A template is what Kubernetes itself turns into one claim per pod, owned by the pod and
 deleted with it (the resourceclaim controller).  Templates are made here on first use, one
 per (namespace, container name, amounts), named by a hash of their content, so making one
-again is a no-op and pods that ask alike share it.  The container's name travels in the
+again is a no-op and pods that ask alike share it; one no pod names any more is deleted after
+a grace (Admitter.collect_templates).  The container's name travels in the
 template's claim metadata (annotation vgpu.dev/container), so the driver can label the
 slice with it.
 
@@ -53,6 +54,7 @@ HAMI_MEMORY, HAMI_CORES, HAMI_GPU = "nvidia.com/gpumem", "nvidia.com/gpucores", 
 HAMI_UNSUPPORTED = ("nvidia.com/gpumem-percentage",)
 MIG_PREFIXES = ("nvidia.com/mig-",)
 API_TIMEOUT = 3.0              # seconds per API call: the API server gives the webhook 10 s in all
+LAST_USED = "vgpu.dev/last-used"   # a template's annotation: when the webhook last gave it to a pod
 
 
 class Denied(Exception):
@@ -68,6 +70,7 @@ class Config:
     hami: bool = True              # also nvidia.com/gpumem (MiB), gpucores (%), gpu (count)
     mig_prefixes: tuple = MIG_PREFIXES
     sizes_ttl: float = 30.0        # how long the largest GPU's size is cached
+    template_grace: float = 3600.0  # a template no pod names is deleted once unused this long
 
     def names(self) -> list:
         """Every resource name the webhook maps (what its matchConditions must catch)."""
@@ -279,6 +282,36 @@ def mutation(pod: dict, config: Config, largest_gpu=None):
 
 # === the AdmissionReview ===
 
+def _timestamp(when=None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
+
+
+def _last_used(tmpl) -> float:
+    """When a template was last given to a pod (its LAST_USED, else its creation), epoch seconds."""
+    import datetime
+    meta = tmpl.get("metadata") or {}
+    for text in ((meta.get("annotations") or {}).get(LAST_USED), meta.get("creationTimestamp")):
+        try:
+            return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+    return 0.0
+
+
+def collect_templates_every(admitter, interval, stop):
+    """Admitter.collect_templates every `interval` seconds until `stop` (a threading.Event) is
+    set, in a daemon thread; a round that fails is logged and the next one tries again."""
+    def run():
+        while not stop.wait(interval):
+            try:
+                deleted = admitter.collect_templates()
+                if deleted:
+                    admitter.log({"event": "templates_deleted", "templates": deleted})
+            except Exception as e:
+                admitter.log({"event": "template_collection_failed", "error": f"{type(e).__name__}: {e}"[:300]})
+    threading.Thread(target=run, name="template-gc", daemon=True).start()
+
+
 def unreachable(e) -> str:
     """Why a request to the API server got no answer, in a few words."""
     text = f"{type(e).__name__} {e}".lower()
@@ -342,8 +375,9 @@ class Admitter:
         resource = client.ResourceV1Api(self.api)
         meta = tmpl["metadata"]
         shown = f"ResourceClaimTemplate {meta['namespace']}/{meta['name']}"
+        stamped = {**tmpl, "metadata": {**meta, "annotations": {**meta["annotations"], LAST_USED: _timestamp()}}}
         made = self._api_call("create", shown, lambda: resource.create_namespaced_resource_claim_template(
-            meta["namespace"], tmpl, _request_timeout=API_TIMEOUT), exists_ok=True)
+            meta["namespace"], stamped, _request_timeout=API_TIMEOUT), exists_ok=True)
         if made is not None:
             self.log({"event": "template_created", "namespace": meta["namespace"], "name": meta["name"]})
             self._capacity_kept(resource, tmpl, made)
@@ -353,6 +387,48 @@ class Admitter:
         self._capacity_kept(resource, tmpl, have)
         if template_meaning(have.get("spec")) != template_meaning(tmpl["spec"]):
             raise Denied(f"{shown} exists with other content (edited by hand?): delete it and create the pod again")
+        if time.time() - _last_used(have) > self.config.template_grace / 4:   # in use: not for collect_templates
+            try:
+                resource.patch_namespaced_resource_claim_template(
+                    meta["name"], meta["namespace"], {"metadata": {"annotations": {LAST_USED: _timestamp()}}},
+                    _content_type="application/merge-patch+json", _request_timeout=API_TIMEOUT)
+            except Exception as e:   # the pod still gets it; the grace covers many failed refreshes
+                self.log({"event": "template_touch_failed", "template": shown, "error": f"{type(e).__name__}"})
+
+    def collect_templates(self) -> list:
+        """Delete the webhook's templates that no pod in their namespace names and that were
+        last given to a pod more than template_grace ago (a Deployment scaled to zero, a
+        finished Job): the grace covers a pod admitted but not yet stored, and every reuse
+        refreshes LAST_USED.  The delete carries the resourceVersion read, so a template
+        refreshed meanwhile stays.  Returns the namespace/names deleted."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+        resource, core = client.ResourceV1Api(self.api), client.CoreV1Api(self.api)
+        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        listed = self.api.sanitize_for_serialization(resource.list_resource_claim_template_for_all_namespaces(
+            label_selector=selector, _request_timeout=API_TIMEOUT))
+        by_namespace = {}
+        for t in listed.get("items") or []:
+            by_namespace.setdefault(t["metadata"]["namespace"], []).append(t)
+        deleted = []
+        for namespace, templates in sorted(by_namespace.items()):
+            pods = self.api.sanitize_for_serialization(core.list_namespaced_pod(namespace, _request_timeout=API_TIMEOUT))
+            named = {pc.get("resourceClaimTemplateName") for p in pods.get("items") or []
+                     for pc in (p.get("spec") or {}).get("resourceClaims") or []}
+            for t in templates:
+                meta = t["metadata"]
+                if meta["name"] in named or time.time() - _last_used(t) < self.config.template_grace:
+                    continue
+                try:
+                    resource.delete_namespaced_resource_claim_template(
+                        meta["name"], namespace, body={"preconditions": {"resourceVersion": meta["resourceVersion"]}},
+                        _request_timeout=API_TIMEOUT)
+                except ApiException as e:
+                    if e.status in (404, 409):      # gone already, or given to a pod just now
+                        continue
+                    raise
+                deleted.append(f"{namespace}/{meta['name']}")
+        return deleted
 
     def _api_call(self, verb, shown, call, exists_ok=False):
         """call()'s answer as a dict; Denied in one line when the API server refuses (saying
