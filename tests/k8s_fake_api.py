@@ -317,6 +317,23 @@ def _check_counter_map(counters, where) -> list:
     return out
 
 
+def _stored_for_write(stored, resource, name, meta):
+    """The stored object a write of `meta` is for: 404 when there is none, 409 when the
+    write's uid or resourceVersion (its preconditions) is not the stored one's."""
+    details = {"name": name, "group": "resource.k8s.io", "kind": resource}
+    if stored is None:
+        raise ApiError(404, f'{resource}.resource.k8s.io "{name}" not found', details=details)
+    old = stored["metadata"]
+    if meta.get("uid") and meta["uid"] != old["uid"]:
+        raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
+                            f"{old['uid']}")
+    if meta.get("resourceVersion") and meta["resourceVersion"] != old["resourceVersion"]:
+        raise ApiError(409, f'Operation cannot be fulfilled on {resource}.resource.k8s.io "{name}": the object has '
+                            'been modified; please apply your changes to the latest version and try again',
+                       reason="Conflict", details=details)
+    return stored
+
+
 def _drop_capacity_requests(claim_spec):
     """What the claim and template strategies drop from a new object while DRAConsumableCapacity
     is off (kubernetes pkg/api/resourceclaimspec/util.go,
@@ -1028,21 +1045,7 @@ class FakeApiServer:
     def _stored_claim(self, key, meta):
         """The stored claim a status write is for (the caller holds the lock), after the uid and
         resourceVersion preconditions a write carries."""
-        name = key[1]
-        stored = self._claims.get(key)
-        if stored is None:
-            raise ApiError(404, f'resourceclaims.resource.k8s.io "{name}" not found',
-                           details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
-        old_meta = stored["metadata"]
-        if meta.get("uid") and meta["uid"] != old_meta["uid"]:
-            raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
-                                f"{old_meta['uid']}")
-        if meta.get("resourceVersion") and meta["resourceVersion"] != old_meta["resourceVersion"]:
-            raise ApiError(409, f'Operation cannot be fulfilled on resourceclaims.resource.k8s.io "{name}": the '
-                                'object has been modified; please apply your changes to the latest version and '
-                                'try again', reason="Conflict",
-                           details={"name": name, "group": "resource.k8s.io", "kind": "resourceclaims"})
-        return stored
+        return _stored_for_write(self._claims.get(key), "resourceclaims", key[1], meta)
 
     def _store_claim_status(self, key, stored, new_status, user, verb, query):
         """The status strategy on a write of `verb` (update or patch), then the new status
@@ -1324,20 +1327,8 @@ class FakeApiServer:
             raise ApiError(400, f"the name of the object ({meta.get('name')}) does not match the "
                                 f"name on the URL ({name})")
         with self._lock:
-            stored = self._slices.get(name)
-            if stored is None:
-                raise ApiError(404, f'resourceslices.resource.k8s.io "{name}" not found',
-                               details={"name": name, "kind": "resourceslices"})
+            stored = _stored_for_write(self._slices.get(name), "resourceslices", name, meta)
             old = stored["metadata"]
-            if meta.get("uid") and meta["uid"] != old["uid"]:
-                raise ApiError(409, f"Precondition failed: UID in precondition: {meta['uid']}, "
-                                    f"UID in object meta: {old['uid']}")
-            if meta.get("resourceVersion") and meta["resourceVersion"] != old["resourceVersion"]:
-                raise ApiError(409, f'Operation cannot be fulfilled on resourceslices.resource.k8s.io '
-                                    f'"{name}": the object has been modified; please apply your '
-                                    f'changes to the latest version and try again',
-                               details={"name": name, "group": "resource.k8s.io",
-                                        "kind": "resourceslices"})
             meta["uid"] = old["uid"]
             meta["creationTimestamp"] = old["creationTimestamp"]
             meta["generation"] = old["generation"] + (body.get("spec") != stored.get("spec"))

@@ -327,13 +327,16 @@ def check_limits(slices: list, counters_in_device_slice=False) -> list:
                 if len(u["counters"]) > MAX_COUNTERS_PER_CONSUMPTION:
                     out.append(f"{name}: device {d['name']} consumes {len(u['counters'])} counters of "
                                f"{u['counterSet']}, at most {MAX_COUNTERS_PER_CONSUMPTION}")
-                if u["counterSet"] not in sets:
-                    out.append(f"{name}: device {d['name']} consumes from counter set {u['counterSet']}, "
-                               "which the pool does not define")
-                else:
-                    out += [f"{name}: device {d['name']} consumes counter {c} that {u['counterSet']} lacks"
-                            for c in set(u["counters"]) - sets[u["counterSet"]]]
+                out += _unknown_counters(name, d, u, sets, "which the pool does not define")
     return out
+
+
+def _unknown_counters(name, d, use, sets, missing) -> list:
+    """A consumption's counter set or counters that `sets` ({set: counter names}) lack."""
+    if use["counterSet"] not in sets:
+        return [f"{name}: device {d['name']} consumes from counter set {use['counterSet']}, {missing}"]
+    return [f"{name}: device {d['name']} consumes counter {c} that {use['counterSet']} lacks"
+            for c in set(use["counters"]) - sets[use["counterSet"]]]
 
 
 def _check_limits_134(slices: list) -> list:
@@ -355,12 +358,7 @@ def _check_limits_134(slices: list) -> list:
                 out.append(f"{name}: device {d['name']} has more than {MAX_ATTRIBUTES_AND_CAPACITIES} attributes "
                            "and capacities")
             for u in d.get("consumesCounters") or []:
-                if u["counterSet"] not in sets:
-                    out.append(f"{name}: device {d['name']} consumes from counter set {u['counterSet']}, "
-                               "which is not in its slice")
-                else:
-                    out += [f"{name}: device {d['name']} consumes counter {c} that {u['counterSet']} lacks"
-                            for c in set(u["counters"]) - sets[u["counterSet"]]]
+                out += _unknown_counters(name, d, u, sets, "which is not in its slice")
     return out
 
 
