@@ -20,8 +20,8 @@ from vgpu.k8s.agent import default_plugin_dir
 ROOT = Path(__file__).resolve().parent.parent
 DRA = ROOT / "deploy" / "dra"
 NODE_AGENT = ROOT / "deploy" / "daemonset.yaml"
-FILES = ("daemonset.yaml", "deviceclass.yaml", "rbac.yaml", "webhook.yaml", "example-pod.yaml", "example-pod-limits.yaml",
-         "example-pod-mig.yaml", "kustomization.yaml")
+FILES = ("daemonset.yaml", "deviceclass.yaml", "rbac.yaml", "webhook.yaml", "metrics-service.yaml", "example-pod.yaml",
+         "example-pod-limits.yaml", "example-pod-mig.yaml", "kustomization.yaml")
 NODE = "gpu-node-1"      # what the downward API's spec.nodeName gives the pod in these tests
 GiB = 1 << 30
 

@@ -400,3 +400,34 @@ def test_a_template_the_webhook_makes_is_judged_by_the_policy_too():
     assert "at most 8Gi" in caps_verdict(tmpl, LIMITS)
     ask.memory = 4 << 30
     assert caps_verdict(webhook_mod.template("team-a", ask, webhook_mod.Config()), LIMITS) is None
+
+
+# === scraping the node agents ===
+
+# the fields of prometheus-operator's ServiceMonitor this project sets (pkg/apis/monitoring/
+# v1/servicemonitor_types.go ServiceMonitorSpec, and Endpoint in types.go): no model of the
+# CRD is in the kubernetes client, so a misspelt field is caught here
+SERVICE_MONITOR_SPEC = {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels", "podTargetLabels"}
+SERVICE_MONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "scheme"}
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_the_metrics_service_reaches_the_agents_port_and_the_service_monitor_scrapes_it(name):
+    docs = rendered(name)
+    service = the(docs, "Service", "vgpu-metrics")
+    plugin = the(docs, "DaemonSet")
+    pod = plugin["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [port] = service["spec"]["ports"]
+    agent = container(pod["spec"], "agent")
+    assert port["targetPort"] in [p["name"] for p in agent["ports"]]
+    assert str([p["containerPort"] for p in agent["ports"]][0]) in agent["args"]     # --metrics-port
+    [monitor] = [d for d in yaml.safe_load_all((DEPLOY / "monitoring" / "servicemonitor.yaml").read_text()) if d]
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    spec = monitor["spec"]
+    assert set(spec) <= SERVICE_MONITOR_SPEC
+    assert spec["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert spec["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+    [endpoint] = spec["endpoints"]
+    assert set(endpoint) <= SERVICE_MONITOR_ENDPOINT
+    assert endpoint["port"] == port["name"] and endpoint["honorLabels"] is True
