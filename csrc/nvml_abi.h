@@ -98,6 +98,24 @@ typedef struct nvmlProcessUtilizationSample_st {
     unsigned int decUtil;
 } nvmlProcessUtilizationSample_t;
 
+/* nvmlDeviceGetProcessesUtilizationInfo: the caller gives version, the array and its
+ * length in processSamplesCount (too short or no array: the count needed and
+ * NVML_ERROR_INSUFFICIENT_SIZE), and lastSeenTimeStamp (samples newer than it) */
+typedef struct nvmlProcessUtilizationInfo_v1_st {
+    unsigned long long timeStamp;   /* CPU timestamp, microseconds */
+    unsigned int pid;
+    unsigned int smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct nvmlProcessesUtilizationInfo_v1_st {
+    unsigned int version;           /* nvmlProcessesUtilizationInfo_v1 */
+    unsigned int processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_v1_t, nvmlProcessesUtilizationInfo_t;
+
+#define nvmlProcessesUtilizationInfo_v1 NVML_STRUCT_VERSION(ProcessesUtilizationInfo, 1)
+
 /* === running processes === */
 /* nvmlDeviceGet*RunningProcesses (unsuffixed) */
 typedef struct nvmlProcessInfo_v1_st {
@@ -145,6 +163,37 @@ typedef struct nvmlProcessDetail_v1_st {
     unsigned int computeInstanceId;
     unsigned long long usedGpuCcProtectedMemory;
 } nvmlProcessDetail_v1_t;
+
+/* nvmlDeviceGetRunningProcessDetailList: the caller gives version, mode and the array
+ * with its length in numProcArrayEntries (too short or none, with processes running: the
+ * count needed and NVML_ERROR_INSUFFICIENT_SIZE; none running: NVML_SUCCESS and 0) */
+enum { NVML_PROCESS_MODE_COMPUTE = 0, NVML_PROCESS_MODE_GRAPHICS = 1, NVML_PROCESS_MODE_MPS = 2 };
+typedef struct nvmlProcessDetailList_v1_st {
+    unsigned int version;           /* nvmlProcessDetailList_v1 */
+    unsigned int mode;              /* nvmlProcessMode_t */
+    unsigned int numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t, nvmlProcessDetailList_t;
+
+#define nvmlProcessDetailList_v1 NVML_STRUCT_VERSION(ProcessDetailList, 1)
+
+/* encoder and frame-buffer-capture sessions (nvmlDeviceGetEncoderSessions, ...FBCSessions):
+ * a count of 0 on input gives the count and NVML_SUCCESS */
+typedef struct nvmlEncoderSessionInfo_st {
+    unsigned int sessionId, pid, vgpuInstance, codecType, hResolution, vResolution, averageFps, averageLatency;
+} nvmlEncoderSessionInfo_t;
+
+typedef struct nvmlFBCSessionInfo_st {
+    unsigned int sessionId, pid, vgpuInstance, displayOrdinal, sessionType, sessionFlags, hMaxResolution,
+        vMaxResolution, hResolution, vResolution, averageFPS, averageLatency;
+} nvmlFBCSessionInfo_t;
+
+typedef struct nvmlAccountingStats_st {
+    unsigned int gpuUtilization, memoryUtilization;
+    unsigned long long maxMemoryUsage, time, startTime;
+    unsigned int isRunning;
+    unsigned int reserved[5];
+} nvmlAccountingStats_t;
 
 /* === the board: PCI, thermals, power, clocks, ECC, BAR1 (layouts as nvidia-ml-py's) === */
 #define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32

@@ -147,6 +147,33 @@
     X(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                       \
       (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))                    \
     /* === view: utilization as the slice's own use of its share (compute.c) === */              \
-    X(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization))
+    X(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization)) \
+    /* === view: only the slice's processes, wherever NVML names one (view.c) === */             \
+    X(nvmlDeviceGetGraphicsRunningProcesses, nvmlReturn_t,                                         \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos))                 \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlReturn_t,                                      \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v2_t *infos))                 \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlReturn_t,                                      \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))                    \
+    X(nvmlDeviceGetMPSComputeRunningProcesses, nvmlReturn_t,                                       \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos))                 \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlReturn_t,                                    \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v2_t *infos))                 \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlReturn_t,                                    \
+      (nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos))                    \
+    X(nvmlDeviceGetRunningProcessDetailList, nvmlReturn_t,                                         \
+      (nvmlDevice_t device, nvmlProcessDetailList_t *plist))                                       \
+    X(nvmlDeviceGetProcessUtilization, nvmlReturn_t,                                               \
+      (nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,                           \
+       unsigned int *processSamplesCount, unsigned long long lastSeenTimeStamp))                   \
+    X(nvmlDeviceGetProcessesUtilizationInfo, nvmlReturn_t,                                         \
+      (nvmlDevice_t device, nvmlProcessesUtilizationInfo_t *info))                                 \
+    X(nvmlDeviceGetEncoderSessions, nvmlReturn_t,                                                  \
+      (nvmlDevice_t device, unsigned int *sessionCount, nvmlEncoderSessionInfo_t *sessionInfos))  \
+    X(nvmlDeviceGetFBCSessions, nvmlReturn_t,                                                      \
+      (nvmlDevice_t device, unsigned int *sessionCount, nvmlFBCSessionInfo_t *sessionInfos))      \
+    X(nvmlDeviceGetAccountingPids, nvmlReturn_t, (nvmlDevice_t device, unsigned int *count, unsigned int *pids)) \
+    X(nvmlDeviceGetAccountingStats, nvmlReturn_t,                                                  \
+      (nvmlDevice_t device, unsigned int pid, nvmlAccountingStats_t *stats))
 
 #endif

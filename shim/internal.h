@@ -3,6 +3,7 @@
  *   shim.c     configuration, files, process slots, init, NVML loading, interception
  *   memory.c   the memory cap: accounting, allocate/free hooks, the view (CUDA and NVML)
  *   compute.c  the compute share: cost estimates, pacing, launch hooks
+ *   view.c     NVML's per-process answers with only the slice's processes
  *
  * Every symbol here has hidden visibility (-fvisibility=hidden); only the hooks
  * (SHIM_EXPORT, listed once in hooks.h) leave the library.
@@ -70,9 +71,7 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t, char *, unsigned int))                   \
     X(nvmlDeviceGetHandleByUUID, nvmlReturn_t, (const char *, nvmlDevice_t *))                 \
     X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
-    X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))             \
-    X(nvmlDeviceGetProcessUtilization, nvmlReturn_t,                                           \
-      (nvmlDevice_t, nvmlProcessUtilizationSample_t *, unsigned int *, unsigned long long))
+    X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))
 #define DECLARE_CALLED(sym, ret, params) extern ret(*real_##sym) params;
 VGPU_CALLED(DECLARE_CALLED)
 VGPU_NVML_CALLED(DECLARE_CALLED)
@@ -190,6 +189,13 @@ void graph_memory_settle(int dev);    /* charge the device's graph memory reserv
 CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES]);
 void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES]);
 int memory_holds_slot(int i);         /* with S.lock held: does this process hold shared slot i? */
+
+/* === view.c === */
+
+/* a device none of the slice's: the driver's compute list (of the caller's ABI: `real`,
+ * records of `size` bytes) with only the slice's processes left */
+nvmlReturn_t view_compute_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, size_t size,
+                                    nvmlReturn_t (*real)(nvmlDevice_t, unsigned int *, void *));
 
 /* === compute.c === */
 

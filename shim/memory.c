@@ -1996,8 +1996,9 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t devic
                                                               nvmlProcessInfo_v1_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses, device, infoCount, infos);
-    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
-        return real_nvmlDeviceGetComputeRunningProcesses(device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_v1_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses);
     return own_processes(device, infoCount, infos, PROC_V1);
 }
 
@@ -2005,8 +2006,9 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t de
                                                                  nvmlProcessInfo_v2_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v2, device, infoCount, infos);
-    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
-        return real_nvmlDeviceGetComputeRunningProcesses_v2(device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_v2_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses_v2);
     return own_processes(device, infoCount, infos, PROC_V2);
 }
 
@@ -2014,8 +2016,9 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t de
                                                                  nvmlProcessInfo_t *infos)
 {
     NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v3, device, infoCount, infos);
-    if (nvml_index(device) < 0)   /* none of the slice's devices: the driver's list */
-        return real_nvmlDeviceGetComputeRunningProcesses_v3(device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses_v3);
     return own_processes(device, infoCount, infos, PROC_V2);
 }
 

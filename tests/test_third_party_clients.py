@@ -92,6 +92,24 @@ print(json.dumps([d.memory_total(), d.memory_used(), sorted(d.processes()), d.gp
     assert limit == 150000 and pstate == "P0"
 
 
+@pytest.mark.skipif(not have("nvitop"), reason="nvitop is not installed")
+def test_nvitop_lists_every_process_of_the_slice_with_its_pid_and_memory(tmp_path, holder):
+    # a second process: nvitop reads nvmlDeviceGetRunningProcessDetailList where the
+    # driver exports it (R550+, and simgpu), whose entries must be read at their own size
+    second = start_python(HOLDER.replace("1 << 30", "512 << 20"), slice_env(tmp_path))
+    try:
+        assert second.stdout.readline().strip() == "holding", second.stderr.read()
+        screen = tool(["-m", "nvitop", "--once"], dict(slice_env(tmp_path), COLUMNS="120")).stdout
+        rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"\b(\d{2,})\b[^\n]*MiB", screen)
+                if int(m.group(1)) in (holder.pid, second.pid)}
+        assert set(rows) == {holder.pid, second.pid}, screen
+        assert rows[holder.pid].endswith("1024MiB") and rows[second.pid].endswith("512.0MiB"), rows
+        assert "No Such Process" not in screen and str(256 << 20) not in screen and "268435456" not in screen
+    finally:
+        second.stdin.close()
+        second.wait(timeout=30)
+
+
 def test_nvidia_ml_py_example_runs_through_under_the_shim(tmp_path):
     out = tool(["-m", "example"], slice_env(tmp_path)).stdout
     assert "<product_name>NVIDIA A10</product_name>" in out and "<serial>" in out

@@ -22,7 +22,8 @@ LIBRARIES = {
                              "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
     "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/nvml.c",
                                   "csrc/simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
-    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c", "shim/board.c"], "libvgpu.so", []),
+    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so",
+                   []),
 }
 
 

@@ -410,11 +410,10 @@ static uint64_t wall_us(void)
  * Timestamps are wall-clock microseconds, as with the real driver, so clients that pass
  * time.time()-based values work; every sample carries the time of the call, so passing
  * it back as lastSeenTimeStamp reads the interval since the previous call.  smUtil is
- * that process's share of the window; mem/enc/dec are 0.  No process ran: NOT_FOUND. */
-SIMGPU_EXPORT nvmlReturn_t
-nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
-                                unsigned int *processSamplesCount,
-                                unsigned long long lastSeenTimeStamp)
+ * that process's share of the window; the other engines are 0.  No process ran:
+ * NOT_FOUND.  Fills samples[] (SIMGPU_MAX_PROCS) and *count. */
+static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long lastSeenTimeStamp,
+                                        nvmlProcessUtilizationSample_t *samples, unsigned int *count)
 {
     int d;
     nvmlReturn_t r = device_index(device, &d);
@@ -422,8 +421,6 @@ nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSampl
         return r;
     if (simgpu_mig_enabled(d))
         return NVML_ERROR_NOT_SUPPORTED;   /* nvml.h: not supported on MIG-enabled GPUs */
-    if (!processSamplesCount)
-        return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t now = simgpu_now_ns(), now_us = wall_us();
     uint64_t from = now > SEC_NS ? now - SEC_NS : 0;
     if (lastSeenTimeStamp >= now_us)
@@ -436,23 +433,59 @@ nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSampl
 
     simgpu_reap_dead();
     struct simgpu_node *n = simgpu_node();
-    nvmlProcessUtilizationSample_t samples[SIMGPU_MAX_PROCS];
-    unsigned int count = 0;
+    *count = 0;
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         int32_t pid = atomic_load(&n->procs[i].pid);
         uint64_t busy = pid > 0 ? simgpu_busy_ns(d, pid, from, now) : 0;
         if (busy)
-            samples[count++] = (nvmlProcessUtilizationSample_t){
+            samples[(*count)++] = (nvmlProcessUtilizationSample_t){
                 .pid = (unsigned int)pid, .timeStamp = now_us, .smUtil = percent(busy, from, now)};
     }
-    if (!count)
-        return NVML_ERROR_NOT_FOUND;
+    return *count ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+}
+
+SIMGPU_EXPORT nvmlReturn_t
+nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                unsigned int *processSamplesCount,
+                                unsigned long long lastSeenTimeStamp)
+{
+    nvmlProcessUtilizationSample_t samples[SIMGPU_MAX_PROCS];
+    unsigned int count;
+    if (!processSamplesCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = utilization_samples(device, lastSeenTimeStamp, samples, &count);
+    if (r)
+        return r;
     if (!utilization || *processSamplesCount < count) {
         *processSamplesCount = count;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
     memcpy(utilization, samples, count * sizeof samples[0]);
     *processSamplesCount = count;
+    return NVML_SUCCESS;
+}
+
+/* The same samples in the versioned struct of newer drivers (jpg and ofa engines too). */
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                                 nvmlProcessesUtilizationInfo_t *info)
+{
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlProcessUtilizationSample_t samples[SIMGPU_MAX_PROCS];
+    unsigned int count;
+    nvmlReturn_t r = utilization_samples(device, info->lastSeenTimeStamp, samples, &count);
+    if (r)
+        return r;
+    if (!info->procUtilArray || info->processSamplesCount < count) {
+        info->processSamplesCount = count;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < count; i++)
+        info->procUtilArray[i] = (nvmlProcessUtilizationInfo_v1_t){
+            .timeStamp = samples[i].timeStamp, .pid = samples[i].pid, .smUtil = samples[i].smUtil};
+    info->processSamplesCount = count;
     return NVML_SUCCESS;
 }
 
@@ -527,6 +560,35 @@ RUNNING(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, GRAPHICS_NO
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_v2_t, GRAPHICS_NONE)
 RUNNING(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, GRAPHICS_NONE)
 RUNNING(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, GRAPHICS_NONE)
+
+/* The running processes of one mode (compute, graphics, MPS) in the versioned detail
+ * struct that drivers from R550 export and nvitop prefers: the compute list as above
+ * (usedGpuCcProtectedMemory 0: no confidential computing), none for the others. */
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t device, nvmlProcessDetailList_t *plist)
+{
+    if (!plist)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (plist->version != nvmlProcessDetailList_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (plist->mode > NVML_PROCESS_MODE_MPS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessInfo_v2_t found[SIMGPU_MAX_PROCS + SIMGPU_MAX_SHARED];
+    unsigned int count = SIMGPU_MAX_PROCS + SIMGPU_MAX_SHARED;
+    nvmlReturn_t r = running_processes(device, &count, found,
+                                       plist->mode == NVML_PROCESS_MODE_COMPUTE ? PROC_V2 : GRAPHICS_NONE);
+    if (r)
+        return r;
+    if (count && (!plist->procArray || plist->numProcArrayEntries < count)) {
+        plist->numProcArrayEntries = count;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned int i = 0; i < count; i++)
+        plist->procArray[i] = (nvmlProcessDetail_v1_t){
+            .pid = found[i].pid, .usedGpuMemory = found[i].usedGpuMemory, .gpuInstanceId = found[i].gpuInstanceId,
+            .computeInstanceId = found[i].computeInstanceId};
+    plist->numProcArrayEntries = count;
+    return NVML_SUCCESS;
+}
 
 /* === the board: identity, PCI, thermals, power, clocks, ECC, BAR1, engines ===
  * Figures come from the profile (node.c, which says where each comes from).  What a
