@@ -83,6 +83,20 @@ typedef struct nvmlMemory_v2_st {
 
 #define nvmlMemory_v2 NVML_STRUCT_VERSION(Memory, 2)   /* 0x02000028 */
 
+/* per-cgroup memory limits (nvmlDeviceSetMemoryLimits_v1, nvmlDeviceGetMemoryLimits_v1) */
+#define NVML_DEVICE_MEMORY_LIMIT_MAX 0xFFFFFFFFFFFFFFFFull   /* no hard limit */
+typedef struct {
+    const char *nameSpace;           /* full path of the cgroup's sysfs directory */
+    unsigned long long softLimit;    /* bytes guaranteed before allocations may fail under pressure */
+    unsigned long long hardLimit;    /* bytes it may allocate at most */
+} nvmlSetMemoryLimits_v1_t;
+
+typedef struct {
+    const char *nameSpace;
+    unsigned long long softLimit, hardLimit;
+    unsigned long long currentUsed;  /* what the cgroup holds now */
+} nvmlGetMemoryLimits_v1_t;
+
 /* === utilization === */
 typedef struct nvmlUtilization_st {
     unsigned int gpu;      /* percent of the sample period a kernel was running */

@@ -18,10 +18,10 @@ LDFLAGS = ["-shared", "-pthread", "-Wl,-z,defs", "-Wl,-z,now", "-Wl,-Bsymbolic-f
 
 # output path (relative to the _lib dir) -> (sources, soname, extra link flags)
 LIBRARIES = {
-    "simgpu/libcuda.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/image.c",
-                             "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
-    "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/nvml.c",
-                                  "csrc/simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
+    "simgpu/libcuda.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/limits.c",
+                             "csrc/simgpu/image.c", "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
+    "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/limits.c",
+                                  "csrc/simgpu/nvml.c", "csrc/simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
     "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so",
                    []),
 }

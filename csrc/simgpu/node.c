@@ -404,6 +404,7 @@ int simgpu_my_slot(void)
                 p->comm[strcspn(p->comm, "\n")] = 0;
             fclose(f);
         }
+        simgpu_cgroup_of_self(p->cgroup, sizeof p->cgroup);   /* for its cgroup's memory limits */
         atomic_store(&p->pid, nvml_pid());
         g.slot = i;
     }
@@ -611,6 +612,9 @@ static void dev_lock(struct simgpu_device *d)
         pthread_mutex_consistent(&d->lock);   /* every update under it is a single store */
 }
 
+void simgpu_dev_lock(int dev) { dev_lock(&g.node->devices[dev]); }
+void simgpu_dev_unlock(int dev) { pthread_mutex_unlock(&g.node->devices[dev].lock); }
+
 uint64_t simgpu_mem_used(int dev)
 {
     uint64_t used = 0;
@@ -632,7 +636,7 @@ int simgpu_mem_reserve(int dev, uint64_t bytes)
     for (int attempt = 0; attempt < 2; attempt++) {
         dev_lock(d);
         uint64_t used = simgpu_mem_used(dev);
-        int ok = bytes <= g.profile->memory && used <= g.profile->memory - bytes;
+        int ok = bytes <= g.profile->memory && used <= g.profile->memory - bytes && simgpu_limit_fits(dev, bytes);
         if (ok)
             atomic_fetch_add(&g.node->procs[slot].mem[dev], bytes);
         pthread_mutex_unlock(&d->lock);

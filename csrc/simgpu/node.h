@@ -17,13 +17,15 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 3u                    /* 2: MIG state (mig.h); 3: shared memory */
+#define SIMGPU_VERSION 4u                    /* 2: MIG state (mig.h); 3: shared memory; 4: cgroup limits */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
 #define SIMGPU_DEFAULT_KERNEL_US 5           /* kernels not named sim_<N>us */
 #define SIMGPU_QUEUE_DEPTH 1024              /* launches pending per stream before blocking */
 #define SIMGPU_MAX_SHARED 256                /* memory objects more than one process can hold */
+#define SIMGPU_MAX_LIMITS 32                 /* per-cgroup memory limits per device (limits.c) */
+#define SIMGPU_CGROUP_PATH 160               /* a cgroup's sysfs path, NUL included */
 
 #include "simgpu/mig.h"                    /* MIG instances, kept in the node too */
 
@@ -58,6 +60,7 @@ struct simgpu_proc {
     _Atomic uint32_t context_devices;          /* bit d: has a context on device d */
     _Atomic uint64_t mem[SIMGPU_MAX_DEVICES];  /* bytes held on each device */
     char comm[32];
+    char cgroup[SIMGPU_CGROUP_PATH];           /* its cgroup v2 directory when it took the slot ("": none) */
     struct simgpu_mig_proc mig;                /* what it holds in MIG instances */
 };
 
@@ -97,6 +100,15 @@ struct simgpu_device {
     uint64_t launches;
 };
 
+/* A memory limit on a device for the processes of one cgroup and its descendants
+ * (nvmlDeviceSetMemoryLimits_v1; limits.c).  Kept with the directory's identity, so a
+ * cgroup removed (and made again under the same name) has none. */
+struct simgpu_mem_limit {
+    char path[SIMGPU_CGROUP_PATH];             /* "": free */
+    uint64_t st_dev, st_ino;
+    uint64_t soft, hard;
+};
+
 struct simgpu_node {
     uint64_t magic;
     uint32_t version;
@@ -106,6 +118,7 @@ struct simgpu_node {
     struct simgpu_device devices[SIMGPU_MAX_DEVICES];
     struct simgpu_mig_gpu mig[SIMGPU_MAX_DEVICES];
     struct simgpu_shared shared[SIMGPU_MAX_SHARED];
+    struct simgpu_mem_limit limits[SIMGPU_MAX_DEVICES][SIMGPU_MAX_LIMITS];   /* under the device's lock */
     /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
 };
 
@@ -141,6 +154,20 @@ void simgpu_shared_path(int index, uint64_t id, char *out, size_t len);
 int simgpu_mem_reserve(int dev, uint64_t bytes);   /* 0 ok, -1 out of memory / no slot */
 void simgpu_mem_release(int dev, uint64_t bytes);
 uint64_t simgpu_mem_used(int dev);                  /* all live processes */
+
+/* Per-cgroup memory limits (limits.c), as nvml.h documents nvmlDeviceSetMemoryLimits_v1.
+ * The device's lock is held around each.  set: 0, or an nvmlReturn_t value; get: the
+ * limit of exactly `path` (-1: none); fits: may this process add `bytes` on `dev` under
+ * every limit of its cgroup and its ancestors; room: what it may still add (UINT64_MAX:
+ * no limit).  SIMGPU_MEMORY_LIMITS=0 models a driver without the API (NOT_SUPPORTED). */
+int simgpu_limits_supported(void);
+int simgpu_limit_set(int dev, const char *path, uint64_t soft, uint64_t hard);
+int simgpu_limit_get(int dev, const char *path, uint64_t *soft, uint64_t *hard, uint64_t *used);
+int simgpu_limit_fits(int dev, uint64_t bytes);
+uint64_t simgpu_limit_room(int dev);
+void simgpu_cgroup_of_self(char *out, size_t len);  /* the caller's cgroup v2 directory, "" if none */
+void simgpu_dev_lock(int dev);
+void simgpu_dev_unlock(int dev);
 
 /* Timeline: queue `dur_ns` of work on the device; returns when it will end. */
 uint64_t simgpu_enqueue(int dev, uint64_t dur_ns);

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <strings.h>
 #include <time.h>
 
@@ -366,6 +367,47 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlM
     memory(d, &mem->total, &mem->used);
     mem->reserved = 0;   /* no firmware to hold any */
     mem->free = mem->total - mem->used;
+    /* nvml.h: read "while in that cgroup", it shows what the cgroup may still allocate */
+    uint64_t room = simgpu_limit_room(d);
+    if (room < mem->free)
+        mem->free = room;
+    return NVML_SUCCESS;
+}
+
+/* === per-cgroup memory limits (limits.c says what is modelled) === */
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits)
+{
+    if (simgpu_nvml_is_mig(device))
+        return NVML_ERROR_NOT_SUPPORTED;   /* nvml.h: MIG handles are not supported */
+    int d;
+    nvmlReturn_t r = device_index(device, &d);
+    if (r)
+        return r;
+    if (!limits)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return (nvmlReturn_t)simgpu_limit_set(d, limits->nameSpace, limits->softLimit, limits->hardLimit);
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits)
+{
+    if (simgpu_nvml_is_mig(device))
+        return NVML_ERROR_NOT_SUPPORTED;
+    int d;
+    nvmlReturn_t r = device_index(device, &d);
+    if (r)
+        return r;
+    if (!limits || !limits->nameSpace)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!simgpu_limits_supported())
+        return NVML_ERROR_NOT_SUPPORTED;
+    struct stat st;
+    if (stat(limits->nameSpace, &st) || !S_ISDIR(st.st_mode))
+        return NVML_ERROR_OPERATING_SYSTEM;
+    uint64_t soft, hard, used;
+    if (simgpu_limit_get(d, limits->nameSpace, &soft, &hard, &used))
+        return NVML_ERROR_NOT_FOUND;
+    limits->softLimit = soft, limits->hardLimit = hard, limits->currentUsed = used;
     return NVML_SUCCESS;
 }
 
