@@ -108,9 +108,10 @@ def test_list_shows_a_slice_it_cannot_read_with_its_error(node):
     r = ctl("list", "--dir", node)
     assert r.exit_code == 0, r.output
     header, a, b = r.stdout.splitlines()
-    assert header.split() == ["NAME", "DEVICE", "MEMORY", "REQUEST", "LIMIT", "SM", "PROCESSES", "GEN"]
+    assert header.split() == ["NAME", "DEVICE", "MEMORY", "REQUEST", "LIMIT", "SM", "SM-REQUEST", "SM-LIMIT",
+                              "SM-MODE", "PROCESSES", "GEN"]
     assert a.split()[:3] == ["a", "0", "1Gi"]
-    assert b.split()[:7] == ["b"] + ["-"] * 6 and "error:" in b and "has 100 bytes" in b, b
+    assert b.split()[:10] == ["b"] + ["-"] * 9 and "error:" in b and "has 100 bytes" in b, b
 
 
 # === quantities ===
@@ -192,7 +193,7 @@ def test_run_exits_127_for_not_found_and_126_for_not_executable_and_cleans_up(tm
     assert out.returncode == code, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and what in lines[0] and "hint:" in lines[0], out.stderr
-    assert [p.name for p in node.iterdir()] == [".sm-board"]   # the temporary slice is gone (the node's board stays)
+    assert not node.exists()   # the temporary slice is gone, with the node directory and board it made
 
 
 # === SM shares: ceilings ===

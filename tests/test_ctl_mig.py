@@ -218,8 +218,10 @@ def test_create_makes_the_instance_and_delete_destroys_it(node, profile):
             rec["memory_total"], rec["multiprocessors"], rec["enabled_mig_mode"]) == \
         (name, 9, 2, 0, {"start": 0, "size": 4}, mib * MiB, sms, True)
     listed = n.ctl("list").stdout.splitlines()
-    assert listed[0].split() == ["NAME", "DEVICE", "MIG", "MEMORY", "REQUEST", "LIMIT", "SM", "PROCESSES", "GEN"]
-    assert listed[1].split() == ["tenant", "0", name, "at", "0:4", "max", "max", "max", "100%", "0", "2"]
+    assert listed[0].split() == ["NAME", "DEVICE", "MIG", "MEMORY", "REQUEST", "LIMIT", "SM", "SM-REQUEST", "SM-LIMIT",
+                                 "SM-MODE", "PROCESSES", "GEN"]
+    assert listed[1].split() == ["tenant", "0", name, "at", "0:4", "max", "max", "max", "100%", "100%", "100%", "burst",
+                                 "0", "2"]
 
     out = n.ctl("delete", "tenant").stdout.splitlines()
     assert out == ["deleted tenant", f"  destroyed MIG {name} at 0:4 (GPU instance 2) on device 0"]

@@ -1,8 +1,8 @@
 """vgpu-ctl's quantities: memory sizes and SM shares as operators write them."""
 import pytest
 
-from vgpu.quantities import (UNLIMITED, format_duration_ns, format_memory, format_share, parse_memory,
-                             parse_share)
+from vgpu.quantities import (UNLIMITED, format_duration_ns, format_memory, format_memory_exact, format_share,
+                             parse_memory, parse_share)
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -25,7 +25,7 @@ def test_malformed_memory_sizes_are_refused_with_what_is_accepted(text):
 
 
 @pytest.mark.parametrize("text,value", [("50%", 5000), ("50", 5000), ("100%", 10000), ("12.5%", 1250),
-                                        ("0.01", 1), ("1", 100)])
+                                        ("0.01%", 1), ("0.5%", 50), ("1", 100), ("1.5", 150)])
 def test_sm_shares_parse_to_hundredths_of_a_percent(text, value):
     assert parse_share(text) == value
 
@@ -34,6 +34,37 @@ def test_sm_shares_parse_to_hundredths_of_a_percent(text, value):
 def test_sm_shares_outside_one_to_hundred_percent_are_refused(text):
     with pytest.raises(ValueError):
         parse_share(text)
+
+
+@pytest.mark.parametrize("text,meant", [("4", "4Gi"), ("1", "1Gi"), ("1.5", "1.5Gi"), ("512", "512Mi"),
+                                       ("4096", "4096Mi"), ("1048575", "1048575Mi")])
+def test_a_size_without_a_unit_below_1mi_is_a_unit_left_out(text, meant):
+    """`--memory 4` was a 4-byte cap, taken silently."""
+    with pytest.raises(ValueError) as e:
+        parse_memory(text)
+    assert f"{text!r} has no unit, so it is {text} bytes" in str(e.value) and "at least 1Mi" in str(e.value)
+    assert e.value.hint == f"did you mean {meant}?"
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("1048576", MiB), ("4Ki", 4096), ("2k", 2000), ("0.5Ki", 512)])
+def test_sizes_with_a_unit_or_from_1mi_or_0_are_taken_as_written(text, value):
+    assert parse_memory(text) == value
+
+
+@pytest.mark.parametrize("text,meant", [("0.5", "50%"), ("0.25", "25%"), ("0.01", "1%"), ("0.99", "99%")])
+def test_a_share_without_percent_below_1_is_a_fraction_not_a_share(text, meant):
+    """`--sm 0.5` was half a percent of the GPU, taken silently."""
+    with pytest.raises(ValueError) as e:
+        parse_share(text)
+    assert f"{text!r} has no %" in str(e.value) and e.value.hint == f"did you mean {meant}?"
+
+
+def test_exact_memory_reads_back_as_the_same_value_even_below_1mi():
+    """What `export` writes must apply again: bytes below 1Mi need a unit now."""
+    for v in (0, 5, 1000, 1001, 1536, 65536, MiB - 1, MiB, 2505048064, 4 * GiB):
+        assert parse_memory(format_memory_exact(v)) == v, v
+    assert [format_memory_exact(v) for v in (1000, 1001, 5, 4 * GiB, 2505048064)] == \
+        ["1k", "1.001k", "0.005k", "4Gi", "2505048064"]
 
 
 def test_formatting_is_exact_when_short_and_round_trips():

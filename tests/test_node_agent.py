@@ -446,6 +446,27 @@ def test_with_slices_required_an_unsliced_process_is_a_violation_and_killed_alon
     assert sliced.alive()
 
 
+def test_once_is_a_check_that_judges_what_it_sees_and_exits_1_when_it_logs_a_violation(node_, spawn):
+    """`agent --once` in a script or a cron job: its one look is all there is, so what it
+    sees is judged as it is (the grace period waits for a second look that never comes:
+    it once reported nothing for an unsliced process `status` shows, and exited 0)."""
+    node_.ctl("create", "a", "--memory", "2Gi")
+    sliced = spawn(node_.shim_env("a"))
+    assert sliced.call(alloc=GiB) == 0
+    clean = node_.ctl("agent", "--once", "--require-slices")
+    assert [e["event"] for e in map(json.loads, clean.stdout.splitlines())] == ["start", "stopped"]
+
+    loose = spawn(node_.env)                      # simgpu alone: no shim, no slice
+    assert loose.call(alloc=GiB) == 0
+    assert [u["host_pid"] for u in node_.status()["unsliced"]] == [loose.host_pid]
+    out = node_.ctl("agent", "--once", "--require-slices", ok=False)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (v,) = [e for e in map(json.loads, out.stdout.splitlines()) if e["event"] == "violation"]
+    assert (v["kind"], v["host_pid"], v["action"]) == ("unsliced", loose.host_pid, "report")
+    assert loose.alive() and sliced.alive()
+    assert node_.ctl("agent", "--once").returncode == 0    # not required: no violation, 0
+
+
 # === a tenant that rewrites its usage file ===
 
 @pytest.mark.timing

@@ -29,7 +29,7 @@ from . import nvml, procfs, slices
 from .agent.model import record_place
 from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
                      restart)
-from .quantities import UNLIMITED
+from .quantities import UNLIMITED, format_utc
 from .slices.reader import NodeReader
 
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
@@ -49,11 +49,6 @@ class _Dev:
         self.ring = collections.deque(maxlen=n)
         self.oom = self.sm_max = self.mem = self.sm = None
         self.blocked = {}
-
-
-def _utc():
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 
 class Autoscaler:
@@ -144,7 +139,7 @@ class Autoscaler:
         if self.reader.problems != self._problems:
             for name, why in sorted(self.reader.problems.items()):
                 if self._problems.get(name) != why:
-                    self.log(json.dumps({"ts": _utc(), "event": "error", "container": name, "error": why},
+                    self.log(json.dumps({"ts": format_utc(), "event": "error", "container": name, "error": why},
                                         separators=(",", ":")))
             self._problems = dict(self.reader.problems)
         if self._reaped_at is None or now - self._reaped_at >= REAP_S:
@@ -321,7 +316,7 @@ class Autoscaler:
                            applied=error is None and not self.dry_run, generation=generation, error=error)
 
     def _emit(self, event, dec, **extra):
-        rec = {"ts": _utc(), "event": event, **dec.to_json(), **{k: v for k, v in extra.items() if v is not None}}
+        rec = {"ts": format_utc(), "event": event, **dec.to_json(), **{k: v for k, v in extra.items() if v is not None}}
         self.log(json.dumps(rec, separators=(",", ":")))
 
     # --- looping ---
@@ -330,7 +325,7 @@ class Autoscaler:
         """Tick every interval until `stop` is set (or, once: until one window and the
         cooldown have passed -- the first moment anything can be decided -- and exit)."""
         stop = stop or threading.Event()
-        self.log(json.dumps({"ts": _utc(), "event": "start", "dir": self.directory, "interval_s": self.interval,
+        self.log(json.dumps({"ts": format_utc(), "event": "start", "dir": self.directory, "interval_s": self.interval,
                              "dry_run": self.dry_run, "policy": self.policy.to_json()}, separators=(",", ":")))
         start = time.monotonic()
         horizon = start + max(self.policy.window, self.policy.cooldown_s)
@@ -340,7 +335,7 @@ class Autoscaler:
             try:
                 self.tick(now)
             except Exception as e:     # one bad moment (a file vanishing mid-read) must not end the loop
-                self.log(json.dumps({"ts": _utc(), "event": "error", "error": f"{type(e).__name__}: {e}"},
+                self.log(json.dumps({"ts": format_utc(), "event": "error", "error": f"{type(e).__name__}: {e}"},
                                     separators=(",", ":")))
             if once and now >= horizon:
                 break

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import slices
-from .quantities import SHARE_FULL, UNLIMITED, format_memory, format_share, parse_memory, parse_share
+from .quantities import (SHARE_FULL, UNLIMITED, format_memory, format_memory_exact, format_share, parse_memory,
+                         parse_share)
 
 FIELDS = ("memory", "request", "limit", "sm", "sm-request", "sm-limit", "sm-mode", "device", "devices", "user")
 _QUOTA_FIELDS = ("memory", "request", "limit", "sm", "sm-request", "sm-limit")
@@ -164,6 +165,9 @@ def _quota(fields: dict, shown, where, base: dict) -> slices.DeviceQuota:
         try:
             v = parse_share(text) if key.startswith("sm") else parse_memory(text)
         except ValueError as e:
+            if getattr(e, "hint", None):   # what was probably meant (4Gi for a bare 4)
+                raise FileError(shown, line, f"{where}.{key}", str(e),
+                                f"{e.hint} (nothing was changed: fix the file and apply it again)") from None
             raise FileError(shown, line, f"{where}.{key}", str(e)) from None
         if key == "memory" and v == 0:
             raise FileError(shown, line, f"{where}.{key}", "0 would make a slice that can allocate nothing",
@@ -434,14 +438,8 @@ def describe(q: slices.DeviceQuota) -> str:
 
 
 def _exact_memory(v):
-    """Memory as the file writes it: short when that is exact, else bytes."""
-    if v == UNLIMITED:
-        return "max"
-    short = format_memory(v)
-    try:
-        return short if parse_memory(short) == v else str(v)
-    except ValueError:
-        return str(v)
+    """Memory as the file writes it: short when that is exact, else what reads back as v."""
+    return "max" if v == UNLIMITED else format_memory_exact(v)
 
 
 def _fields(q: slices.DeviceQuota) -> list:

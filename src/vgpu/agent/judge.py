@@ -31,11 +31,6 @@ class Violation:
                 "offenders": [p for p, _ in self.offenders], **self.detail}
 
 
-def _utc(t=None):
-    t = time.time() if t is None else t
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
-
-
 class _Ring:
     """A window of (t, NVML share, charged share) samples with their running sums (the
     agent judges 1,000 slices a second: no sum over the window each time)."""

@@ -7,9 +7,10 @@ import threading
 import time
 
 from .. import procfs, slices
+from ..quantities import format_utc
 from ..slices.reader import NodeReader
 from .act import Holder, _signal
-from .judge import Judge, _utc
+from .judge import Judge
 from .model import Tracked
 from .observe import Observer
 from .settings import ORPHAN_S, RECHECK_AFTER, Settings
@@ -42,6 +43,7 @@ class Agent:
         self.reap_enabled = reap
         self.latest = None
         self.iterations = 0
+        self.failed_looks = 0    # looks that raised (logged as errors)
         self.last_iteration_cpu_s = 0.0
         self.reaped_total = 0
         self.actions_total = collections.Counter()    # (kind, action) -> n
@@ -62,7 +64,7 @@ class Agent:
         return None if sd is None else sd.sm_nvml
 
     def log(self, event, **fields):
-        rec = {"ts": _utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
+        rec = {"ts": format_utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
         self.log_line(json.dumps(rec, separators=(",", ":")))
 
     # --- one iteration ---
@@ -330,6 +332,7 @@ class Agent:
                     try:
                         self.tick(now)
                     except Exception as e:    # one bad moment must not end the node's agent
+                        self.failed_looks += 1
                         self.log("error", error=f"{type(e).__name__}: {e}")
                     if once:
                         break
@@ -343,6 +346,7 @@ class Agent:
                     try:
                         self.tick(time.monotonic())
                     except Exception as e:
+                        self.failed_looks += 1
                         self.log("error", error=f"{type(e).__name__}: {e}")
         finally:
             self.holder.halt.set()

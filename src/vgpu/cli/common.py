@@ -112,7 +112,7 @@ class Memory(click.ParamType):
         try:
             v = parse_memory(value)
         except ValueError as e:
-            self.fail(str(e), param, ctx)
+            self.fail(error_line(e), param, ctx)
         if self.cap and v == 0:
             self.fail(f"{value!r} would make a slice that can allocate nothing (leave --memory out, or say "
                       "max, for no cap; e.g. 4Gi)", param, ctx)
@@ -128,7 +128,7 @@ class Share(click.ParamType):
         try:
             return parse_share(value)
         except ValueError as e:
-            self.fail(str(e), param, ctx)
+            self.fail(error_line(e), param, ctx)
 
 
 class Name(click.ParamType):
@@ -138,7 +138,7 @@ class Name(click.ParamType):
         """Tab completion offers the node's slices (--dir / VGPU_DIR as typed so far)."""
         from click.shell_completion import CompletionItem
         try:
-            names = slices.list_names(ctx.params.get("directory"))
+            names = slices.list_names(ctx.params.get("directory") or ctx.find_root().params.get("directory"))
         except Exception:   # completion must never fail loudly
             return []
         return [CompletionItem(n) for n in names if n.startswith(incomplete)]
@@ -186,12 +186,30 @@ class Duration(click.ParamType):
 
 
 MEMORY, CAP, SHARE, NAME, DURATION = Memory(), Memory(cap=True), Share(), Name(), Duration()
+# what --memory and --sm take, said once for every command that has them
+MEMORY_HELP = ("Ki/Mi/Gi/Ti, K/M/G/T (decimal), max, or bytes: a number without a unit is bytes and must be at "
+               "least 1Mi (4 is refused: 4Gi?).")
+SHARE_HELP = "1..100 (50% or 50); below 1 only with % (0.5 is refused: 50%? or 0.5%)."
+
+
+def _node_dir_option(**kw):
+    return click.option("--dir", "directory", type=click.Path(file_okay=False), **kw)
+
+
+def _group_dir(ctx, param, value):
+    """A command's --dir, else the one given before the command (`vgpu-ctl --dir X list`),
+    else VGPU_DIR, else /run/vgpu."""
+    if value is not None:
+        return value
+    return ctx.find_root().params.get("directory") or os.environ.get("VGPU_DIR") or slices.DEFAULT_DIR
 
 
 def dir_option(f):
-    return click.option("--dir", "directory", envvar="VGPU_DIR", default=slices.DEFAULT_DIR, show_default=True,
-                        type=click.Path(file_okay=False),
-                        help="Node directory holding the slices [env: VGPU_DIR].")(f)
+    # (no envvar or default of its own for click to fill in: they would win over a --dir
+    # given before the command)
+    return _node_dir_option(callback=_group_dir,
+                            help=f"Node directory holding the slices [env: VGPU_DIR; default: {slices.DEFAULT_DIR}; "
+                                 "also before the command: vgpu-ctl --dir DIR COMMAND].")(f)
 
 
 def json_option(f):
@@ -200,8 +218,8 @@ def json_option(f):
 
 def quota_options(f):
     for opt in reversed([
-        click.option("--memory", type=CAP, help="memory.max: bytes, Ki/Mi/Gi/Ti, K/M/G/T (decimal), or max."),
-        click.option("--sm", type=SHARE, help="sm.max: share of SM time, 1..100 (50% or 50)."),
+        click.option("--memory", type=CAP, help=f"memory.max: {MEMORY_HELP}"),
+        click.option("--sm", type=SHARE, help=f"sm.max: share of SM time, {SHARE_HELP}"),
         click.option("--request", type=MEMORY, help="Guaranteed memory (autoscale floor) [default: the cap]."),
         click.option("--limit", type=MEMORY, help="Memory ceiling for autoscale [default: the cap]."),
         click.option("--sm-request", type=SHARE, help="Guaranteed SM share [default: the share]."),
@@ -323,7 +341,9 @@ def _version_text() -> str:
 
 @click.group(cls=CtlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", message=_version_text())
-def main():
+@_node_dir_option(help=f"Node directory holding the slices, for every command that takes --dir (a command's "
+                       f"own --dir wins) [default: VGPU_DIR, else {slices.DEFAULT_DIR}].")
+def main(directory):
     """Fractional GPUs for containers: memory caps, SM share and live resize.
 
     \b

@@ -12,8 +12,9 @@ from .. import slices
 from ..paths import shim_path
 from ..quantities import format_memory
 from . import common
-from .common import (CAP, NAME, SHARE, UsageFailure, check_sim_state, dir_option, emit_json, error_line,
-                     json_option, main, node_dir_for_create, package_shim, print_warning, sim_capacity)
+from .common import (CAP, MEMORY_HELP, NAME, SHARE, SHARE_HELP, UsageFailure, check_sim_state, dir_option,
+                     emit_json, error_line, json_option, main, node_dir_for_create, package_shim, print_warning,
+                     sim_capacity)
 from .slice_commands import describe_device, devices_arg, refuse_mig_mode
 
 
@@ -154,8 +155,8 @@ def _installed_shim(shim_dir, ld_so_preload, fmt):
 
 
 @main.command(context_settings={"allow_interspersed_args": False})
-@click.option("--memory", type=CAP, help="memory.max of the slice [default: no cap].")
-@click.option("--sm", type=SHARE, help="sm.max of the slice [default: 100%].")
+@click.option("--memory", type=CAP, help=f"memory.max of the slice [default: no cap]: {MEMORY_HELP}")
+@click.option("--sm", type=SHARE, help=f"sm.max of the slice [default: 100%]: {SHARE_HELP}")
 @click.option("--device", type=click.IntRange(0, slices.MAX_DEVICES - 1), multiple=True,
               help="Device(s) the slice holds [default: 0].")
 @click.option("--name", type=NAME, help="Run in this existing slice [default: a temporary one].")
@@ -169,7 +170,8 @@ def _installed_shim(shim_dir, ld_so_preload, fmt):
 def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory, command):
     """Run COMMAND under the shim in a slice; exit with its exit status.
 
-    Without --name a temporary slice is made and deleted afterwards.  --name runs in a
+    Without --name a temporary slice is made and deleted afterwards, with the share board
+    and the node directory if it made them: the node is left as it was.  --name runs in a
     slice that exists (a typo is an error, not an unlimited new slice); with --create it
     is made if missing, and kept.  The shim is added to LD_PRELOAD (never replacing what
     is there).  Exit status: the command's (128+N if signal N killed it), 127 if it is
@@ -210,14 +212,21 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
             f"containers; pass --create to make it (kept afterwards), or leave --name out for a temporary slice")
     if exists and (memory is not None or sm is not None or device):
         _same_quota_or_fail(directory, name, memory, sm, device)
+    made = {}
     if not exists:
         node_dir_for_create(directory)
         if not sim:   # (with --sim, the node is the child's, not this process's NVML)
             refuse_mig_mode(device or (0,))
-        slices.create(directory, name, devices_arg(device, memory, sm, None, None, None, None),
-                      overcommit=overcommit, capacity=capacity,
-                      count_hint=(lambda: f" on the simulated node ({ndev})") if sim else common.nvml_count_hint,
-                      temporary=_run_owner() if temporary else None)
+        if temporary:   # what its making adds to the node goes with it
+            made = slices.absent_node_files(directory)
+        try:
+            slices.create(directory, name, devices_arg(device, memory, sm, None, None, None, None),
+                          overcommit=overcommit, capacity=capacity,
+                          count_hint=(lambda: f" on the simulated node ({ndev})") if sim else common.nvml_count_hint,
+                          temporary=_run_owner() if temporary else None)
+        except slices.VgpuError:   # (refused after making the node directory: overcommit)
+            slices.tidy_node(directory, made)
+            raise
     try:
         record = None if temporary else slices.read_mig(directory, name)   # a MIG slice: its MIG device alone
         env = runtime.child_environment(base, name, slices.node_dir(directory), shim,
@@ -238,7 +247,8 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
     finally:
         if temporary:
             try:
-                slices.delete(directory, name, force=True)
+                if not slices.delete(directory, name, force=True)["live_processes"]:
+                    slices.tidy_node(directory, made)   # (processes it left hold the board: it stays)
             except slices.VgpuError as e:   # the child's exit status matters more
                 print_warning(f"could not delete the temporary slice: {error_line(e)}")
     ctx.exit(rc)

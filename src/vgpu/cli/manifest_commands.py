@@ -93,7 +93,8 @@ def apply_cmd(path, prune, dry_run, overcommit, parents, directory, as_json):
 
 @main.command("export")
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Write the file here (atomically: complete or not at all) instead of to standard output.")
+              help="Write the file here (atomically: complete or not at all) instead of to standard output; its "
+                   "directory is made if that directory's parent exists.")
 @dir_option
 def export_cmd(output, directory):
     """Write the node's slices as a slices file, for `vgpu-ctl apply -f`.
@@ -115,7 +116,28 @@ def export_cmd(output, directory):
     if output is None:
         click.echo(text, nl=False)
         return
+    _write_file(output, text)
+
+
+def _write_file(output, text):
+    """Write `text` to `output` atomically, making its directory if that directory's parent
+    exists (`-o /etc/vgpu/slices.yaml` on a node without /etc/vgpu); a failure names
+    `output`, not the temporary file beside it."""
     target = os.path.abspath(output)
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        if not os.path.isdir(os.path.dirname(parent)):
+            raise click.ClickException(f"cannot write {output}: its directory {parent} does not exist, nor does "
+                                       f"{os.path.dirname(parent)}; hint: check the path, or make it first "
+                                       f"(mkdir -p {parent})")
+        try:
+            os.mkdir(parent, 0o755)
+        except FileExistsError:
+            pass   # made meanwhile
+        except OSError as e:
+            raise click.ClickException(f"cannot write {output}: cannot make its directory {parent} "
+                                       f"({e.strerror}); hint: run as root, or pick a directory you can "
+                                       "write") from None
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -123,6 +145,9 @@ def export_cmd(output, directory):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}; hint: check the path and its "
+                                   "permissions") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

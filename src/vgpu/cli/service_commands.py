@@ -110,7 +110,9 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
     never beyond the device (memory: its physical memory; SM: 100% summed).  When
     several want more than is left, it is shared by request.  Decisions go through the
     same code path as `vgpu-ctl resize`; each is one JSON line on stdout with its reason.
-    Slices whose request equals their limit are left alone.
+    Slices whose request equals their limit are left alone.  No decision comes before a
+    whole window has been watched (a line on stderr says so as it starts); --once exits
+    once it has.
 
     \b
     Example:
@@ -126,6 +128,10 @@ def autoscale(window, interval, cooldown, high, low, target, grow_step, shrink_s
         httpd = _listen(directory, metrics_port, metrics_address, "--metrics-port", "--metrics-address",
                         autoscaler=scaler)
         click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
+    # a window of silence is the policy at work, not a hang: say so before it starts
+    wait = max(policy.window, policy.cooldown_s)
+    click.echo(f"autoscale: a decision needs a whole --window of observations, so none comes before {wait:g}s"
+               + ("; --once exits then" if once else ""), err=True)
     _until_signalled(lambda stop: scaler.run(once=once, stop=stop))
 
 
@@ -171,7 +177,8 @@ class OnViolation(click.ParamType):
               help="Time between looks at the driver and the slices (dead slots are reaped at once when the agent "
                    "sees their process end, else within this).")
 @click.option("--grace", type=DURATION, default="500ms", show_default=True,
-              help="How long a memory or unsliced condition must last to be a violation.")
+              help="How long a memory or unsliced condition must last to be a violation (with --once: not at all, "
+                   "there is one look).")
 @click.option("--compute-window", type=DURATION, default="10s", show_default=True,
               help="A slice's NVML share must pass its sm.max by 10 points, unpaced, on average over this long.")
 @click.option("--tolerance", type=MEMORY, default="64Mi", show_default=True,
@@ -201,10 +208,14 @@ class OnViolation(click.ParamType):
 @click.option("--node-name", envvar="NODE_NAME", help="This node's name, the Events' source [env: NODE_NAME].")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False), envvar="KUBECONFIG",
               help="Kubeconfig for --kubernetes-events [default: the pod's service account].")
-@click.option("--once", is_flag=True, help="Look once (attribute, reap, log what is wrong now), exit.")
+@click.option("--once", is_flag=True,
+              help="Look once (attribute, reap, log what is wrong now), exit: a check.  What it sees is judged as it "
+                   "is (no --grace: there is no second look; compute needs a --compute-window, so is not judged); "
+                   "exit status 1 if it logged a violation (or the look failed), else 0.")
 @click.option("--no-reap", is_flag=True, hidden=True, help="Leave dead slots alone (benchmarks, tests).")
 @dir_option
-def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, context_allowance,
+@click.pass_context
+def agent(ctx, interval, grace, compute_window, tolerance, tolerance_ratio, process_overhead, context_allowance,
           require_slices,
           on_violation, with_autoscale, window, cooldown, high, low, target, grow_step, shrink_step, device_memory,
           dry_run, metrics_port, metrics_address, kubernetes_events, node_name, kubeconfig, once, no_reap, directory):
@@ -220,18 +231,22 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
     usage file written by hand), unsliced (with --require-slices), compute (NVML's share
     above sm.max by 10 points, unpaced, over --compute-window).  By --on-violation it acts, only on processes it
     attributed with certainty, and logs every action.  `vgpu-ctl status` shows what it
-    judged.
+    judged.  --once is a check: one look, judged as it is, exit status 1 if it logged a
+    violation.
 
     \b
     Example:
       vgpu-ctl agent --metrics-port 9400
       vgpu-ctl agent --autoscale --metrics-port 9400 --on-violation gap=kill
       vgpu-ctl agent --require-slices --on-violation unsliced=kill --on-violation compute=stop
+      vgpu-ctl agent --once --require-slices > /dev/null || echo "something on the GPU is wrong"
     """
     from ..agent import Agent, Settings, parse_actions
+    # --once: the one look is all there is, so a condition it sees is judged at once rather
+    # than left pending for a second look that never comes
     settings = Settings(tolerance=tolerance, tolerance_ratio=tolerance_ratio, process_overhead=process_overhead,
-                             context_allowance=context_allowance, grace=grace, window=compute_window,
-                             require_slices=require_slices, actions=parse_actions(on_violation))
+                        context_allowance=context_allowance, grace=0.0 if once else grace, window=compute_window,
+                        require_slices=require_slices, actions=parse_actions(on_violation))
     scaler = None
     if with_autoscale:
         from .. import autoscale as autoscale_mod
@@ -257,6 +272,8 @@ def agent(interval, grace, compute_window, tolerance, tolerance_ratio, process_o
                         autoscaler=scaler, agent=the_agent)
         click.echo(f"serving metrics on http://{metrics_address}:{httpd.server_port}/metrics", err=True)
     _until_signalled(lambda stop: the_agent.run(stop=stop, once=once))
+    if once and (the_agent.judge.counts or the_agent.failed_looks):
+        ctx.exit(1)      # a check: what it logged is wrong on the node
 
 
 @main.command()

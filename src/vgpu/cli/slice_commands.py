@@ -8,7 +8,7 @@ import click
 from .. import nvml
 from .. import slices
 from .. import status as status_mod
-from ..quantities import UNLIMITED, format_memory, format_share
+from ..quantities import UNLIMITED, format_memory, format_share, format_utc
 from . import common
 from .common import (DURATION, NAME, Owner, UsageFailure, change_arrow, check_sim_state, dir_option, emit_json,
                      existing_node_dir, json_option, main, node_dir_for_create, print_warning, quota_options,
@@ -200,6 +200,11 @@ def _delete_mig(name, force, disable_mig, directory, as_json):
 def list_cmd(directory, as_json):
     """List the slices and their quotas (no NVML needed).
 
+    Per slice and device: memory.max, its request and limit; sm.max, its request (the
+    guarantee) and limit; the SM mode (burst: idle time lent up to sm.max; ceiling:
+    sm.max always); live processes; the quota's generation.  --json has the same
+    fields (memory in bytes, SM in 1/100 percent).
+
     \b
     Example:
       vgpu-ctl list --json
@@ -225,7 +230,7 @@ def list_cmd(directory, as_json):
     migs = any("mig" in c for c in out)   # a MIG column only where there are MIG slices
     for c in out:
         if c["problem"]:     # (the error in the last column: a cell past the headers would not show)
-            rows.append([c["name"], "-", *(["-"] if migs else []), "-", "-", "-", "-", "-",
+            rows.append([c["name"], "-", *(["-"] if migs else []), "-", "-", "-", "-", "-", "-", "-", "-",
                          f"error: {c['problem']}"])
             continue
         for d in c["devices"]:
@@ -234,9 +239,10 @@ def list_cmd(directory, as_json):
             rec = c.get("mig")
             where = [rec["device"], f"{rec['profile']} at {rec['placement']['start']}:{rec['placement']['size']}"] \
                 if rec else [d["index"], *(["-"] if migs else [])]
-            rows.append([c["name"], *where, *m, format_share(d["sm_max"]), c["processes"], c["generation"]])
+            rows.append([c["name"], *where, *m, *(format_share(d[k]) for k in ("sm_max", "sm_request", "sm_limit")),
+                         c["sm_mode"], c["processes"], c["generation"]])
     click.echo(status_mod.table(["NAME", "DEVICE", *(["MIG"] if migs else []), "MEMORY", "REQUEST", "LIMIT", "SM",
-                                 "PROCESSES", "GEN"], rows))
+                                 "SM-REQUEST", "SM-LIMIT", "SM-MODE", "PROCESSES", "GEN"], rows))
 
 
 @main.command()
@@ -332,7 +338,8 @@ def status(name, watch, interval, count, directory, as_json):
     allocated against capacity, and what NVML says is really used.  Without NVML the
     slice files still tell most of it (a note says what is missing).  THROTTLED is the
     time launches waited for their share: in total, or with --watch per second of the
-    last interval.  With --json and --watch, one JSON object per line.  Memory in bytes
+    last interval.  With --json and --watch, one JSON object per line; each has "ts",
+    when it was read (ISO 8601, UTC, as the agent's lines).  Memory in bytes
     (null: no cap); SM shares in 1/100 percent, as in the quota.  SM-ALLOCATED says
     "(ceilings)" where the shares on a device add up to more than 100%.
 
@@ -363,8 +370,8 @@ def _status_loop(directory, name, watch, interval, count, as_json):
     n = 0
     while True:
         data = status_mod.collect(directory, name, previous)
-        if as_json:
-            click.echo(json.dumps(status_mod.public(data), indent=None if watch else 2))
+        if as_json:   # stamped as the agent's and autoscaler's lines are: a watch's lines are a time series
+            click.echo(json.dumps({"ts": format_utc(), **status_mod.public(data)}, indent=None if watch else 2))
         else:
             if watch and sys.stdout.isatty():
                 click.echo("\x1b[H\x1b[2J", nl=False)

@@ -36,7 +36,8 @@ from .._region import ffi, lib
 from ..quantities import SHARE_FULL, UNLIMITED, format_memory, format_share
 from .files import (BURST, CEILING, IDENTITY, LABELS, MAX_DEVICES, MAX_PROCS, MIG, QUOTA, QUOTA_SIZE, _RO, _RW,
                     USAGE, USAGE_SIZE, _check_header, check_name, _check_regular, _fd, list_names, _mapped,
-                    node_dir, _node_lock, _open_in, _open_node, _open_slice, _permission, _place, slot_alive)
+                    node_dir, _new_node_locked, _node_lock, _open_in, _open_node, _open_slice, _permission,
+                    _place, slot_alive)
 from .quota import DeviceQuota, Owner, Quota, _fill_device, _quota_from, check_sm_mode, quota_bytes
 from .usage import _read_slice_usage, read_usage
 # re-exported: callers name these slices.X
@@ -246,7 +247,7 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
     if not overcommit:
         _check_exists(devices, capacity, count_hint)
     path = node_dir(directory)
-    with _fd(_open_node(directory, create=True)) as node_fd, _node_lock(node_fd):
+    with _new_node_locked(directory) as node_fd:
         if not overcommit:
             _check_overcommit(directory, name, {}, devices, capacity)
         if not _exists(node_fd, board.BOARD):
@@ -283,6 +284,36 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
                 raise Exists(f"container {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
             return _read_slice_quota(cfd, directory, name)
+
+
+def absent_node_files(directory) -> dict:
+    """Which of the node's own files do not exist yet: the node directory ("dir") and the
+    share board ("board"), both made with a first slice.  Taken before a temporary slice
+    is made, for tidy_node after it."""
+    path = node_dir(directory)
+    return {"dir": not os.path.isdir(path), "board": not os.path.lexists(os.path.join(path, board.BOARD))}
+
+
+def tidy_node(directory, made: dict):
+    """Take away what making a temporary slice added to the node (`made`: absent_node_files
+    from before it), once no slice is left: the share board, then the node directory if
+    nothing else is in it.  A temporary slice leaves the node as it found it.  Under the
+    node lock, so a slice made meanwhile keeps both (a create that loses the directory
+    makes it again)."""
+    if not made.get("board"):
+        return
+    try:
+        node_fd = _open_node(directory)
+    except VgpuError:
+        return
+    with _fd(node_fd), _node_lock(node_fd):
+        if any(valid_name(e.name) and e.is_dir(follow_symlinks=False) for e in os.scandir(node_fd)):
+            return               # a slice (or one being made): the node is in use
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(board.BOARD, dir_fd=node_fd)
+        if made.get("dir"):      # (a directory made then had no board either)
+            with contextlib.suppress(OSError):   # not empty: something else lives there now
+                os.rmdir(node_dir(directory))
 
 
 def identity_bytes(name) -> bytes:

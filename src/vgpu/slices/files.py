@@ -170,6 +170,29 @@ def _node_lock(node_fd):
         fcntl.flock(node_fd, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _new_node_locked(directory):
+    """The node directory, made if missing, open and locked, for a create.  A temporary
+    slice's end may remove the directory (slices.tidy_node) between its making and the
+    lock: then it is made again."""
+    for _ in range(10):
+        try:
+            fd = _open_node(directory, create=True)
+        except NotFound:
+            continue             # removed between the makedirs and the open
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink > 0:
+            break
+        os.close(fd)             # removed before the lock came (closing lets go of it)
+    else:
+        raise VgpuError(f"node directory {node_dir(directory)} keeps vanishing", "try again")
+    try:
+        yield fd
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _place(dir_fd, name, data, mode, shown, owner=None):
     """Write `data` under a temporary name and link it to `name`: it appears complete or
     not at all, and an existing `name` is never replaced (FileExistsError)."""
