@@ -180,11 +180,13 @@ def to_yaml(obj, comment=None) -> str:
 
 # === run ===
 
-def run_child(argv, env) -> int:
+def run_child(argv, env, cgroup=None) -> int:
     """Run argv and return its exit status as a shell reports it (128 + N for signal N).
     SIGTERM/SIGHUP reaching vgpu-ctl are passed on; Ctrl-C already reaches the child
-    (same process group), so vgpu-ctl only waits for it to end."""
-    proc = subprocess.Popen(argv, env=env)
+    (same process group), so vgpu-ctl only waits for it to end.  cgroup: a cgroup v2
+    directory the child joins before it runs anything (driverlimits.join_cgroup)."""
+    from .driverlimits import join_cgroup
+    proc = subprocess.Popen(argv, env=env, preexec_fn=(lambda: join_cgroup(cgroup)) if cgroup else None)
     forwarded = {signal.SIGTERM: None, signal.SIGHUP: None, signal.SIGINT: None}
     try:
         for sig in forwarded:

@@ -8,7 +8,7 @@ gives the pid inside the container.  No assumption that the two pid spaces agree
 """
 import time
 
-from . import board, mig, nvml, podlabels, procfs
+from . import board, driverlimits, mig, nvml, podlabels, procfs
 from .agent.state import annotate, describe_violation
 from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
@@ -73,6 +73,9 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
         if mig is not None:
             entry["mig"] = mig
         entry["sm_mode"] = quota.sm_mode
+        caps = {d: hard for d, (_, hard) in driverlimits.for_quota(quota).items()}
+        layer, why = driverlimits.layer(cname, caps, mig is not None) if ok else ("shim", "NVML unavailable")
+        entry["memory_layer"] = {"layer": layer, "why": why}   # who holds its memory cap (driverlimits.py)
         on_board = shares.get(board.slice_key(cname), [])
         hosts = procfs.host_pids(usage) if usage else {}
         procs = usage.procs if usage else []
@@ -275,6 +278,12 @@ def render(data: dict, wide=True) -> str:
                           "THROTTLED", "OOM", "PROCESSES", "GEN"], rows))
     else:
         out.append(f"no containers in {data['dir']}")
+    held = [c["name"] for c in data["containers"] if (c.get("memory_layer") or {}).get("layer") == "driver+shim"]
+    if held:   # said only where the driver's per-cgroup limits are in use at all
+        alone = [f"{c['name']} ({c['memory_layer']['why']})" for c in data["containers"]
+                 if (c.get("memory_layer") or {}).get("layer") == "shim"]
+        out.append(f"memory capped by the driver too: {', '.join(held)}" +
+                   (f"; by the shim alone: {', '.join(alone)}" if alone else ""))
 
     prow = []
     for c in data["containers"]:

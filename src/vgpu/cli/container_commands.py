@@ -4,6 +4,7 @@ import shlex
 
 import click
 
+from .. import driverlimits
 from .. import nvml
 from .. import overhead
 from .. import runtime
@@ -227,12 +228,15 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
         except slices.VgpuError:   # (refused after making the node directory: overcommit)
             slices.tidy_node(directory, made)
             raise
+    cgroup = None
     try:
         record = None if temporary else slices.read_mig(directory, name)   # a MIG slice: its MIG device alone
         env = runtime.child_environment(base, name, slices.node_dir(directory), shim,
                                         record["uuid"] if record else None)
+        if not sim:   # (with --sim, the node's driver is the child's: nothing to set from here)
+            cgroup = _driver_layer(directory, name, record is not None)
         try:
-            rc = runtime.run_child(list(command), env)
+            rc = runtime.run_child(list(command), env, cgroup)
         except FileNotFoundError:
             click.echo(f"Error: {command[0]}: command not found; hint: check the name and PATH", err=True)
             rc = 127
@@ -245,6 +249,9 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
             click.echo(f"Error: {command[0]}: cannot execute ({e.strerror}); hint: check the file", err=True)
             rc = 126
     finally:
+        if cgroup is not None:   # its limits go with it (the driver forgets a removed cgroup's)
+            driverlimits.release(name, slices.read_quota(directory, name) if name in slices.list_names(directory)
+                                 else None)
         if temporary:
             try:
                 if not slices.delete(directory, name, force=True)["live_processes"]:
@@ -252,6 +259,21 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
             except slices.VgpuError as e:   # the child's exit status matters more
                 print_warning(f"could not delete the temporary slice: {error_line(e)}")
     ctx.exit(rc)
+
+
+def _driver_layer(directory, name, mig):
+    """The cgroup run's command goes in, with the slice's memory cap set there by the
+    driver too (driverlimits.py), so a process that bypasses the shim is held as well;
+    None, and one warning line saying why, where the driver cannot hold it (the shim alone
+    still does: failing open)."""
+    if mig:   # MIG handles take no driver limits: the instance is the hardware's boundary already
+        return None
+    try:
+        return driverlimits.hold(name, slices.read_quota(directory, name))
+    except driverlimits.Unavailable as e:
+        if str(e) != "no memory cap to hold":
+            print_warning(f"slice {name}: memory held by the shim alone ({e})")
+        return None
 
 
 def _run_owner():

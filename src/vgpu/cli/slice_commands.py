@@ -5,7 +5,7 @@ import time
 
 import click
 
-from .. import nvml
+from .. import driverlimits, nvml
 from .. import slices
 from .. import status as status_mod
 from ..quantities import UNLIMITED, format_memory, format_share, format_utc
@@ -165,7 +165,9 @@ def delete(name, force, disable_mig, directory, as_json):
     if disable_mig:
         slices.read_quota(directory, name)   # it must exist
         raise UsageFailure(f"--disable-mig is for MIG slices, and {name} is a software slice; hint: leave it out")
+    quota = slices.read_quota(directory, name)
     result = slices.delete(directory, name, force=force)
+    driverlimits.release(name, quota)   # the driver's limit on its cgroup goes too
     if result["live_processes"]:
         print_warning(f"{name} still had {len(result['live_processes'])} live process(es); they keep their last limits")
     if as_json:
@@ -273,6 +275,10 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, sm_mode, over
     result = slices.resize(directory, name, devices=device or None, memory=memory, sm=sm, request=request,
                            limit=limit, sm_request=sm_request, sm_limit=sm_limit, overcommit=overcommit,
                            capacity=capacity, sm_mode=sm_mode)
+    why = driverlimits.follow(name, slices.read_quota(directory, name), slices.has_mig(directory, name))
+    if why:
+        result["warnings"].append(f"the driver's limit on {name}'s cgroup did not follow ({why}): the shim holds "
+                                  "the new quota alone")
     for w in result["warnings"]:
         print_warning(w)
     if sm is not None or sm_request is not None or sm_mode is not None:

@@ -1,0 +1,128 @@
+"""The driver layer of a slice's memory cap (src/vgpu/driverlimits.py): `vgpu-ctl run` puts
+its command in a cgroup of the slice's own and has the driver (simgpu's model of NVML's
+per-cgroup limits, csrc/simgpu/limits.c) hold it to the slice's cap, so a process that
+bypasses the shim is held too.  Real processes, real cgroup v2 directories (as root),
+`vgpu-ctl` as a real command; simgpu's NVML read without the shim is the referee.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import make_sim_env, run_python
+from test_simgpu_limits import ROOT
+
+GiB, MiB = 1 << 30, 1 << 20
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+TENANT = Path(__file__).parent / "programs" / "tenant.py"
+OOM = 2   # CUDA_ERROR_OUT_OF_MEMORY
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or ROOT is None or not os.access(ROOT, os.W_OK),
+                                reason="needs root and a writable cgroup v2 hierarchy")
+
+LIMITS = """
+import json, sys
+import pynvml as n
+n.nvmlInit()
+l = n.c_nvmlGetMemoryLimits_v1_t(sys.argv[1].encode(), 0, 0, 0)
+try:
+    n.nvmlDeviceGetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(0), l)
+    print(json.dumps([l.softLimit, l.hardLimit]))
+except n.NVMLError_NotFound:
+    print(json.dumps(None))
+"""
+
+
+def env_for(tmp_path, **extra):
+    return make_sim_env(tmp_path / "node", VGPU_DIR=str(tmp_path / "vgpu"), **extra)
+
+
+def driver_limit(env, name):
+    """What the driver holds slice `name`'s cgroup to: [soft, hard], or None."""
+    return json.loads(run_python(LIMITS, env, args=(str(ROOT / "vgpu" / name),)).stdout.strip().splitlines()[-1])
+
+
+class Bypass:
+    """tenant.py WITHOUT the shim (LD_PRELOAD taken out), started by `vgpu-ctl run` in slice
+    `name`: as a program that unsets LD_PRELOAD would be."""
+
+    def __init__(self, env, name, *run_args):
+        self.proc = subprocess.Popen([CTL, "run", "--name", name, *run_args, "--", "env", "-u", "LD_PRELOAD",
+                                      sys.executable, str(TENANT)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = self.proc.stdout.readline()
+        assert first, self.proc.stderr.read()
+        self.pid = json.loads(first)["pid"]
+
+    def alloc(self, size):
+        self.proc.stdin.write(json.dumps({"alloc": size}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return answer if isinstance(answer, int) else answer["alloc"]
+
+    def end(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        return self.proc.stderr.read()
+
+
+@pytest.fixture
+def bypasses():
+    made = []
+    yield lambda *a: made.append(Bypass(*a)) or made[-1]
+    for b in made:
+        if b.proc.poll() is None:
+            b.proc.kill()
+            b.proc.wait()
+
+
+def ctl(env, *args):
+    out = subprocess.run([CTL, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_a_process_that_bypasses_the_shim_is_held_by_the_driver_and_resize_and_delete_follow(tmp_path, bypasses):
+    env = env_for(tmp_path)
+    ctl(env, "create", "train", "--memory", "512Mi")
+    raw = bypasses(env, "train")
+    assert driver_limit(env, "train") == [512 * MiB, 512 * MiB]
+    assert raw.alloc(256 * MiB) == 0
+    assert raw.alloc(512 * MiB) == OOM                    # past the slice's cap: the driver refuses
+    status = json.loads(ctl(env, "status", "--json").stdout)
+    [c] = status["containers"]
+    assert c["memory_layer"] == {"layer": "driver+shim", "why": None}
+    assert "memory capped by the driver too: train" in ctl(env, "status").stdout
+    ctl(env, "resize", "train", "--memory", "1Gi")         # grows with it, process running
+    assert driver_limit(env, "train")[1] == GiB
+    assert raw.alloc(512 * MiB) == 0
+    ctl(env, "resize", "train", "--memory", "768Mi")       # shrinks below use: nothing more fits
+    assert driver_limit(env, "train")[1] == 768 * MiB and raw.alloc(64 * MiB) == OOM
+    assert "held by the shim alone" not in raw.end()
+    assert not (ROOT / "vgpu" / "train").exists()          # the run's cgroup went with its command
+
+
+def test_a_driver_without_the_api_falls_back_to_the_shim_and_says_so(tmp_path, bypasses):
+    env = env_for(tmp_path, SIMGPU_MEMORY_LIMITS="0")
+    ctl(env, "create", "old", "--memory", "512Mi")
+    raw = bypasses(env, "old")
+    assert raw.alloc(GiB) == 0                             # nothing but the shim, which it bypassed
+    status = json.loads(ctl(env, "status", "--json").stdout)
+    assert status["containers"][0]["memory_layer"] == {"layer": "shim", "why": "no cgroup of its own"}
+    warning = raw.end()
+    assert "slice old: memory held by the shim alone (the driver has no per-cgroup memory limits)" in warning
+
+
+def test_a_temporary_run_clears_its_limit_and_leaves_no_cgroup(tmp_path):
+    env = env_for(tmp_path)
+    code = ("import ctypes; c = ctypes.CDLL('libcuda.so.1'); c.cuInit(0); d = ctypes.c_int(); x = ctypes.c_void_p(); "
+            "c.cuDeviceGet(ctypes.byref(d), 0); c.cuDevicePrimaryCtxRetain(ctypes.byref(x), d); c.cuCtxSetCurrent(x); "
+            "p = ctypes.c_uint64(); print(c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(768 << 20)))")
+    out = subprocess.run([CTL, "run", "--memory", "512Mi", "--", "env", "-u", "LD_PRELOAD", sys.executable, "-c",
+                          code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(OOM)]
+    parent = ROOT / "vgpu"
+    assert not parent.exists() or not [p for p in parent.iterdir() if p.name.startswith("run")]
