@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ l = n.c_nvmlGetMemoryLimits_v1_t(sys.argv[1].encode(), 0, 0, 0)
 try:
     n.nvmlDeviceGetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(0), l)
     print(json.dumps([l.softLimit, l.hardLimit]))
-except n.NVMLError_NotFound:
+except n.NVMLError:   # none set, or no such cgroup (yet)
     print(json.dumps(None))
 """
 
@@ -126,3 +127,66 @@ def test_a_temporary_run_clears_its_limit_and_leaves_no_cgroup(tmp_path):
     assert out.stdout.split() == [str(OOM)]
     parent = ROOT / "vgpu"
     assert not parent.exists() or not [p for p in parent.iterdir() if p.name.startswith("run")]
+
+
+CHURN = """
+import ctypes, random, sys, time
+c = ctypes.CDLL("libcuda.so.1")
+c.cuInit(0)
+d, x = ctypes.c_int(), ctypes.c_void_p()
+c.cuDeviceGet(ctypes.byref(d), 0)
+c.cuDevicePrimaryCtxRetain(ctypes.byref(x), d)
+c.cuCtxSetCurrent(x)
+held, end = [], time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:          # take 32 MiB chunks until refused, give some back
+    p = ctypes.c_uint64()
+    if c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(32 << 20)) == 0:
+        held.append(p.value)
+    elif held:
+        for _ in range(random.randint(1, len(held))):
+            c.cuMemFree_v2(ctypes.c_uint64(held.pop(random.randrange(len(held)))))
+print("done", flush=True)
+"""
+
+REFEREE = """
+import json, sys, time
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+l = n.c_nvmlGetMemoryLimits_v1_t(sys.argv[1].encode(), 0, 0, 0)
+peak, samples, end = 0, 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:          # every millisecond: what the slice's cgroup holds
+    try:
+        n.nvmlDeviceGetMemoryLimits_v1(h, l)
+        peak, samples = max(peak, l.currentUsed), samples + 1
+    except n.NVMLError:
+        pass
+    time.sleep(0.001)
+print(json.dumps([peak, samples]))
+"""
+
+
+def test_a_shimmed_and_an_unshimmed_process_in_one_cgroup_never_exceed_the_cap_together(tmp_path):
+    env = env_for(tmp_path)
+    ctl(env, "create", "both", "--memory", "256Mi")
+    seconds = 3
+    # the run's command starts one process under the shim and one without it, both churning
+    script = (f"{sys.executable} -c '{CHURN}' {seconds} & env -u LD_PRELOAD {sys.executable} -c '{CHURN}' {seconds} & "
+              "wait")
+    run = subprocess.Popen([CTL, "run", "--name", "both", "--", "sh", "-c", script], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        cgroup = ROOT / "vgpu" / "both"
+        deadline = time.monotonic() + 10
+        while driver_limit(env, "both") is None:            # the limit is set before the command starts
+            assert time.monotonic() < deadline and run.poll() is None, run.stderr.read()
+        peak, samples = json.loads(run_python(REFEREE, env, args=(str(cgroup), str(seconds - 0.5))).stdout
+                                   .strip().splitlines()[-1])
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert out.split() == ["done", "done"], err
+    assert samples > 100                                    # a sample every millisecond or so (fewer under load)
+    assert 0 < peak <= 256 * MiB, peak
