@@ -262,6 +262,48 @@ def burst_check(shim, vdir):
     return {"ok": ok, "alone_nvml_percent": alone, "with_70_nvml_percent": shared}
 
 
+DRIVER_LIMIT = """
+import json, sys, torch
+open(sys.argv[1] + "/cgroup.procs", "w").write(str(__import__("os").getpid()))   # into the limited cgroup
+x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")        # under the limit: fits
+try:
+    y = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")     # past it (no shim here): refused?
+    refused = False
+except torch.OutOfMemoryError:
+    refused = True
+print(json.dumps({"refused_past_limit": refused}))
+"""
+
+
+def driver_limit_check(tmp):
+    """NVML's per-cgroup memory limit on the real driver (src/vgpu/driverlimits.py): a 1 GiB
+    hard limit on a cgroup of our own, a process in it WITHOUT the shim allocating past it,
+    then the limit cleared.  Skipped (with why) where the driver, nvidia-ml-py, cgroup v2 or
+    root is missing."""
+    try:
+        sys.path.insert(0, str(ROOT / "src"))
+        from vgpu import driverlimits
+    except ImportError as e:
+        return {"skipped": f"the vgpu package is not built here ({e})"}
+    try:
+        path = driverlimits.make_slice_cgroup(f"gpu-check-{os.getpid()}")
+        driverlimits.apply(path, {0: (0, 1 << 30)})
+    except driverlimits.Unavailable as e:
+        return {"skipped": str(e)}
+    try:
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("VGPU_")}
+        p = subprocess.run([sys.executable, "-c", DRIVER_LIMIT, str(path)], env=plain, capture_output=True,
+                           text=True, timeout=120)
+        lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+        r = json.loads(lines[-1]) if lines else {"error": p.stderr.strip()[-400:]}
+        r["limit_read_back"] = driverlimits.read(path, 0)
+    finally:
+        driverlimits.clear(path, [0])
+        r_after = driverlimits.read(path, 0)
+        driverlimits.remove_cgroup(path)
+    return {"ok": bool(r.get("refused_past_limit")) and r_after is None, "after_clear": r_after, **r}
+
+
 def main():
     gpu = gpu_present()
     if not gpu:
@@ -313,6 +355,7 @@ def main():
         checks["graph_replay"] = {"ok": g_share is not None and abs(g_share - 30) <= 5, "nvml_percent": g_share, **g}
         checks["footprint"] = footprint_check(shim, Path(tmp) / "vgpu-footprint")
         checks["burst"] = burst_check(shim, Path(tmp) / "vgpu-burst")
+        checks["driver_limit"] = driver_limit_check(tmp)
     result["ok"] = all(c.get("ok", True) for c in checks.values())
     print(json.dumps(result, indent=2))
     return 0
