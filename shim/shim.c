@@ -111,10 +111,16 @@ void deny(const char *fmt, ...)
 
 /* === configuration: limit variables === */
 
-/* "4Gi", "512Mi", "1073741824" (VGPU_*) or HAMi-core's "4096m", "4g" (binary units). */
+/* VGPU_*: the grammar vgpu-ctl reads sizes in (src/vgpu/quantities.py: Kubernetes'
+ * quantities): bytes, binary "4Gi" (Ki..Ei), decimal "4G" = 4*10^9 (k/K, M, G, T, P, E), or
+ * "max" (no cap).  HAMi-core's own variables keep its meaning: "4096m", "4g" are binary. */
 static int parse_size(const char *s, int hami, uint64_t *out)
 {
     char *end;
+    if (!hami && !strcmp(s, "max")) {
+        *out = VGPU_UNLIMITED;
+        return 0;
+    }
     if (*s < '0' || *s > '9')   /* strtoull would accept " -1" and wrap it to "unlimited" */
         return -1;
     errno = 0;
@@ -123,12 +129,23 @@ static int parse_size(const char *s, int hami, uint64_t *out)
         return -1;
     int shift = 0;
     if (!hami) {
-        static const char *units[] = {"", "Ki", "Mi", "Gi", "Ti"};
+        static const char *binary[] = {"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"};
+        static const char decimal[] = "kMGTPE";   /* and K, as vgpu-ctl takes it */
         int i = 0;
-        while (i < 5 && strcmp(end, units[i]))
+        while (i < 7 && strcmp(end, binary[i]))
             i++;
-        if (i == 5)
-            return -1;
+        if (i == 7) {
+            const char *u = *end && !end[1] ? strchr(decimal, *end == 'K' ? 'k' : *end) : NULL;
+            if (!u)
+                return -1;
+            for (long k = 0; k <= u - decimal; k++) {
+                if (v > ~0ull / 1000)
+                    return -1;
+                v *= 1000;
+            }
+            *out = v;
+            return 0;
+        }
         shift = 10 * i;
     } else {
         const char *units = "kmgt";
@@ -203,8 +220,15 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
         qd->sm_max = qd->sm_request = qd->sm_limit = 10000;
         if ((var = limit_var("VGPU_MEMORY_LIMIT", "CUDA_DEVICE_MEMORY_LIMIT", d, &value, &hami))) {
             any = 1;
-            if (parse_size(value, hami, &qd->memory_max)) {
-                deny("%s=%s is not a memory size (use bytes or Ki/Mi/Gi/Ti, e.g. 4Gi%s)", var, value,
+            int bad = parse_size(value, hami, &qd->memory_max);
+            if (!bad && !hami && strspn(value, "0123456789") == strlen(value) && qd->memory_max &&
+                qd->memory_max < (1ull << 20)) {   /* vgpu-ctl's rule: a unit left out */
+                deny("%s=%s has no unit, so it is %s bytes: a size without a unit must be at least 1Mi "
+                     "(did you mean %sGi?)", var, value, value, value);
+                return -1;
+            }
+            if (bad) {
+                deny("%s=%s is not a memory size (use bytes, Ki/Mi/Gi/Ti or K/M/G/T, e.g. 4Gi%s)", var, value,
                      hami ? "; or 4096m" : "");
                 return -1;
             }
@@ -708,7 +732,7 @@ static void configure(void)
 
     const char *overhead = getenv("VGPU_CONTEXT_OVERHEAD");
     if (overhead && *overhead) {
-        if (parse_size(overhead, 0, &S.context_overhead))
+        if (parse_size(overhead, 0, &S.context_overhead) || S.context_overhead == VGPU_UNLIMITED)
             return deny("VGPU_CONTEXT_OVERHEAD=%s is not a memory size (use bytes or Ki/Mi/Gi/Ti, e.g. 500Mi)",
                         overhead);
         S.context_overhead_set = 1;

@@ -1147,7 +1147,8 @@ def test_malformed_limit_fails_closed_naming_the_variable(node):
     ({"VGPU_MEMORY_LIMIT": "1073741824"}, GiB),                                # plain bytes
     ({"CUDA_DEVICE_MEMORY_LIMIT": "4g", "CUDA_DEVICE_MEMORY_LIMIT_0": "512m"}, 512 * MiB),
     ({"VGPU_MEMORY_LIMIT": "768Mi", "CUDA_DEVICE_MEMORY_LIMIT": "4096m"}, 768 * MiB),  # ours first
-], ids=["hami", "per_device", "bytes", "hami_per_device", "vgpu_before_hami"])
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, GiB),                                  # HAMi's g: binary
+], ids=["hami", "per_device", "bytes", "hami_per_device", "vgpu_before_hami", "hami_g_is_binary"])
 def test_limit_variables_set_the_cap(node, variables, cap):
     result, stderr = probe(node.env(limit=None, **variables), cap, 1)
     assert result == {"allocs": [SUCCESS, OUT_OF_MEMORY], "info": [0, cap], "total": cap}
@@ -1194,6 +1195,19 @@ def test_container_name_with_path_tricks_is_refused(node, tmp_path):
     assert_fails_closed(node.env("../evil", limit="1Gi"), "VGPU_CONTAINER=../evil")
     assert not (tmp_path / "evil").exists()
     assert not node.dir.exists() or list(node.dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("limit, cap", [("1G", 10**9), ("900M", 900 * 10**6), ("1000000k", 10**9),
+                                        ("1000000K", 10**9)])
+def test_decimal_units_mean_what_they_mean_to_vgpu_ctl_and_kubernetes(node, limit, cap):
+    # one grammar for vgpu's inputs: 1G is 10^9 bytes (vgpu-ctl shows it as 953.67Mi)
+    result, stderr = probe(node.env(limit=limit), 512 * MiB, 512 * MiB)
+    assert result["total"] == cap and result["allocs"] == [SUCCESS, OUT_OF_MEMORY] and stderr == []
+
+
+def test_a_bare_number_below_a_mib_is_a_unit_left_out_and_fails_closed_saying_so(node):
+    # vgpu-ctl refuses `--memory 4` the same way (src/vgpu/quantities.py)
+    assert_fails_closed(node.env(limit="4"), "VGPU_MEMORY_LIMIT=4 has no unit", "did you mean 4Gi?")
 
 
 def test_limit_with_a_leading_blank_and_minus_sign_fails_closed(node):
