@@ -9,9 +9,11 @@ matchConditions catch, Service and webhook configuration) are checked in every r
 
 Helm itself cannot be had here (no helm in PyPI, npm or Debian), so the chart's templates
 are kept to plain substitutions -- `{{ .Values.a.b }}`, `{{ .Release.Namespace }}`, with
-at most `| quote` or `| toJson` -- which `render_chart` below substitutes as Helm would
-for these values; the test refuses any other template syntax, and any value the templates
-name that values.yaml lacks (or the reverse).  What this cannot show: Helm's own parsing.
+at most `| quote` or `| toJson`, and `{{ "{{" }}` for a literal `{{` -- which `render_chart`
+below substitutes as Helm would for these values; the test refuses any other template
+syntax, and any value the templates name that values.yaml lacks (or the reverse).  The
+optional monitoring is a subchart (charts/monitoring) that Chart.yaml's dependency condition
+turns on, as Helm does.  What this cannot show: Helm's own parsing.
 """
 import copy
 import json
@@ -43,6 +45,7 @@ RENDERINGS = {
         "metricsArgs": ["agent", "--autoscale", "--metrics-port", "9400", "--kubernetes-events", "--on-violation",
                         "over-cap=kill", "--on-violation", "gap=kill"],
         "hostPID": True, "metricsCapabilities": {"drop": ["ALL"], "add": ["KILL", "SYS_PTRACE"]}}}),
+    "monitoring": (DEPLOY / "overlays" / "monitoring", {"monitoring": {"enabled": True}}),
 }
 NAMESPACE = "vgpu-system"
 
@@ -85,6 +88,7 @@ def webhook_params(docs):
 
 TOKEN = re.compile(r"\{\{(.*?)\}\}")
 ALLOWED = re.compile(r"^\s*(\.Values(?:\.[A-Za-z][A-Za-z0-9]*)+|\.Release\.Namespace)\s*(?:\|\s*(quote|toJson)\s*)?$")
+LITERAL = re.compile(r'^\s*"\{\{"\s*$')      # {{ "{{" }}: a string constant, printed as it is
 
 
 def merged(base, over):
@@ -96,10 +100,31 @@ def merged(base, over):
 
 def render_chart(values_over=None, namespace=NAMESPACE):
     """The chart's objects with `values_over` on values.yaml; (objects, value paths used)."""
-    values = merged(yaml.safe_load((DEPLOY / "chart" / "values.yaml").read_text()), values_over or {})
+    chart = DEPLOY / "chart"
+    values = merged(yaml.safe_load((chart / "values.yaml").read_text()), values_over or {})
     used = set()
+    docs = render_templates(chart / "templates", values, namespace, used)
+    # a subchart in charts/ is rendered unless its dependency's condition is false in the
+    # values, with the values under its name as its own (pkg/chartutil/dependencies.go)
+    for dep in yaml.safe_load((chart / "Chart.yaml").read_text()).get("dependencies", []):
+        sub = chart / "charts" / dep["name"]
+        meta = yaml.safe_load((sub / "Chart.yaml").read_text())
+        assert (meta["name"], meta["version"], dep.get("repository", "")) == (dep["name"], dep["version"], "")
+        used.add(dep["condition"])
+        enabled = values
+        for k in dep["condition"].split("."):
+            enabled = enabled.get(k) if isinstance(enabled, dict) else None
+        if enabled is not False:
+            sub_values = merged(yaml.safe_load((sub / "values.yaml").read_text()) if (sub / "values.yaml").exists()
+                                else {}, values.get(dep["name"], {}))
+            docs += render_templates(sub / "templates", sub_values, namespace, set())
+    return docs, used
 
+
+def render_templates(directory, values, namespace, used):
     def one(m):
+        if LITERAL.match(m.group(1)):
+            return "{{"
         expr = ALLOWED.match(m.group(1))
         assert expr, f"template syntax this chart must not use: {{{{{m.group(1)}}}}}"
         path, pipe = expr.group(1), expr.group(2)
@@ -119,9 +144,9 @@ def render_chart(values_over=None, namespace=NAMESPACE):
             return json.dumps(str(value).lower()) if pipe == "quote" else str(value).lower()
         return json.dumps(str(value)) if pipe == "quote" else str(value)
     docs = []
-    for t in sorted((DEPLOY / "chart" / "templates").glob("*.yaml")):
+    for t in sorted(directory.glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(TOKEN.sub(one, t.read_text())) if d]
-    return docs, used
+    return docs
 
 
 def leaves(d, prefix=""):
@@ -170,7 +195,10 @@ def test_the_chart_installs_into_another_namespace_consistently():
 @pytest.mark.parametrize("name", RENDERINGS)
 def test_every_rendered_object_round_trips_through_the_client_models(name):
     for doc in rendered(name):
-        roundtrip(doc)
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            operator_fields(doc)         # no model of the operator's CRDs in the client
+        else:
+            roundtrip(doc)
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
@@ -409,6 +437,40 @@ def test_a_template_the_webhook_makes_is_judged_by_the_policy_too():
 # CRD is in the kubernetes client, so a misspelt field is caught here
 SERVICE_MONITOR_SPEC = {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels", "podTargetLabels"}
 SERVICE_MONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "honorLabels", "scheme"}
+# and of its PrometheusRule (pkg/apis/monitoring/v1/prometheusrule_types.go: RuleGroup, Rule)
+RULE_GROUP = {"name", "interval", "rules", "partial_response_strategy", "limit"}
+RULE = {"record", "alert", "expr", "for", "labels", "annotations"}
+
+
+def operator_fields(doc):
+    assert set(doc) == {"apiVersion", "kind", "metadata", "spec"}, doc["kind"]
+    if doc["kind"] == "ServiceMonitor":
+        assert set(doc["spec"]) <= SERVICE_MONITOR_SPEC
+        assert all(set(e) <= SERVICE_MONITOR_ENDPOINT for e in doc["spec"]["endpoints"])
+    else:
+        assert doc["kind"] == "PrometheusRule" and set(doc["spec"]) == {"groups"}
+        for group in doc["spec"]["groups"]:
+            assert set(group) <= RULE_GROUP and all(set(r) <= RULE for r in group["rules"]), group["name"]
+
+
+def test_the_monitoring_rendering_adds_the_service_monitor_rules_and_dashboards_and_the_others_none():
+    docs = rendered("monitoring")
+    base = keyed(rendered("base"))
+    added = {k: d for k, d in keyed(docs).items() if k not in base}
+    assert sorted(k[0] for k in added) == ["ConfigMap", "PrometheusRule", "ServiceMonitor"]
+    assert all(k[1] == NAMESPACE for k in added)
+    dashboards = the(docs, "ConfigMap", "vgpu-grafana-dashboards")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"       # what Grafana's sidecar looks for
+    assert dashboards["data"] == {p.name: p.read_text() for p in (DEPLOY / "grafana").glob("*.json")}
+    rules = the(docs, "PrometheusRule")
+    assert rules["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "vgpu-rules.yaml").read_text())
+    monitor = the(docs, "ServiceMonitor")
+    assert monitor == yaml.safe_load((DEPLOY / "monitoring" / "servicemonitor.yaml").read_text())
+    for name in RENDERINGS:
+        if name != "monitoring":
+            assert not any(d["kind"] in ("PrometheusRule", "ServiceMonitor") or d["metadata"]["name"] ==
+                           "vgpu-grafana-dashboards" for d in rendered(name)), name
+    assert render_chart()[0] == render_chart({"monitoring": {"enabled": False}})[0]
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
