@@ -120,13 +120,14 @@ def test_a_temporary_run_clears_its_limit_and_leaves_no_cgroup(tmp_path):
     env = env_for(tmp_path)
     code = ("import ctypes; c = ctypes.CDLL('libcuda.so.1'); c.cuInit(0); d = ctypes.c_int(); x = ctypes.c_void_p(); "
             "c.cuDeviceGet(ctypes.byref(d), 0); c.cuDevicePrimaryCtxRetain(ctypes.byref(x), d); c.cuCtxSetCurrent(x); "
-            "p = ctypes.c_uint64(); print(c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(768 << 20)))")
+            "p = ctypes.c_uint64(); print(c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(768 << 20))); "
+            "print([l for l in open('/proc/self/cgroup') if l.startswith('0::')][0][3:].strip())")
     out = subprocess.run([CTL, "run", "--memory", "512Mi", "--", "env", "-u", "LD_PRELOAD", sys.executable, "-c",
                           code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(OOM)]
-    parent = ROOT / "vgpu"
-    assert not parent.exists() or not [p for p in parent.iterdir() if p.name.startswith("run")]
+    refused, cgroup = out.stdout.split()
+    assert refused == str(OOM) and cgroup.startswith("/vgpu/run")   # its own cgroup, held at the cap
+    assert not (ROOT / cgroup.lstrip("/")).exists()                   # gone with the run
 
 
 CHURN = """

@@ -30,6 +30,10 @@ class Unavailable(Exception):
     """The driver layer cannot hold this slice; str() says why, in a few words."""
 
 
+class NoDriver(Unavailable):
+    """No NVIDIA driver to ask here (NVML cannot be loaded): nothing to fall back from."""
+
+
 def cgroup2_root():
     """Where cgroup v2 is mounted (the unified hierarchy), None when it is not."""
     try:
@@ -101,7 +105,7 @@ def apply(path, devices: dict, mig=False):
     try:
         n = _limits_api()
     except nvml.NvmlUnavailable as e:
-        raise Unavailable(f"NVML unavailable ({e})") from None
+        raise NoDriver(f"NVML unavailable ({e})") from None
     done = []
     for index, (soft, hard) in sorted(devices.items()):
         try:
@@ -151,7 +155,11 @@ def hold(name, quota, mig=False):
     or Unavailable saying why not (nothing is left set)."""
     devices = for_quota(quota)
     if not devices:
-        raise Unavailable("no memory cap to hold")
+        raise NoDriver("no memory cap to hold")
+    try:
+        _limits_api()     # before any cgroup is made: is there a driver to ask at all?
+    except nvml.NvmlUnavailable as e:
+        raise NoDriver(f"NVML unavailable ({e})") from None
     path = make_slice_cgroup(name)
     try:
         apply(path, devices, mig)

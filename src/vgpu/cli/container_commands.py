@@ -270,9 +270,10 @@ def _driver_layer(directory, name, mig):
         return None
     try:
         return driverlimits.hold(name, slices.read_quota(directory, name))
+    except driverlimits.NoDriver:   # no cap, or no driver here: nothing falls back
+        return None
     except driverlimits.Unavailable as e:
-        if str(e) != "no memory cap to hold":
-            print_warning(f"slice {name}: memory held by the shim alone ({e})")
+        print_warning(f"slice {name}: memory held by the shim alone ({e})")
         return None
 
 
