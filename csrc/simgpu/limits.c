@@ -84,13 +84,19 @@ static int same_dir(const struct simgpu_mem_limit *l)
            (uint64_t)st.st_ino == l->st_ino;
 }
 
+static void forget(int dev, struct simgpu_mem_limit *l)
+{
+    memset(l, 0, sizeof *l);
+    atomic_fetch_sub(&simgpu_node()->limits_set[dev], 1);
+}
+
 /* The device's limits, those of removed cgroups dropped first (the lock is held). */
 static struct simgpu_mem_limit *limits_of(int dev)
 {
     struct simgpu_mem_limit *ls = simgpu_node()->limits[dev];
     for (int i = 0; i < SIMGPU_MAX_LIMITS; i++)
         if (ls[i].path[0] && !same_dir(&ls[i]))
-            memset(&ls[i], 0, sizeof ls[i]);
+            forget(dev, &ls[i]);
     return ls;
 }
 
@@ -140,17 +146,20 @@ int simgpu_limit_set(int dev, const char *path, uint64_t soft, uint64_t hard)
     int r = NVML_SUCCESS;
     if (clear) {
         if (slot)
-            memset(slot, 0, sizeof *slot);
+            forget(dev, slot);
     } else {
-        for (int i = 0; i < SIMGPU_MAX_LIMITS && !slot; i++)
-            if (!ls[i].path[0])
-                slot = &ls[i];
+        if (!slot)
+            for (int i = 0; i < SIMGPU_MAX_LIMITS && !slot; i++)
+                if (!ls[i].path[0]) {
+                    slot = &ls[i];
+                    atomic_fetch_add(&simgpu_node()->limits_set[dev], 1);
+                }
         if (!slot)
             r = NVML_ERROR_UNKNOWN;   /* the table is full (a model limit, not the driver's) */
-        else
+        else {
             *slot = (struct simgpu_mem_limit){.st_dev = st.st_dev, .st_ino = st.st_ino, .soft = soft, .hard = hard};
-        if (slot)
             snprintf(slot->path, sizeof slot->path, "%s", path);
+        }
     }
     simgpu_dev_unlock(dev);
     return r;
@@ -173,6 +182,8 @@ int simgpu_limit_get(int dev, const char *path, uint64_t *soft, uint64_t *hard, 
 /* The room under every limit of the caller's cgroup and its ancestors (the lock is held). */
 static uint64_t room_locked(int dev)
 {
+    if (!atomic_load(&simgpu_node()->limits_set[dev]))
+        return UINT64_MAX;   /* no limit on the device: nothing to look through */
     int slot = simgpu_my_slot();
     if (slot < 0)
         return UINT64_MAX;

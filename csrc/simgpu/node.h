@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 4u                    /* 2: MIG state (mig.h); 3: shared memory; 4: cgroup limits */
+#define SIMGPU_VERSION 5u                    /* 2: MIG state (mig.h); 3: shared memory; 5: cgroup limits */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
@@ -119,6 +119,7 @@ struct simgpu_node {
     struct simgpu_mig_gpu mig[SIMGPU_MAX_DEVICES];
     struct simgpu_shared shared[SIMGPU_MAX_SHARED];
     struct simgpu_mem_limit limits[SIMGPU_MAX_DEVICES][SIMGPU_MAX_LIMITS];   /* under the device's lock */
+    _Atomic uint32_t limits_set[SIMGPU_MAX_DEVICES];   /* how many: 0 keeps the allocation path free of them */
     /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
 };
 
