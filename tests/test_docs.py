@@ -315,3 +315,14 @@ def test_the_kubernetes_walkthrough_names_what_the_manifests_have():
         assert (ROOT / path).is_file(), path
     pods = {d["metadata"]["name"] for d in docs if d["kind"] == "Pod"}
     assert {"cuda-4gi", "cuda-half-gpu"} <= pods
+
+
+def test_every_metric_the_code_serves_is_named_in_the_docs():
+    code = (ROOT / "src/vgpu/metrics.py").read_text()
+    served = set(re.findall(r'"(vgpu_[a-z0-9_]*[a-z0-9])"', code))
+    for block in re.finditer(r'f"(vgpu_(?:device_)?)\{name\}".*?\n\s*\)\}', code, re.S):   # names built in a loop
+        served |= {block.group(1) + n for n in re.findall(r'\("([a-z0-9_]+)",', block.group(0))}
+    assert len(served) > 30, served
+    pages = (ROOT / "docs/autoscale.md").read_text() + (ROOT / "docs/node-agent.md").read_text()
+    missing = sorted(m for m in served if m.removesuffix("_total") not in pages)
+    assert not missing, f"served but documented nowhere: {missing}"
