@@ -231,6 +231,9 @@ def test_every_console_block_runs_and_shows_what_it_prints(page, tmp_path):
                 else:
                     fails = any(line.startswith("Error:") for line in expected)
                     assert (rc != 0) == fails, f"{where} exited {rc}" + (" (the page shows an error)" if fails else "")
+        if rel(page) == "README.md":   # the walk-through ends where it began: a second one starts clean
+            _, left = session.run("vgpu-ctl list")
+            assert [line for line in left if line.strip()] == ["no containers in /tmp/vgpu"], left
     finally:
         session.close()
 
