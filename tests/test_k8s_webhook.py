@@ -495,3 +495,10 @@ def test_templates_no_pod_uses_go_after_the_grace_and_those_in_use_stay(tmp_path
             assert not [e for e in hook.events() if e["event"] == "template_collection_failed"]
         finally:
             hook.stop()
+
+
+def test_its_log_lines_carry_ts_as_every_vgpu_json_line_does(cluster):
+    _, hook = cluster
+    hook.review(pod_of(ctr("stamped", limits={"vgpu.dev/gpu-memory": "1Gi"})))
+    for event in hook.events():
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", event["ts"]), event

@@ -3,12 +3,12 @@ import errno
 import json
 import signal
 import threading
-import time
 
 import click
 
 from .. import slices
 from ..k8s import cdi
+from ..quantities import format_utc
 from .common import DURATION, MEMORY, UsageFailure, dir_option, error_line, main
 
 
@@ -421,7 +421,7 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
         raise click.ClickException(error_line(e)) from None
 
     def log(event):
-        click.echo(json.dumps({"time": round(time.time(), 3), **event}), err=True)
+        click.echo(json.dumps({"ts": format_utc(), **event}), err=True)
     admitter = webhook.Admitter(config, api, log)
     try:
         httpd = webhook.serve(admitter, tls_cert_file, tls_private_key_file, address, port)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import install, slices
+from ..quantities import format_utc
 from . import cdi, checkpoint, claimstatus, resourceslice
 from .driver import Driver
 
@@ -121,7 +122,7 @@ def _gpus(ours=frozenset()):
 
 
 def _logger(log):
-    return lambda event: log(json.dumps({"time": round(time.time(), 3), **event}))
+    return lambda event: log(json.dumps({"ts": format_utc(), **event}))   # as every vgpu-ctl JSON line
 
 
 def _require_extras():
