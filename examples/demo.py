@@ -406,25 +406,35 @@ def plot(phases, timing, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(2, len(phases), figsize=(4.2 * len(phases), 6), sharex=True, sharey="row")
+    fig, axes = plt.subplots(2, len(phases), figsize=(4.2 * len(phases), 6.4), sharex=True, sharey="row")
+    # the three inference services ask alike and often draw one line: a style each keeps them apart
+    styles = {"train": "-", "infer-a": "-", "infer-b": (0, (4, 2)), "infer-leaky": (0, (1, 1.5))}
+    colours = {name: f"C{i}" for i, (name, *_rest) in enumerate(TENANTS)}
     for col, (title, res) in enumerate(phases):
         top, bottom = axes[0][col], axes[1][col]
-        for name, mem, _, _ in TENANTS:
-            top.plot([i + 0.5 for i in range(len(res[name]["timeline"]))], res[name]["timeline"], label=name)
+        for name, mem, share, _ in TENANTS:
+            style = dict(color=colours[name], linestyle=styles.get(name, "-"), linewidth=1.4)
+            top.plot([i + 0.5 for i in range(len(res[name]["timeline"]))], res[name]["timeline"], label=name,
+                     **style)
             pts = res[name]["memory"]
-            bottom.step([t for t, _ in pts], [m for _, m in pts], where="post", label=name)
+            bottom.step([t for t, _ in pts], [m for _, m in pts], where="post", label=name, **style)
+            if "without" not in title:   # ceiling and cap as the phase starts (resize, autoscale move them)
+                ceiling = 100 if "burst" in title and name == "train" else share   # burst: 100%, 40% guaranteed
+                top.axhline(ceiling, color=colours[name], linewidth=0.6, alpha=0.5, linestyle=":")
+                bottom.axhline(mem, color=colours[name], linewidth=0.6, alpha=0.5, linestyle=":")
         top.set_title(title)
         bottom.set_xlabel("seconds")
         if "resize" in title:
             for ax in (top, bottom):
                 ax.axvline(timing.resize_at, color="grey", linestyle=":")
-    axes[0][0].set_ylabel("share of GPU time (%)")
-    axes[1][0].set_ylabel("memory held (GiB)")
+    axes[0][0].set_ylabel("share of GPU time (%)\n(dotted: ceilings at the start)")
+    axes[1][0].set_ylabel("memory held (GiB)\n(dotted: caps at the start)")
     for ax in axes[1]:
         ax.axhline(24, color="black", linewidth=0.5)
         ax.text(0.2, 24.3, "the GPU's 24 GiB", fontsize=7)
-    axes[0][-1].legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(TENANTS), fontsize=8)   # one legend for every panel
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path)
     return path
 
