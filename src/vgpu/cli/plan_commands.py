@@ -1,0 +1,95 @@
+"""`plan`: how many GPUs pods need under each placement policy, shared or whole (vgpu.plan)."""
+import click
+
+from ..errors import InvalidRequest
+from ..quantities import parse_memory
+from .common import emit_json, json_option, main
+
+_DEFAULT_POLICIES = ("whole-gpu", "first-fit", "best-fit", "random")
+
+
+def _gpu_memory(values):
+    out = {}
+    for v in values:
+        model, sep, size = v.partition("=")
+        try:
+            if not (sep and model):
+                raise ValueError(v)
+            out[model] = parse_memory(size) >> 20
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not MODEL=SIZE (e.g. G2=32Gi)", param_hint="'--gpu-memory'") from None
+    return out
+
+
+def _pct(v):
+    return "-" if v is None else f"{v:.1f}%"
+
+
+@main.command("plan")
+@click.option("--pods", "pods_path", required=True, type=click.Path(dir_okay=False),
+              help="Pods: an openb pod CSV, or `kubectl get pods -o json` output.")
+@click.option("--nodes", "nodes_path", required=True, type=click.Path(dir_okay=False),
+              help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model).")
+@click.option("--policy", "policies", multiple=True, help="Placement policy, repeatable "
+              "[default: whole-gpu, first-fit, best-fit, random; also best-fit-exact].")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random choices.")
+@click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="MODEL=SIZE",
+              help="GPU memory of a model the built-in table lacks (G1-G3 are undisclosed), e.g. G2=32Gi.")
+@click.option("--paper", is_flag=True, help="The FGD paper's protocol instead: the workload scaled to 130% of "
+              "the cluster's GPUs, pods in random order, nothing leaves; prints the unallocated GPU share at "
+              "100% arrived load, mean and std over --seeds.")
+@click.option("--seeds", default=10, show_default=True, type=click.IntRange(1, 1000), help="Seeds for --paper.")
+@click.option("--order", "how", type=click.Choice(["shuffle", "arrival"]), default="shuffle", show_default=True,
+              help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time order).")
+@json_option
+def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, seeds, how, as_json):
+    """Place pods on nodes under each policy; report GPUs used, unallocated GPU capacity,
+    SM and memory occupancy and the pods that did not fit, per GPU model.
+
+    Memory of openb pods (the trace has none) is the same fraction of the GPU model's
+    memory as their gpu_milli is of the GPU; SM share is gpu_milli.
+
+    \b
+    Example:
+      vgpu-ctl plan --pods openb_pod_list_default.csv --nodes openb_node_list_gpu_node.csv
+      vgpu-ctl plan --pods pods.json --nodes nodes.csv --policy first-fit --json
+      vgpu-ctl plan --paper --policy best-fit --pods ... --nodes ...
+    """
+    from .. import plan   # (imported here: only `plan` needs it)
+
+    policies = policies or _DEFAULT_POLICIES
+    for p in policies:
+        if p not in plan.POLICIES:
+            raise InvalidRequest(f"unknown policy {p!r}", hint=f"one of: {', '.join(plan.POLICIES)}")
+    memory = _gpu_memory(gpu_memory)
+    nodes = plan.read_nodes(nodes_path)
+    pods = plan.read_pods(pods_path)
+    if paper:
+        rows = []
+        for p in policies:
+            values = plan.paper_protocol(pods, nodes, p, seeds=range(seeds), how=how, gpu_memory=memory)
+            mean, std = plan.mean_std(values)
+            rows.append({"policy": p, "unallocated_pct_mean": round(mean, 2), "unallocated_pct_std": round(std, 2),
+                         "per_seed": [round(v, 2) for v in values], "paper_pct": plan.PAPER_UNALLOCATED_PCT.get(p)})
+        if as_json:
+            emit_json({"protocol": {"scale": 1.3, "order": how, "at_arrived_pct": 100, "seeds": seeds},
+                       "policies": rows})
+            return
+        click.echo(f"unallocated GPU capacity at 100% arrived load (scaled to 130%, order {how}, {seeds} seeds)")
+        click.echo(f"{'policy':<16}{'measured':>16}{'paper':>8}")
+        for r in rows:
+            paper_pct = "-" if r["paper_pct"] is None else f"{r['paper_pct']:.1f}%"
+            click.echo(f"{r['policy']:<16}{r['unallocated_pct_mean']:>9.2f}±{r['unallocated_pct_std']:.2f}%{paper_pct:>8}")
+        return
+    reports = [plan.report(plan.simulate(pods, nodes, p, seed, memory)) for p in policies]
+    if as_json:
+        emit_json({"policies": reports})
+        return
+    click.echo(f"{'policy':<16}{'model':<10}{'GPUs':>6}{'used':>6}{'unalloc':>9}{'SM occ':>8}{'mem occ':>9}")
+    for r in reports:
+        for name, m in [*r["models"].items(), ("all", r)]:
+            click.echo(f"{r['policy']:<16}{name:<10}{m['gpus']:>6}{m['gpus_used']:>6}{_pct(m['unallocated_pct']):>9}"
+                       f"{_pct(m['sm_occupancy_pct']):>8}{_pct(m['memory_occupancy_pct']):>9}")
+        k = r["unplaced_by_kind"]
+        click.echo(f"{r['policy']:<16}{r['pods_placed']} of {r['pods']} pods placed; did not fit: {r['pods_unplaced']} "
+                   f"(shared {k['shared']}, whole-GPU {k['whole']}, CPU-only {k['cpu_only']})")

@@ -1,0 +1,484 @@
+"""Capacity planning: how many GPUs do pods need under a placement policy, with and without
+sharing a GPU.
+
+One plain-Python model: pods (openb CSV or `kubectl get pods -o json`), nodes (openb node
+CSV), GPUs with an SM share (milli-GPU, 1000 = the whole GPU) and memory, the placement
+policies, the protocol of the FGD paper (Weng et al., "Beware of Fragmentation", USENIX
+ATC '23: pods never leave, the workload scaled to 130% of the cluster's GPUs, seeds) and
+the metrics.  Nothing here talks to a GPU or a cluster.
+
+Memory of openb pods: the trace has none, so a pod asking `gpu_milli` of a GPU is given
+the same fraction of that GPU model's memory (floor, in MiB).  Memory then never binds
+for openb pods by itself (it is proportional to the SM share); it binds for pods that ask
+for memory explicitly (Kubernetes pods).
+"""
+import csv
+import json
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from .errors import BadFile, InvalidRequest
+from .quantities import parse_memory
+
+MILLI = 1000
+MIB = 1 << 20
+
+# GPU memory per model, MiB (public specs).  G1-G3 are undisclosed internal codes in the
+# trace: their memory is unknown, so a pod asking for memory explicitly does not fit them
+# unless `gpu_memory` (the CLI's --gpu-memory) names it.
+MODEL_MEMORY_MIB = {
+    "P100": 16 * 1024, "T4": 16 * 1024, "V100M16": 16 * 1024, "V100M32": 32 * 1024,
+    "A10": 24 * 1024,
+}
+
+POLICIES = ("whole-gpu", "first-fit", "best-fit", "best-fit-exact", "random")
+
+# The paper's figures: unallocated GPU share at 100% arrived load, default trace, mean of
+# 10 seeds (Weng et al., ATC '23; ../shared/traces/README.md).
+PAPER_UNALLOCATED_PCT = {"random": 13.7, "dot-product": 9.4, "gpu-packing": 8.2,
+                         "best-fit": 7.1, "fgd": 4.8}
+
+
+@dataclass
+class Pod:
+    name: str
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    num_gpu: int = 0
+    gpu_milli: int = 0            # per GPU; < 1000 only for num_gpu == 1 (a shared GPU)
+    gpu_memory_mib: int = None    # per GPU, when the pod says; None: derived from gpu_milli
+    gpu_spec: tuple = ()          # GPU models allowed; () any
+    creation_time: float = 0.0
+
+    @property
+    def gpu_request(self):
+        """GPU asked for, in milli-GPUs (the unit the paper's capacity counts)."""
+        return self.num_gpu * self.gpu_milli
+
+    @property
+    def shared(self):
+        return self.num_gpu == 1 and self.gpu_milli < MILLI
+
+
+@dataclass
+class Node:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+
+
+# === readers ===
+
+def _rows(path, required):
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+            header = set(rows[0]) if rows else set()
+    except OSError as e:
+        raise BadFile(f"{path}: {e.strerror}", hint="give the path of an openb CSV file") from None
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise BadFile(f"{path}: no column {', '.join(missing)}",
+                      hint=f"an openb CSV has the header {','.join(required)}")
+    return rows
+
+
+def _int(path, row, column):
+    try:
+        return int(float(row[column] or 0))
+    except ValueError:
+        raise BadFile(f"{path}: {column}={row[column]!r} in {row.get('name') or row.get('sn')} is not a number",
+                      hint="the openb CSV columns hold integers") from None
+
+
+def read_nodes(path):
+    """The openb node CSV: sn, cpu_milli, memory_mib, gpu, model."""
+    rows = _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model"))
+    return [Node(r["sn"], _int(path, r, "cpu_milli"), _int(path, r, "memory_mib"), _int(path, r, "gpu"),
+                 r["model"] or "") for r in rows]
+
+
+def read_pods(path):
+    """Pods from an openb pod CSV, or from `kubectl get pods -o json` (a .json file or one
+    that starts with `{`)."""
+    try:
+        with open(path) as f:
+            head = f.read(1)
+    except OSError as e:
+        raise BadFile(f"{path}: {e.strerror}", hint="give the path of an openb pod CSV or kubectl JSON") from None
+    if head == "{" or str(path).endswith(".json"):
+        return read_k8s_pods(path)
+    rows = _rows(path, ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"))
+    pods = []
+    for r in rows:
+        num_gpu, milli = _int(path, r, "num_gpu"), _int(path, r, "gpu_milli")
+        if num_gpu and not 0 < milli <= MILLI:
+            raise BadFile(f"{path}: gpu_milli={milli} in {r['name']} is not 1-1000", hint="gpu_milli is the share of one GPU")
+        spec = tuple(s for s in (r.get("gpu_spec") or "").split("|") if s)
+        pods.append(Pod(r["name"], _int(path, r, "cpu_milli"), _int(path, r, "memory_mib"), num_gpu,
+                        milli if num_gpu else 0, None, spec, float(r.get("creation_time") or 0)))
+    return pods
+
+
+def _cpu_milli(text):
+    text = str(text)
+    return int(math.ceil(float(text[:-1]))) if text.endswith("m") else int(math.ceil(float(text) * MILLI))
+
+
+def read_k8s_pods(path):
+    """`kubectl get pods -o json`: vgpu's resources (vgpu.dev/gpu-memory bytes,
+    vgpu.dev/gpu-utilization percent) or HAMi's (nvidia.com/gpu count, nvidia.com/gpumem
+    MiB, nvidia.com/gpucores percent); limits win over requests, as the device plugins read
+    them.  Pods in arrival order by metadata.creationTimestamp."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadFile(f"{path}: not JSON ({e})", hint="kubectl get pods -A -o json > pods.json") from None
+    items = doc.get("items", [doc]) if isinstance(doc, dict) else None
+    if not isinstance(items, list):
+        raise BadFile(f"{path}: no pod list", hint="kubectl get pods -A -o json > pods.json")
+    pods = []
+    for n, item in enumerate(items):
+        meta, spec = item.get("metadata", {}), item.get("spec", {})
+        name = meta.get("name") or f"pod-{n}"
+        cpu = mem = num_gpu = milli = 0
+        gmem = None
+        try:
+            for c in spec.get("containers", []):
+                res = c.get("resources", {})
+                want = {**res.get("requests", {}), **res.get("limits", {})}
+                cpu += _cpu_milli(want["cpu"]) if "cpu" in want else 0
+                mem += parse_memory(str(want["memory"])) // MIB if "memory" in want else 0
+                if "vgpu.dev/gpu-memory" in want or "vgpu.dev/gpu-utilization" in want:
+                    num_gpu = max(num_gpu, 1)
+                    if "vgpu.dev/gpu-memory" in want:
+                        gmem = (gmem or 0) + -(-parse_memory(str(want["vgpu.dev/gpu-memory"])) // MIB)
+                    milli = min(MILLI, milli + int(want.get("vgpu.dev/gpu-utilization", 100)) * 10)
+                elif "nvidia.com/gpu" in want:
+                    count = int(want["nvidia.com/gpu"])
+                    num_gpu += count
+                    share = int(want.get("nvidia.com/gpucores", 100)) * 10 if count == 1 else MILLI
+                    milli = max(milli, min(MILLI, share))
+                    if "nvidia.com/gpumem" in want:
+                        gmem = int(want["nvidia.com/gpumem"])
+        except (ValueError, TypeError) as e:
+            raise BadFile(f"{path}: pod {name}: {e}", hint="resources must be Kubernetes quantities") from None
+        if num_gpu > 1:
+            milli = MILLI   # a multi-GPU pod takes whole GPUs
+        pods.append(Pod(name, cpu, mem, num_gpu, milli if num_gpu else 0, gmem, (),
+                        meta.get("creationTimestamp") or ""))
+    order = sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))
+    pods = [pods[i] for i in order]
+    for i, p in enumerate(pods):
+        p.creation_time = float(i)
+    return pods
+
+
+# === the cluster ===
+
+class Cluster:
+    """Free CPU, memory and per-GPU SM share and memory of every node, with the two
+    summaries that make the feasibility scan cheap: the largest free share on one GPU and
+    the number of idle GPUs."""
+
+    def __init__(self, nodes, gpu_memory=None):
+        memory = {**MODEL_MEMORY_MIB, **(gpu_memory or {})}
+        self.nodes = nodes
+        self.cpu = [n.cpu_milli for n in nodes]
+        self.mem = [n.memory_mib for n in nodes]
+        self.gfree = [[MILLI] * n.gpus for n in nodes]
+        self.gmem_cap = [memory.get(n.model) for n in nodes]   # per GPU, None: unknown
+        self.gmem = [[memory.get(n.model) or 0] * n.gpus for n in nodes]
+        self.maxfree = [MILLI if n.gpus else 0 for n in nodes]
+        self.idle = [n.gpus for n in nodes]
+        self.by_model = {}
+        for i, n in enumerate(nodes):
+            self.by_model.setdefault(n.model, []).append(i)
+        self.all = list(range(len(nodes)))
+        self.capacity = sum(n.gpus for n in nodes) * MILLI
+        self.allocated = 0
+
+    def gpu_memory_of(self, pod, i):
+        """MiB of GPU memory the pod takes on each GPU of node i (None: cannot be known)."""
+        if pod.gpu_memory_mib is not None:
+            return pod.gpu_memory_mib if self.gmem_cap[i] is not None else None
+        return (self.gmem_cap[i] or 0) * pod.gpu_milli // MILLI
+
+    def candidates(self, pod):
+        """Nodes the pod fits on, in node order."""
+        nodes = self.all
+        if pod.gpu_spec:
+            nodes = [i for m in pod.gpu_spec for i in self.by_model.get(m, ())]
+            nodes.sort()
+        cpu, mem, cf, mf = pod.cpu_milli, pod.memory_mib, self.cpu, self.mem
+        if pod.num_gpu == 0:
+            return [i for i in nodes if cf[i] >= cpu and mf[i] >= mem]
+        if pod.shared:
+            g, mx = pod.gpu_milli, self.maxfree
+            found = [i for i in nodes if mx[i] >= g and cf[i] >= cpu and mf[i] >= mem]
+        else:
+            k, idle = pod.num_gpu, self.idle
+            found = [i for i in nodes if idle[i] >= k and cf[i] >= cpu and mf[i] >= mem]
+        if pod.gpu_memory_mib is not None:   # explicit memory: check it on the GPUs themselves
+            found = [i for i in found if self.fitting_gpus(pod, i)]
+        return found
+
+    def fitting_gpus(self, pod, i):
+        """GPU indices of node i that can take (one GPU's worth of) the pod."""
+        need = self.gpu_memory_of(pod, i)
+        if need is None:
+            return []
+        want = pod.gpu_milli if pod.shared else MILLI
+        return [g for g, free in enumerate(self.gfree[i]) if free >= want and self.gmem[i][g] >= need]
+
+    def place(self, pod, i, gpus):
+        self.cpu[i] -= pod.cpu_milli
+        self.mem[i] -= pod.memory_mib
+        need = self.gpu_memory_of(pod, i) or 0
+        for g in gpus:
+            self.gfree[i][g] -= pod.gpu_milli
+            self.gmem[i][g] -= need
+        self.maxfree[i] = max(self.gfree[i], default=0)
+        self.idle[i] = sum(1 for f in self.gfree[i] if f == MILLI)
+        self.allocated += pod.gpu_request
+
+
+# === policies: each picks (node, gpus) among the nodes the pod fits on ===
+
+def _first_gpus(cluster, pod, i):
+    return cluster.fitting_gpus(pod, i)[:pod.num_gpu]
+
+
+def _tightest_gpus(cluster, pod, i):
+    """A shared pod goes on the GPU with the least free share it fits (then the lowest
+    index); whole GPUs are the first idle ones."""
+    fits = cluster.fitting_gpus(pod, i)
+    if pod.shared:
+        free = cluster.gfree[i]
+        return [min(fits, key=lambda g: (free[g], g))]
+    return fits[:pod.num_gpu]
+
+
+def first_fit(cluster, pod, found, rng):
+    # node order then device order, as the DRA allocator's first fit walks them
+    i = found[0]
+    return i, _first_gpus(cluster, pod, i)
+
+
+# Best-fit as the paper's artifact scores it (hkust-adsl/kubernetes-scheduler-simulator,
+# best_fit_score.go): CPU and GPU only, weights 0.5 each, free-after-placing normalised by
+# cluster-wide constants (128 cores, 8 GPUs), the score cut to an integer 0-100, and the
+# kube-scheduler choosing at random among the nodes with the top score.
+BEST_FIT_CPU, BEST_FIT_GPU = 128000, 8 * MILLI
+
+
+def best_fit(cluster, pod, found, rng):
+    """The node left with the least CPU and GPU (see above); ties broken at random."""
+    cpu, gfree, need = cluster.cpu, cluster.gfree, pod.gpu_request
+
+    def score(i):
+        left = 0.5 * (cpu[i] - pod.cpu_milli) / BEST_FIT_CPU + 0.5 * (sum(gfree[i]) - need) / BEST_FIT_GPU
+        return int((1.0 - left) * 100)
+
+    scores = [score(i) for i in found]
+    top = max(scores)
+    i = rng.choice([i for i, s in zip(found, scores) if s == top])
+    return i, _tightest_gpus(cluster, pod, i)
+
+
+def best_fit_exact(cluster, pod, found, rng):
+    """Best-fit without the artifact's rounding: least CPU+GPU left (same weights), node
+    order breaking ties; deterministic."""
+    cpu, gfree, need = cluster.cpu, cluster.gfree, pod.gpu_request
+    i = min(found, key=lambda i: (cpu[i] - pod.cpu_milli) / BEST_FIT_CPU + (sum(gfree[i]) - need) / BEST_FIT_GPU)
+    return i, _tightest_gpus(cluster, pod, i)
+
+
+def random_fit(cluster, pod, found, rng):
+    """Any node the pod fits on, uniformly; a shared pod on any GPU it fits on."""
+    i = rng.choice(found)
+    fits = cluster.fitting_gpus(pod, i)
+    return i, ([rng.choice(fits)] if pod.shared else fits[:pod.num_gpu])
+
+
+_PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit, "best-fit-exact": best_fit_exact,
+         "random": random_fit}
+
+
+def _as_whole(pod):
+    """The pod as it is placed without sharing: whole GPUs (a share rounded up to one)."""
+    if not pod.num_gpu or pod.gpu_milli == MILLI:
+        return pod
+    whole = Pod(**pod.__dict__)
+    whole.gpu_milli = MILLI
+    return whole
+
+
+# === a run ===
+
+@dataclass
+class Run:
+    policy: str
+    cluster: Cluster
+    placed: list = field(default_factory=list)       # (pod, node index, gpus)
+    unplaced: list = field(default_factory=list)     # pods
+    checkpoints: dict = field(default_factory=dict)  # arrived % -> unallocated %
+    unplaced_at: dict = field(default_factory=dict)  # arrived % -> GPU asked by pods that did not fit, %
+    asked: int = 0                                   # GPU milli the pods asked for (as given)
+    asked_unplaced: int = 0                          # ... by the pods that did not fit
+
+
+def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_after=None):
+    """Place pods in the given order under `policy`; nothing leaves.  `checkpoints` are
+    arrived loads (percent of the cluster's GPU capacity, counting what the pods ask for)
+    at which the unallocated share is recorded; `stop_after` ends the run at that load
+    (placements after it cannot change a figure recorded before it)."""
+    if policy not in _PICK:
+        raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
+    cluster = Cluster(nodes, gpu_memory)
+    if not cluster.capacity:
+        raise InvalidRequest("the nodes have no GPUs", hint="give the openb GPU node list")
+    run = Run(policy, cluster)
+    pick, rng = _PICK[policy], random.Random(f"{seed}-policy")
+    marks = sorted(checkpoints)
+    for pod in pods:
+        run.asked += pod.gpu_request
+        placed_as = _as_whole(pod) if policy == "whole-gpu" else pod
+        found = cluster.candidates(placed_as)
+        if found:
+            i, gpus = pick(cluster, placed_as, found, rng)
+            cluster.place(placed_as, i, gpus)
+            run.placed.append((placed_as, i, gpus))
+        else:
+            run.unplaced.append(pod)
+            run.asked_unplaced += pod.gpu_request
+        arrived = 100.0 * run.asked / cluster.capacity
+        while marks and arrived >= marks[0]:
+            run.unplaced_at[marks[0]] = 100.0 * run.asked_unplaced / cluster.capacity
+            run.checkpoints[marks.pop(0)] = 100.0 * (cluster.capacity - cluster.allocated) / cluster.capacity
+        if stop_after is not None and arrived >= stop_after:
+            break
+    return run
+
+
+def tune(pods, ratio, capacity_milli, seed):
+    """The paper's workload scaling: copies of pods drawn at random (with replacement) are
+    added, or pods drawn at random are dropped, until what the pods ask for reaches
+    `ratio` of the cluster's GPU capacity.  A copy arrives with its original."""
+    rng = random.Random(f"{seed}-workload")
+    target = ratio * capacity_milli
+    total = sum(p.gpu_request for p in pods)
+    out = list(pods)
+    if total < target:
+        n = 0
+        while total < target:
+            p = rng.choice(pods)
+            copy = Pod(**p.__dict__)
+            copy.name = f"{p.name}-copy{n}"
+            n += 1
+            out.append(copy)
+            total += p.gpu_request
+        out.sort(key=lambda p: p.creation_time)   # stable: a copy follows its original
+    else:
+        keep = set(range(len(out)))
+        for j in rng.sample(range(len(out)), len(out)):
+            if total - out[j].gpu_request < target:
+                continue
+            keep.discard(j)
+            total -= out[j].gpu_request
+            if total <= target:
+                break
+        out = [p for j, p in enumerate(out) if j in keep]
+    return out
+
+
+def order(pods, how, seed):
+    """'arrival': creation_time order (the README's protocol); 'shuffle': a random order per
+    seed (the paper's artifact runs with --shuffle-pod=true)."""
+    if how == "arrival":
+        return sorted(pods, key=lambda p: p.creation_time)
+    if how == "shuffle":
+        out = list(pods)
+        random.Random(f"{seed}-order").shuffle(out)
+        return out
+    raise InvalidRequest(f"unknown order {how!r}", hint="arrival or shuffle")
+
+
+def paper_protocol(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle", at=100.0, gpu_memory=None,
+                   metric="unallocated"):
+    """Unallocated GPU share (percent of capacity) at `at`% arrived load, one per seed; with
+    metric="unplaced", the GPU asked by pods that did not fit by then (percent of capacity):
+    the two agree when pods take what they ask, not under whole-gpu, which rounds up."""
+    capacity = sum(n.gpus for n in nodes) * MILLI
+    out = []
+    for seed in seeds:
+        workload = order(tune(pods, ratio, capacity, seed), how, seed)
+        run = simulate(workload, nodes, policy, seed, gpu_memory, checkpoints=(at,), stop_after=at)
+        if at not in run.checkpoints:
+            raise InvalidRequest(f"the workload never reaches {at}% of the cluster's GPUs",
+                                 hint="scale it with a larger ratio")
+        out.append(run.checkpoints[at] if metric == "unallocated" else run.unplaced_at[at])
+    return out
+
+
+# === the report ===
+
+def report(run):
+    """What a run used, per GPU model and in all: GPUs used (any share allocated), the
+    unallocated share of GPU capacity, SM and memory occupancy of the GPUs used, and the
+    pods that did not fit."""
+    c = run.cluster
+    models = {}
+    for i, n in enumerate(c.nodes):
+        m = models.setdefault(n.model, {"nodes": 0, "gpus": 0, "gpus_used": 0, "sm_allocated": 0,
+                                        "memory_mib": 0, "memory_allocated_mib": 0, "memory_known": True})
+        m["nodes"] += 1
+        m["gpus"] += n.gpus
+        for g, free in enumerate(c.gfree[i]):
+            if free < MILLI:
+                m["gpus_used"] += 1
+                m["sm_allocated"] += MILLI - free
+                if c.gmem_cap[i] is None:
+                    m["memory_known"] = False
+                else:
+                    m["memory_mib"] += c.gmem_cap[i]
+                    m["memory_allocated_mib"] += c.gmem_cap[i] - c.gmem[i][g]
+
+    def summary(m):
+        used = m["gpus_used"]
+        return {
+            "nodes": m["nodes"], "gpus": m["gpus"], "gpus_used": used,
+            "unallocated_pct": round(100.0 * (m["gpus"] * MILLI - m["sm_allocated"]) / (m["gpus"] * MILLI), 2)
+            if m["gpus"] else None,
+            "sm_occupancy_pct": round(100.0 * m["sm_allocated"] / (used * MILLI), 2) if used else None,
+            "memory_occupancy_pct": round(100.0 * m["memory_allocated_mib"] / m["memory_mib"], 2)
+            if used and m["memory_known"] and m["memory_mib"] else None,
+        }
+
+    total = {k: sum(m[k] for m in models.values()) for k in ("nodes", "gpus", "gpus_used", "sm_allocated",
+                                                              "memory_mib", "memory_allocated_mib")}
+    total["memory_known"] = all(m["memory_known"] for m in models.values())
+    kinds = {"cpu_only": 0, "shared": 0, "whole": 0}
+    for p in run.unplaced:
+        kinds["cpu_only" if not p.num_gpu else "shared" if p.shared else "whole"] += 1
+    return {
+        "policy": run.policy,
+        "pods": len(run.placed) + len(run.unplaced),
+        "pods_placed": len(run.placed),
+        "pods_unplaced": len(run.unplaced),
+        "unplaced_by_kind": kinds,
+        "unplaced": [p.name for p in run.unplaced],
+        "gpu_asked": round(run.asked / MILLI, 3),
+        "gpu_allocated": round(c.allocated / MILLI, 3),
+        **summary(total),
+        "models": {name: summary(m) for name, m in sorted(models.items())},
+    }
+
+
+def mean_std(values):
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)

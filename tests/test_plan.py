@@ -1,0 +1,206 @@
+"""vgpu.plan and `vgpu-ctl plan` on hand-made traces whose answers are worked out by hand."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vgpu import plan
+from vgpu.errors import BadFile, InvalidRequest
+
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+
+# a few lines of the real files' format (openb, cluster-trace-gpu-v2023)
+NODES_CSV = """sn,cpu_milli,memory_mib,gpu,model
+openb-node-0000,64000,262144,2,P100
+openb-node-0001,8000,32768,1,V100M16
+openb-node-0002,96000,393216,8,G2
+"""
+PODS_CSV = """name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time
+openb-pod-0001,6000,12288,1,460,,LS,Running,427061,12902960,427061
+openb-pod-0000,12000,16384,1,1000,,LS,Running,0,12537496,0
+openb-pod-0002,4000,8192,0,0,,BE,Running,500000,900000,500000
+openb-pod-0003,88000,327680,8,1000,V100M16|V100M32,LS,Running,600000,700000,600000
+"""
+
+
+def node(name, gpus=2, model="T4", cpu=8000, mem=32768):
+    return plan.Node(name, cpu, mem, gpus, model)
+
+
+def pod(name, milli=1000, num_gpu=1, cpu=1000, mem=1024, **kw):
+    return plan.Pod(name, cpu, mem, num_gpu, milli if num_gpu else 0, **kw)
+
+
+def where(run):
+    return {p.name: (run.cluster.nodes[i].name, gpus) for p, i, gpus in run.placed}
+
+
+def test_four_half_gpu_pods_take_two_shared_gpus_or_four_whole_ones():
+    nodes = [node("a"), node("b")]
+    pods = [pod(f"p{k}", 500) for k in range(4)]
+    shared = plan.simulate(pods, nodes, "first-fit")
+    assert where(shared) == {"p0": ("a", [0]), "p1": ("a", [0]), "p2": ("a", [1]), "p3": ("a", [1])}
+    whole = plan.simulate(pods, nodes, "whole-gpu")
+    assert plan.report(shared)["gpus_used"] == 2 and plan.report(whole)["gpus_used"] == 4
+    r = plan.report(shared)
+    assert r["unallocated_pct"] == 50.0 and r["sm_occupancy_pct"] == 100.0
+    assert r["memory_occupancy_pct"] == 100.0   # derived memory: half of a T4's 16 GiB each
+    assert plan.report(whole)["unallocated_pct"] == 0.0 and plan.report(whole)["gpu_asked"] == 2.0
+
+
+def test_best_fit_takes_the_tightest_gpu_first_fit_the_first():
+    nodes = [node("a")]
+    pods = [pod("half", 500), pod("big", 800), pod("small", 200)]
+    assert where(plan.simulate(pods, nodes, "first-fit"))["small"] == ("a", [0])   # GPU 0 has 500 free
+    for policy in ("best-fit", "best-fit-exact"):
+        assert where(plan.simulate(pods, nodes, policy))["small"] == ("a", [1])   # GPU 1 has 200 free
+
+
+def test_best_fit_packs_onto_the_node_already_in_use():
+    nodes = [node("a", gpus=1), node("b", gpus=1), node("c", gpus=1)]
+    for seed in range(5):
+        run = plan.simulate([pod("p1", 400), pod("p2", 500)], nodes, "best-fit", seed=seed)
+        assert where(run)["p1"] == where(run)["p2"]
+
+
+def test_random_spreads_and_is_reproducible_per_seed():
+    nodes = [node(f"n{k}", gpus=1) for k in range(8)]
+    pods = [pod(f"p{k}", 100) for k in range(8)]
+    runs = [where(plan.simulate(pods, nodes, "random", seed=s)) for s in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len({n for n, _ in runs[0].values()}) > 1
+
+
+def test_pods_that_do_not_fit_are_reported_by_kind():
+    nodes = [node("a", gpus=1, cpu=4000)]
+    pods = [pod("fits", 600), pod("no-share-left", 600), pod("two-gpus", num_gpu=2),
+            pod("too-much-cpu", 100, cpu=5000), pod("cpu-only", num_gpu=0, cpu=3000),
+            pod("cpu-only-too-big", num_gpu=0, cpu=3500)]
+    r = plan.report(plan.simulate(pods, nodes, "first-fit"))
+    assert r["unplaced"] == ["no-share-left", "two-gpus", "too-much-cpu", "cpu-only-too-big"]
+    assert r["unplaced_by_kind"] == {"cpu_only": 1, "shared": 2, "whole": 1}
+    assert r["pods_placed"] == 2
+
+
+def test_gpu_spec_and_explicit_memory_constrain_placement():
+    nodes = [node("t4", gpus=1, model="T4"), node("v100", gpus=1, model="V100M32"), node("g2", gpus=1, model="G2")]
+    run = plan.simulate([pod("pinned", 300, gpu_spec=("V100M32",))], nodes, "first-fit")
+    assert where(run) == {"pinned": ("v100", [0])}
+    # 12 GiB each: one on a 16 GiB T4, two on a 32 GiB V100, none on G2 (memory undisclosed)
+    pods = [pod(f"m{k}", 300, gpu_memory_mib=12288) for k in range(4)]
+    run = plan.simulate(pods, nodes, "first-fit")
+    assert where(run) == {"m0": ("t4", [0]), "m1": ("v100", [0]), "m2": ("v100", [0])}
+    assert [p.name for p in run.unplaced] == ["m3"]
+    run = plan.simulate(pods, nodes, "first-fit", gpu_memory={"G2": 16384})
+    assert where(run)["m3"] == ("g2", [0])
+
+
+def test_openb_csv_readers(tmp_path):
+    (tmp_path / "n.csv").write_text(NODES_CSV)
+    (tmp_path / "p.csv").write_text(PODS_CSV)
+    nodes = plan.read_nodes(tmp_path / "n.csv")
+    assert [(n.name, n.cpu_milli, n.memory_mib, n.gpus, n.model) for n in nodes] == [
+        ("openb-node-0000", 64000, 262144, 2, "P100"), ("openb-node-0001", 8000, 32768, 1, "V100M16"),
+        ("openb-node-0002", 96000, 393216, 8, "G2")]
+    pods = plan.read_pods(tmp_path / "p.csv")
+    assert pods[0] == plan.Pod("openb-pod-0001", 6000, 12288, 1, 460, None, (), 427061.0)
+    assert pods[2].num_gpu == 0 and pods[2].gpu_request == 0
+    assert pods[3].gpu_spec == ("V100M16", "V100M32") and pods[3].gpu_request == 8000
+    # arrival order is creation_time, whatever the file's order
+    assert [p.name for p in plan.order(pods, "arrival", 0)][:2] == ["openb-pod-0000", "openb-pod-0001"]
+
+
+def test_csv_errors_are_one_line_with_a_hint(tmp_path):
+    (tmp_path / "bad.csv").write_text("sn,cpu_milli\nx,1\n")
+    with pytest.raises(BadFile, match="no column memory_mib, gpu, model") as e:
+        plan.read_nodes(tmp_path / "bad.csv")
+    assert "sn,cpu_milli,memory_mib,gpu,model" in e.value.hint
+    with pytest.raises(BadFile, match="No such file"):
+        plan.read_pods(tmp_path / "missing.csv")
+    with pytest.raises(InvalidRequest, match="unknown policy"):
+        plan.simulate([], [node("a")], "worst-fit")
+
+
+def test_kubectl_json_reader(tmp_path):
+    def item(name, t, limits, requests=None):
+        return {"metadata": {"name": name, "creationTimestamp": t},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": limits, "requests": requests or {}}}]}}
+    doc = {"kind": "List", "items": [
+        item("hami", "2026-01-01T00:00:02Z", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000",
+                                              "nvidia.com/gpucores": "30"}, {"cpu": "500m", "memory": "1Gi"}),
+        item("vgpu", "2026-01-01T00:00:01Z", {"vgpu.dev/gpu-memory": "4Gi", "vgpu.dev/gpu-utilization": "50"},
+             {"cpu": "2"}),
+        item("two", "2026-01-01T00:00:03Z", {"nvidia.com/gpu": "2"}),
+        item("cpu", "2026-01-01T00:00:04Z", {"cpu": "1", "memory": "512Mi"}),
+    ]}
+    (tmp_path / "pods.json").write_text(json.dumps(doc))
+    pods = plan.read_pods(tmp_path / "pods.json")
+    assert [(p.name, p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_milli, p.gpu_memory_mib) for p in pods] == [
+        ("vgpu", 2000, 0, 1, 500, 4096), ("hami", 500, 1024, 1, 300, 3000),
+        ("two", 0, 0, 2, 1000, None), ("cpu", 1000, 512, 0, 0, None)]
+
+
+def test_tune_scales_the_workload_to_the_ratio():
+    pods = [pod(f"p{k}", 500, creation_time=float(k)) for k in range(10)]   # asks 5 GPUs
+    up = plan.tune(pods, 1.3, 10 * 1000, seed=3)                          # to 13 GPUs
+    assert sum(p.gpu_request for p in up) == 13000 and len(up) == 26
+    assert [p.creation_time for p in up] == sorted(p.creation_time for p in up)
+    down = plan.tune(pods, 1.3, 2 * 1000, seed=3)                          # to 2.6 GPUs
+    assert sum(p.gpu_request for p in down) == 3000 and len(down) == 6    # the first total >= 2.6
+    assert plan.tune(pods, 1.3, 10 * 1000, seed=3) == up                   # seeded
+
+
+def test_unallocated_is_recorded_when_arrived_load_reaches_the_checkpoint():
+    nodes = [node("a", gpus=1), node("b", gpus=1)]
+    # arrived 30%, 60%, 90%, 100%: x and y take a GPU each, z fits neither, w joins x;
+    # at 50% arrived (after y) 1.2 of 2 GPUs are allocated, at 100% (after w) 1.4
+    pods = [pod("x", 600), pod("y", 600), pod("z", 600), pod("w", 200)]
+    run = plan.simulate(pods, nodes, "first-fit", checkpoints=(50, 100))
+    assert run.checkpoints == {50: pytest.approx(40.0), 100: pytest.approx(30.0)}
+    assert run.unplaced_at == {50: 0.0, 100: pytest.approx(30.0)}   # z asked 0.6 of 2 GPUs
+    # without sharing, x and y take both GPUs whole and z and w are turned away
+    whole = plan.simulate(pods, nodes, "whole-gpu", checkpoints=(100,))
+    assert whole.checkpoints == {100: 0.0} and whole.unplaced_at == {100: pytest.approx(40.0)}
+    assert [p.name for p in run.unplaced] == ["z"]
+
+
+def _ctl(*args):
+    return subprocess.run([CTL, "plan", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_through_vgpu_ctl(tmp_path):
+    (tmp_path / "n.csv").write_text(NODES_CSV)
+    (tmp_path / "p.csv").write_text(PODS_CSV)
+    out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json")
+    assert out.returncode == 0, out.stderr
+    got = {r["policy"]: r for r in json.loads(out.stdout)["policies"]}
+    assert list(got) == ["whole-gpu", "first-fit", "best-fit", "random"]
+    ff = got["first-fit"]
+    # the 8-GPU pod wants V100s: the only one has 1 GPU; the 1.0 and 0.46 pods share nothing
+    assert ff["unplaced"] == ["openb-pod-0003"] and ff["gpus"] == 11 and ff["gpu_asked"] == 9.46
+    assert ff["models"]["P100"]["gpus_used"] == 2 and ff["models"]["P100"]["sm_occupancy_pct"] == 73.0
+    text = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--policy", "first-fit")
+    assert "first-fit       P100           2     2    27.0%   73.0%    73.0%" in text.stdout
+    assert "3 of 4 pods placed; did not fit: 1 (shared 0, whole-GPU 1, CPU-only 0)" in text.stdout
+
+
+def test_cli_paper_protocol_json(tmp_path):
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,96000,393216,8,G2\n")
+    (tmp_path / "p.csv").write_text(PODS_CSV)
+    out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--paper", "--seeds", "3",
+               "--policy", "random", "--json")
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)["policies"][0]
+    assert row["policy"] == "random" and len(row["per_seed"]) == 3 and row["paper_pct"] == 13.7
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    (tmp_path / "n.csv").write_text(NODES_CSV)
+    out = _ctl("--pods", str(tmp_path / "nope.csv"), "--nodes", str(tmp_path / "n.csv"))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "hint:" in out.stderr
+    out = _ctl("--pods", str(tmp_path / "n.csv"), "--nodes", str(tmp_path / "n.csv"), "--policy", "worst-fit")
+    assert out.returncode != 0 and "unknown policy 'worst-fit'; hint: one of" in out.stderr
+    out = _ctl("--pods", str(tmp_path / "n.csv"), "--nodes", str(tmp_path / "n.csv"), "--gpu-memory", "G2")
+    assert out.returncode == 2 and "is not MODEL=SIZE" in out.stderr and out.stderr.count("\n") == 1
