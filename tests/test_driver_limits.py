@@ -36,6 +36,15 @@ except n.NVMLError:   # none set, or no such cgroup (yet)
 """
 
 
+METRICS = """
+from prometheus_client import CollectorRegistry, generate_latest
+from vgpu.metrics import NodeCollector
+registry = CollectorRegistry()
+registry.register(NodeCollector())
+print(generate_latest(registry).decode())
+"""
+
+
 def env_for(tmp_path, **extra):
     return make_sim_env(tmp_path / "node", VGPU_DIR=str(tmp_path / "vgpu"), **extra)
 
@@ -96,6 +105,8 @@ def test_a_process_that_bypasses_the_shim_is_held_by_the_driver_and_resize_and_d
     [c] = status["containers"]
     assert c["memory_layer"] == {"layer": "driver+shim", "why": None}
     assert "memory capped by the driver too: train" in ctl(env, "status").stdout
+    scraped = run_python(METRICS, env).stdout
+    assert 'vgpu_memory_layer_info{container="train",layer="driver+shim"} 1.0' in scraped, scraped
     ctl(env, "resize", "train", "--memory", "1Gi")         # grows with it, process running
     assert driver_limit(env, "train")[1] == GiB
     assert raw.alloc(512 * MiB) == 0

@@ -102,7 +102,7 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
         assert name.startswith("vgpu_") and f.documentation
         if f.type == "counter":
             assert all(s.name.endswith("_total") for s in f.samples), name
-        if "memory" in name and f.type == "gauge" and not name.endswith("containers"):
+        if "memory" in name and f.type == "gauge" and not name.endswith(("containers", "_info")):
             assert name.endswith("_bytes"), name
         if name.startswith(("vgpu_sm_", "vgpu_device_sm", "vgpu_device_util")) and f.type == "gauge" and \
                 not name.endswith("_info"):

@@ -53,7 +53,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import board, nvml, podlabels, procfs, slices
+from . import board, driverlimits, nvml, podlabels, procfs, slices
 from .slices.reader import NodeReader
 from .agent.model import record_place
 from .agent.observe import Observer
@@ -195,6 +195,9 @@ class NodeCollector:
         procs = GaugeMetricFamily("vgpu_processes", "Live processes of the container.", labels=["container"])
         modes = GaugeMetricFamily("vgpu_sm_mode_info", "The container's SM mode (burst or ceiling): 1.",
                                   labels=["container", "mode"])
+        layers = GaugeMetricFamily("vgpu_memory_layer_info", "Who holds the container's memory cap: 1 for "
+                                   "driver+shim (the driver's per-cgroup limit too) or shim.",
+                                   labels=["container", "layer"])
         on_board = board.read(self.directory)
         per_dev = {}
         util_cache = {}
@@ -219,6 +222,9 @@ class NodeCollector:
             alive = [p for p in usage.procs if p.alive] if usage else []
             procs.add_metric([name], len(alive))
             modes.add_metric([name, v.quota.sm_mode], 1)
+            caps = {d: hard for d, (_, hard) in driverlimits.for_quota(v.quota).items()}
+            layer = driverlimits.layer(name, caps, record is not None)[0] if ok else "shim"
+            layers.add_metric([name, layer], 1)
             entries = on_board.get(board.slice_key(name), [])
             hosts = None
             for d, q in v.held:
@@ -267,7 +273,7 @@ class NodeCollector:
                     g["sm_used_ratio"].add_metric(lab, used)
         self._prev = {k: p for k, p in self._prev.items() if k[0] in views}
 
-        out = [*g.values(), *c.values(), resizes, procs, modes]
+        out = [*g.values(), *c.values(), resizes, procs, modes, layers]
         dev = {name: GaugeMetricFamily(f"vgpu_device_{name}", doc, labels=["device"]) for name, doc in (
             ("memory_quota_bytes", "Sum of the memory caps handed out on the device."),
             ("memory_guaranteed_bytes", "Sum of the memory requests (guarantees) on the device."),
