@@ -202,3 +202,26 @@ def test_a_shimmed_and_an_unshimmed_process_in_one_cgroup_never_exceed_the_cap_t
     assert out.split() == ["done", "done"], err
     assert samples > 100                                    # a sample every millisecond or so (fewer under load)
     assert 0 < peak <= 256 * MiB, peak
+
+
+def test_the_cgroup_a_killed_run_left_is_removed_by_reap_once_its_slice_is_gone(tmp_path):
+    env = env_for(tmp_path)
+    ctl(env, "create", "kept", "--memory", "512Mi")
+    parent = ROOT / "vgpu"
+    parent.mkdir(exist_ok=True)
+    left, kept, young = parent / f"run-{os.getpid()}-gone", parent / "kept", parent / f"run-{os.getpid()}-new"
+    for path in (left, kept, young):
+        path.mkdir(exist_ok=True)
+    try:
+        old = time.time() - 3600
+        os.utime(left, (old, old))
+        os.utime(kept, (old, old))
+        ctl(env, "reap")
+        assert not left.exists()               # its slice is gone: removed
+        assert young.exists()                  # one made a moment ago stays (its run may be joining it)
+        # (`kept` is not asserted: other tests' reaps, on other node directories, may take
+        # an empty one, as they would on a host with two node directories: harmless)
+    finally:
+        for path in (left, kept, young):
+            if path.exists():
+                path.rmdir()

@@ -73,6 +73,30 @@ def remove_cgroup(path):
         pass
 
 
+def tidy(directory, grace=60.0):
+    """Remove run cgroups that a killed `vgpu-ctl run` left: those under SLICE_PARENT whose
+    slice is gone from `directory` and that are older than `grace` seconds (so a run of
+    another node directory, between making its cgroup and its command joining it, is never
+    touched).  rmdir succeeds only once no process is left in one; the driver forgets a
+    removed cgroup's limits."""
+    import time
+    from . import slices
+    root = cgroup2_root()
+    parent = root / SLICE_PARENT if root else None
+    if parent is None or not parent.is_dir():
+        return
+    try:
+        names = set(slices.list_names(directory))
+    except slices.VgpuError:
+        return
+    for path in parent.iterdir():
+        try:
+            if path.is_dir() and path.name not in names and time.time() - path.stat().st_mtime > grace:
+                remove_cgroup(path)
+        except OSError:
+            continue
+
+
 def join_cgroup(path):
     """Move the calling process into cgroup `path` (a child calls it before exec)."""
     with open(os.path.join(path, "cgroup.procs"), "w") as f:

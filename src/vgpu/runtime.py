@@ -21,6 +21,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 
 CONTAINER_DIR = "/run/vgpu"
 CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
@@ -186,7 +187,12 @@ def run_child(argv, env, cgroup=None) -> int:
     (same process group), so vgpu-ctl only waits for it to end.  cgroup: a cgroup v2
     directory the child joins before it runs anything (driverlimits.join_cgroup)."""
     from .driverlimits import join_cgroup
-    proc = subprocess.Popen(argv, env=env, preexec_fn=(lambda: join_cgroup(cgroup)) if cgroup else None)
+    try:
+        proc = subprocess.Popen(argv, env=env, preexec_fn=(lambda: join_cgroup(cgroup)) if cgroup else None)
+    except subprocess.SubprocessError:   # the cgroup could not be joined: the shim alone holds it
+        print(f"warning: {argv[0]}: not in its slice's cgroup {cgroup}: memory held by the shim alone",
+              file=sys.stderr)
+        proc = subprocess.Popen(argv, env=env)
     forwarded = {signal.SIGTERM: None, signal.SIGHUP: None, signal.SIGINT: None}
     try:
         for sig in forwarded:

@@ -6,7 +6,7 @@ import signal
 import threading
 import time
 
-from .. import procfs, slices
+from .. import driverlimits, procfs, slices
 from ..quantities import format_utc
 from ..slices.reader import NodeReader
 from .act import Holder, _signal
@@ -95,6 +95,7 @@ class Agent:
         if now - self._orphans_at >= ORPHAN_S:
             self._orphans_at = now
             self._orphans(snap, now)
+            driverlimits.tidy(self.directory)   # and the cgroups killed runs left
         self.latest = snap
         self.iterations += 1
         self._write_state(now)

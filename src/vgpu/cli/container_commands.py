@@ -268,6 +268,7 @@ def _driver_layer(directory, name, mig):
     still does: failing open)."""
     if mig:   # MIG handles take no driver limits: the instance is the hardware's boundary already
         return None
+    driverlimits.tidy(directory)   # cgroups of runs killed before they could remove theirs
     try:
         return driverlimits.hold(name, slices.read_quota(directory, name))
     except driverlimits.NoDriver:   # no cap, or no driver here: nothing falls back

@@ -411,6 +411,7 @@ def reap(names, directory, as_json):
     for name in names:   # unknown names are errors, not silently nothing to reap
         slices.read_quota(directory, name)
     reaped = slices.reap(directory, list(names) or None)
+    driverlimits.tidy(directory)   # and the cgroups of killed runs
     if as_json:
         emit_json(reaped)
         return
