@@ -286,7 +286,7 @@ def driver_limit_check(tmp):
     except ImportError as e:
         return {"skipped": f"the vgpu package is not built here ({e})"}
     try:
-        path = driverlimits.make_slice_cgroup(f"gpu-check-{os.getpid()}")
+        path = driverlimits.make_slice_cgroup(tmp, f"gpu-check-{os.getpid()}")
         driverlimits.apply(path, {0: (0, 1 << 30)})
     except driverlimits.Unavailable as e:
         return {"skipped": str(e)}

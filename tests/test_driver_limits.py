@@ -15,6 +15,7 @@ import pytest
 
 from conftest import make_sim_env, run_python
 from test_simgpu_limits import ROOT
+from vgpu import driverlimits
 
 GiB, MiB = 1 << 30, 1 << 20
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")
@@ -49,9 +50,14 @@ def env_for(tmp_path, **extra):
     return make_sim_env(tmp_path / "node", VGPU_DIR=str(tmp_path / "vgpu"), **extra)
 
 
+def cgroup_of(env, name):
+    """The cgroup `vgpu-ctl run` gives slice `name` of the node directory in env."""
+    return driverlimits.slice_cgroup(env["VGPU_DIR"], name)
+
+
 def driver_limit(env, name):
     """What the driver holds slice `name`'s cgroup to: [soft, hard], or None."""
-    return json.loads(run_python(LIMITS, env, args=(str(ROOT / "vgpu" / name),)).stdout.strip().splitlines()[-1])
+    return json.loads(run_python(LIMITS, env, args=(str(cgroup_of(env, name)),)).stdout.strip().splitlines()[-1])
 
 
 class Bypass:
@@ -113,7 +119,7 @@ def test_a_process_that_bypasses_the_shim_is_held_by_the_driver_and_resize_and_d
     ctl(env, "resize", "train", "--memory", "768Mi")       # shrinks below use: nothing more fits
     assert driver_limit(env, "train")[1] == 768 * MiB and raw.alloc(64 * MiB) == OOM
     assert "held by the shim alone" not in raw.end()
-    assert not (ROOT / "vgpu" / "train").exists()          # the run's cgroup went with its command
+    assert not cgroup_of(env, "train").exists()            # the run's cgroup went with its command
 
 
 def test_a_driver_without_the_api_falls_back_to_the_shim_and_says_so(tmp_path, bypasses):
@@ -137,7 +143,7 @@ def test_a_temporary_run_clears_its_limit_and_leaves_no_cgroup(tmp_path):
                           code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     refused, cgroup = out.stdout.split()
-    assert refused == str(OOM) and cgroup.startswith("/vgpu/run")   # its own cgroup, held at the cap
+    assert refused == str(OOM) and cgroup.startswith("/vgpu/") and "/run" in cgroup   # its own, held at the cap
     assert not (ROOT / cgroup.lstrip("/")).exists()                   # gone with the run
 
 
@@ -188,7 +194,7 @@ def test_a_shimmed_and_an_unshimmed_process_in_one_cgroup_never_exceed_the_cap_t
     run = subprocess.Popen([CTL, "run", "--name", "both", "--", "sh", "-c", script], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        cgroup = ROOT / "vgpu" / "both"
+        cgroup = cgroup_of(env, "both")
         deadline = time.monotonic() + 10
         while driver_limit(env, "both") is None:            # the limit is set before the command starts
             assert time.monotonic() < deadline and run.poll() is None, run.stderr.read()
@@ -207,21 +213,17 @@ def test_a_shimmed_and_an_unshimmed_process_in_one_cgroup_never_exceed_the_cap_t
 def test_the_cgroup_a_killed_run_left_is_removed_by_reap_once_its_slice_is_gone(tmp_path):
     env = env_for(tmp_path)
     ctl(env, "create", "kept", "--memory", "512Mi")
-    parent = ROOT / "vgpu"
-    parent.mkdir(exist_ok=True)
-    left, kept, young = parent / f"run-{os.getpid()}-gone", parent / "kept", parent / f"run-{os.getpid()}-new"
+    left, kept, young = cgroup_of(env, "run-gone"), cgroup_of(env, "kept"), cgroup_of(env, "run-new")
     for path in (left, kept, young):
-        path.mkdir(exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     try:
         old = time.time() - 3600
         os.utime(left, (old, old))
         os.utime(kept, (old, old))
         ctl(env, "reap")
-        assert not left.exists()               # its slice is gone: removed
-        assert young.exists()                  # one made a moment ago stays (its run may be joining it)
-        # (`kept` is not asserted: other tests' reaps, on other node directories, may take
-        # an empty one, as they would on a host with two node directories: harmless)
+        assert not left.exists()                    # its slice is gone: removed
+        assert kept.exists() and young.exists()     # a slice that exists; one made a moment ago
     finally:
-        for path in (left, kept, young):
+        for path in (left, kept, young, left.parent):
             if path.exists():
                 path.rmdir()

@@ -13,7 +13,8 @@ slice (MIG handles take none), no cgroup of its own, no permission (root only), 
 unavailable.  That is failing open to the shim alone, which still caps every program that
 goes through it; the caller logs it once per slice.
 
-`vgpu-ctl run` makes the cgroup itself: `<cgroup v2 root>/vgpu/<slice>`, with the command
+`vgpu-ctl run` makes the cgroup itself: `<cgroup v2 root>/vgpu/<node id>/<slice>` (the node
+id: a hash of the node directory's path), with the command
 in it from its first instruction (SLICE_PARENT).  Removing the cgroup clears its limits
 (the driver forgets them), and `clear` does so explicitly first.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from . import nvml
 
-SLICE_PARENT = "vgpu"          # run's cgroups: <cgroup v2 root>/vgpu/<slice name>
+SLICE_PARENT = "vgpu"          # run's cgroups: <cgroup v2 root>/vgpu/<node id>/<slice name>
 LIMIT_MAX = 0xFFFFFFFFFFFFFFFF  # NVML_DEVICE_MEMORY_LIMIT_MAX: no hard limit
 
 
@@ -47,42 +48,58 @@ def cgroup2_root():
     return None
 
 
-def slice_cgroup(name):
-    """The cgroup `vgpu-ctl run` makes for slice `name` (None without cgroup v2)."""
+def _node_parent(directory):
+    """The node directory's own cgroup parent, <root>/vgpu/<node id>: slices of two node
+    directories on one host (tests, a second vgpu-ctl setup) never share a cgroup."""
+    import hashlib
+    from . import slices
     root = cgroup2_root()
-    return root / SLICE_PARENT / name if root else None
+    if root is None:
+        return None
+    node = os.path.realpath(slices.node_dir(directory))
+    return root / SLICE_PARENT / hashlib.sha256(node.encode()).hexdigest()[:12]
 
 
-def make_slice_cgroup(name) -> Path:
+def slice_cgroup(directory, name):
+    """The cgroup `vgpu-ctl run` makes for slice `name` (None without cgroup v2)."""
+    parent = _node_parent(directory)
+    return parent / name if parent else None
+
+
+def make_slice_cgroup(directory, name) -> Path:
     """Make run's cgroup for slice `name`; Unavailable when there can be none."""
-    path = slice_cgroup(name)
+    path = slice_cgroup(directory, name)
     if path is None:
         raise Unavailable("no cgroup v2 hierarchy on this host")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise Unavailable(f"cannot make cgroup {path}: {e.strerror}") from None
-    return path
+    for attempt in (1, 2):   # (a release of this node's last cgroup may remove the parent meanwhile)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        except FileNotFoundError:
+            if attempt == 2:
+                raise Unavailable(f"cannot make cgroup {path}: its parent keeps going away") from None
+        except OSError as e:
+            raise Unavailable(f"cannot make cgroup {path}: {e.strerror}") from None
 
 
 def remove_cgroup(path):
-    """Remove a cgroup made by make_slice_cgroup (its processes gone), quietly."""
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+    """Remove a cgroup made by make_slice_cgroup (its processes gone), and its node's parent
+    once that holds no other, quietly."""
+    for p in (path, os.path.dirname(path)):
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
 
 
 def tidy(directory, grace=60.0):
-    """Remove run cgroups that a killed `vgpu-ctl run` left: those under SLICE_PARENT whose
-    slice is gone from `directory` and that are older than `grace` seconds (so a run of
-    another node directory, between making its cgroup and its command joining it, is never
-    touched).  rmdir succeeds only once no process is left in one; the driver forgets a
-    removed cgroup's limits."""
+    """Remove run cgroups that a killed `vgpu-ctl run` left: those of this node directory
+    whose slice is gone and that are older than `grace` seconds (a run between making its
+    cgroup and its command joining it is never touched).  rmdir succeeds only once no
+    process is left in one; the driver forgets a removed cgroup's limits."""
     import time
     from . import slices
-    root = cgroup2_root()
-    parent = root / SLICE_PARENT if root else None
+    parent = _node_parent(directory)
     if parent is None or not parent.is_dir():
         return
     try:
@@ -174,7 +191,7 @@ def for_quota(quota) -> dict:
             for d, q in enumerate(quota.devices) if q.held and q.memory_max not in (0, UNLIMITED)}
 
 
-def hold(name, quota, mig=False):
+def hold(directory, name, quota, mig=False):
     """Put slice `name`'s driver limits on its cgroup (made if missing): the cgroup's path,
     or Unavailable saying why not (nothing is left set)."""
     devices = for_quota(quota)
@@ -184,7 +201,7 @@ def hold(name, quota, mig=False):
         _limits_api()     # before any cgroup is made: is there a driver to ask at all?
     except nvml.NvmlUnavailable as e:
         raise NoDriver(f"NVML unavailable ({e})") from None
-    path = make_slice_cgroup(name)
+    path = make_slice_cgroup(directory, name)
     try:
         apply(path, devices, mig)
     except Unavailable:
@@ -193,10 +210,10 @@ def hold(name, quota, mig=False):
     return path
 
 
-def follow(name, quota, mig=False):
+def follow(directory, name, quota, mig=False):
     """After a resize: the cgroup of slice `name`, if it has one, takes the new quota;
     None, or why the driver could not (the shim holds the new quota either way)."""
-    path = slice_cgroup(name)
+    path = slice_cgroup(directory, name)
     if path is None or not path.is_dir():
         return None
     devices = for_quota(quota)
@@ -208,20 +225,20 @@ def follow(name, quota, mig=False):
     return None
 
 
-def release(name, quota):
+def release(directory, name, quota):
     """Take slice `name`'s driver limits off and remove its cgroup (if no process is left in it)."""
-    path = slice_cgroup(name)
+    path = slice_cgroup(directory, name)
     if path is not None and path.is_dir():
         clear(path, quota.held() if quota else [])
         remove_cgroup(path)
 
 
-def layer(name, held: dict, mig=False):
+def layer(directory, name, held: dict, mig=False):
     """("driver+shim", None) when slice `name`'s cgroup carries its hard limit on every
     device it holds ({NVML index: hard}), else ("shim", why not the driver)."""
     if mig:
         return "shim", "MIG slice: MIG handles take no driver limits"
-    path = slice_cgroup(name)
+    path = slice_cgroup(directory, name)
     if path is None or not path.is_dir():
         return "shim", "no cgroup of its own"
     for index, hard in held.items():

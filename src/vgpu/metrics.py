@@ -223,7 +223,7 @@ class NodeCollector:
             procs.add_metric([name], len(alive))
             modes.add_metric([name, v.quota.sm_mode], 1)
             caps = {d: hard for d, (_, hard) in driverlimits.for_quota(v.quota).items()}
-            layer = driverlimits.layer(name, caps, record is not None)[0] if ok else "shim"
+            layer = driverlimits.layer(self.directory, name, caps, record is not None)[0] if ok else "shim"
             layers.add_metric([name, layer], 1)
             entries = on_board.get(board.slice_key(name), [])
             hosts = None

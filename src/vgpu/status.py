@@ -74,7 +74,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             entry["mig"] = mig
         entry["sm_mode"] = quota.sm_mode
         caps = {d: hard for d, (_, hard) in driverlimits.for_quota(quota).items()}
-        layer, why = driverlimits.layer(cname, caps, mig is not None) if ok else ("shim", "NVML unavailable")
+        layer, why = driverlimits.layer(directory, cname, caps, mig is not None) if ok else ("shim", "NVML unavailable")
         entry["memory_layer"] = {"layer": layer, "why": why}   # who holds its memory cap (driverlimits.py)
         on_board = shares.get(board.slice_key(cname), [])
         hosts = procfs.host_pids(usage) if usage else {}

@@ -250,7 +250,7 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
             rc = 126
     finally:
         if cgroup is not None:   # its limits go with it (the driver forgets a removed cgroup's)
-            driverlimits.release(name, slices.read_quota(directory, name) if name in slices.list_names(directory)
+            driverlimits.release(directory, name, slices.read_quota(directory, name) if name in slices.list_names(directory)
                                  else None)
         if temporary:
             try:
@@ -270,7 +270,7 @@ def _driver_layer(directory, name, mig):
         return None
     driverlimits.tidy(directory)   # cgroups of runs killed before they could remove theirs
     try:
-        return driverlimits.hold(name, slices.read_quota(directory, name))
+        return driverlimits.hold(directory, name, slices.read_quota(directory, name))
     except driverlimits.NoDriver:   # no cap, or no driver here: nothing falls back
         return None
     except driverlimits.Unavailable as e:

@@ -167,7 +167,7 @@ def delete(name, force, disable_mig, directory, as_json):
         raise UsageFailure(f"--disable-mig is for MIG slices, and {name} is a software slice; hint: leave it out")
     quota = slices.read_quota(directory, name)
     result = slices.delete(directory, name, force=force)
-    driverlimits.release(name, quota)   # the driver's limit on its cgroup goes too
+    driverlimits.release(directory, name, quota)   # the driver's limit on its cgroup goes too
     if result["live_processes"]:
         print_warning(f"{name} still had {len(result['live_processes'])} live process(es); they keep their last limits")
     if as_json:
@@ -275,7 +275,7 @@ def resize(name, memory, sm, request, limit, sm_request, sm_limit, sm_mode, over
     result = slices.resize(directory, name, devices=device or None, memory=memory, sm=sm, request=request,
                            limit=limit, sm_request=sm_request, sm_limit=sm_limit, overcommit=overcommit,
                            capacity=capacity, sm_mode=sm_mode)
-    why = driverlimits.follow(name, slices.read_quota(directory, name), slices.has_mig(directory, name))
+    why = driverlimits.follow(directory, name, slices.read_quota(directory, name), slices.has_mig(directory, name))
     if why:
         result["warnings"].append(f"the driver's limit on {name}'s cgroup did not follow ({why}): the shim holds "
                                   "the new quota alone")
