@@ -90,13 +90,24 @@ static void forget(int dev, struct simgpu_mem_limit *l)
     atomic_fetch_sub(&simgpu_node()->limits_set[dev], 1);
 }
 
-/* The device's limits, those of removed cgroups dropped first (the lock is held). */
-static struct simgpu_mem_limit *limits_of(int dev)
+#define RECHECK_NS 100000000ull   /* a cgroup's directory is looked at again at most every 100 ms */
+
+/* The device's limits, those of removed cgroups dropped first (the lock is held).  The
+ * directories are not looked at on every allocation (a stat each, under the device's lock,
+ * would slow every tenant's launches): a cgroup removed is forgotten within RECHECK_NS,
+ * and at once by Set and Get (fresh). */
+static struct simgpu_mem_limit *limits_of(int dev, int fresh)
 {
     struct simgpu_mem_limit *ls = simgpu_node()->limits[dev];
-    for (int i = 0; i < SIMGPU_MAX_LIMITS; i++)
-        if (ls[i].path[0] && !same_dir(&ls[i]))
+    uint64_t now = simgpu_now_ns();
+    for (int i = 0; i < SIMGPU_MAX_LIMITS; i++) {
+        if (!ls[i].path[0] || (!fresh && now - ls[i].checked_ns < RECHECK_NS))
+            continue;
+        if (same_dir(&ls[i]))
+            ls[i].checked_ns = now;
+        else
             forget(dev, &ls[i]);
+    }
     return ls;
 }
 
@@ -139,7 +150,7 @@ int simgpu_limit_set(int dev, const char *path, uint64_t soft, uint64_t hard)
     if (geteuid() != 0)
         return NVML_ERROR_NO_PERMISSION;
     simgpu_dev_lock(dev);
-    struct simgpu_mem_limit *ls = limits_of(dev), *slot = NULL;
+    struct simgpu_mem_limit *ls = limits_of(dev, 1), *slot = NULL;
     for (int i = 0; i < SIMGPU_MAX_LIMITS && !slot; i++)
         if (!strcmp(ls[i].path, path))
             slot = &ls[i];
@@ -157,7 +168,8 @@ int simgpu_limit_set(int dev, const char *path, uint64_t soft, uint64_t hard)
         if (!slot)
             r = NVML_ERROR_UNKNOWN;   /* the table is full (a model limit, not the driver's) */
         else {
-            *slot = (struct simgpu_mem_limit){.st_dev = st.st_dev, .st_ino = st.st_ino, .soft = soft, .hard = hard};
+            *slot = (struct simgpu_mem_limit){.st_dev = st.st_dev, .st_ino = st.st_ino, .soft = soft, .hard = hard,
+                                              .checked_ns = simgpu_now_ns()};
             snprintf(slot->path, sizeof slot->path, "%s", path);
         }
     }
@@ -168,7 +180,7 @@ int simgpu_limit_set(int dev, const char *path, uint64_t soft, uint64_t hard)
 int simgpu_limit_get(int dev, const char *path, uint64_t *soft, uint64_t *hard, uint64_t *used)
 {
     simgpu_dev_lock(dev);
-    struct simgpu_mem_limit *ls = limits_of(dev);
+    struct simgpu_mem_limit *ls = limits_of(dev, 1);
     int found = -1;
     for (int i = 0; i < SIMGPU_MAX_LIMITS; i++)
         if (ls[i].path[0] && !strcmp(ls[i].path, path)) {
@@ -188,7 +200,7 @@ static uint64_t room_locked(int dev)
     if (slot < 0)
         return UINT64_MAX;
     const char *mine = simgpu_node()->procs[slot].cgroup;
-    struct simgpu_mem_limit *ls = limits_of(dev);
+    struct simgpu_mem_limit *ls = limits_of(dev, 0);
     uint64_t room = UINT64_MAX;
     for (int i = 0; i < SIMGPU_MAX_LIMITS; i++)
         if (ls[i].path[0] && within(mine, ls[i].path)) {

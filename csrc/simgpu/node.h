@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 5u                    /* 2: MIG state (mig.h); 3: shared memory; 5: cgroup limits */
+#define SIMGPU_VERSION 6u                    /* 2: MIG state (mig.h); 3: shared memory; 6: cgroup limits */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
@@ -107,6 +107,7 @@ struct simgpu_mem_limit {
     char path[SIMGPU_CGROUP_PATH];             /* "": free */
     uint64_t st_dev, st_ino;
     uint64_t soft, hard;
+    uint64_t checked_ns;                       /* when the directory was last seen (limits.c) */
 };
 
 struct simgpu_node {
