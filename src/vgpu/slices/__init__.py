@@ -87,13 +87,18 @@ def read_quota(directory, name) -> Quota:
         return _read_slice_quota(cfd, directory, name)
 
 
-def _read_slice_quota(cfd, directory, name):
+def _open_quota(cfd, directory, name, flags):
+    """(fd, shown path) of the slice's quota file; NotFound when it has none."""
     shown = os.path.join(node_dir(directory), name, QUOTA)
     try:
-        fd = _open_in(cfd, QUOTA, _RO, shown)
+        return _open_in(cfd, QUOTA, flags, shown), shown
     except FileNotFoundError:
         raise NotFound(f"container {name} has no quota file ({shown})",
                        "delete it and create it again") from None
+
+
+def _read_slice_quota(cfd, directory, name):
+    fd, shown = _open_quota(cfd, directory, name, _RO)
     with _fd(fd):
         return _read_quota_fd(fd, shown)
 
@@ -398,12 +403,7 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
         check_sm_mode(sm_mode)
     with _fd(_open_node(directory, name=name)) as node_fd, _node_lock(node_fd), \
             _fd(_open_slice(node_fd, directory, name)) as cfd:
-        shown = os.path.join(node_dir(directory), name, QUOTA)
-        try:
-            fd = _open_in(cfd, QUOTA, _RW, shown)
-        except FileNotFoundError:
-            raise NotFound(f"container {name} has no quota file ({shown})",
-                           "delete it and create it again") from None
+        fd, shown = _open_quota(cfd, directory, name, _RW)
         with _fd(fd):
             fcntl.flock(fd, fcntl.LOCK_EX)
             current = _read_quota_fd(fd, shown)
