@@ -116,9 +116,18 @@ static inline uint64_t charge_add(int dev, int slot, uint64_t bytes)
     return now;
 }
 
+/* Never below zero: a slot a neighbour rewrote lower (the file is writable in the container)
+ * would otherwise wrap to 2^64 - x as its owner frees, a charge the agent takes for forged,
+ * and the honest owner for its forger.  What went below zero is added back (an add, as
+ * every other change: concurrent ones still sum). */
+void charge_found_rewritten(int dev, int slot);
 static inline uint64_t charge_sub(int dev, int slot, uint64_t bytes)
 {
     uint64_t now = __atomic_sub_fetch(&S.usage->charge[dev][slot], bytes, __ATOMIC_SEQ_CST);
+    if (__builtin_expect(now + bytes < bytes, 0)) {   /* it held less than `bytes` */
+        now = __atomic_add_fetch(&S.usage->charge[dev][slot], bytes - (now + bytes), __ATOMIC_SEQ_CST);
+        charge_found_rewritten(dev, slot);
+    }
     __atomic_add_fetch(&S.usage->charge_seq[slot], 1, __ATOMIC_SEQ_CST);
     return now;
 }

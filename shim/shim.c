@@ -386,6 +386,15 @@ void drain_slot(int i)
     STORE(&S.usage->procs[i].pid, 0);
 }
 
+/* charge_sub found slot `slot` holding less than its process frees (internal.h): said once. */
+void charge_found_rewritten(int dev, int slot)
+{
+    static int said;
+    if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
+        ERR("usage slot %d charged less on device %d than this process frees: another process rewrote it "
+            "(counted from zero again)", slot, dev);
+}
+
 static int slot_in_use(int i)
 {
     if (LOAD(&S.usage->procs[i].pid))

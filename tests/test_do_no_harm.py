@@ -18,7 +18,7 @@ import subprocess
 import pytest
 
 from conftest import write_usage_counters
-from test_node_agent import GiB, MiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
+from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 
 ROUNDS = int(os.environ.get("VGPU_CHURN_ROUNDS", "1"))
 SECONDS = float(os.environ.get("VGPU_CHURN_SECONDS", "10"))
@@ -80,6 +80,39 @@ def test_a_negative_charge_written_into_a_free_slot_makes_no_room_and_its_writer
     kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("kind") == "forged", 5)
     assert (kill["pid"], kill["result"]) == (cheater.host_pid, "killed")
     assert honest.alive() and [e["pid"] for e in agent.events("action")] == [cheater.host_pid]
+
+
+def test_a_neighbour_whose_charge_a_cheater_zeroed_is_never_acted_on_the_cheater_that_took_the_room_is(
+        tmp_path, spawn, agents):
+    """A tenant zeroes its neighbour's charge (the usage file is writable in their container)
+    and takes the room that made.  The kernel does not say who wrote a file, and the
+    neighbour's gap arose as its charge fell while the driver's figure under it did not: it
+    is `rewritten`, not held against it.  The slice over its cap, the agent acts on who took
+    the room: the processes whose driver figure grew since the slice last fit (the cheater).
+    Before, the neighbour was the gap's offender and was killed; and freeing, its charge
+    wrapped to 2^64 - x, a `forged` slot whose lock it holds."""
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "4Gi")
+    neighbour, cheater = spawn(node_.shim_env("a")), spawn(node_.shim_env("a"))
+    assert neighbour.call(alloc=GiB) == 0 and neighbour.call(alloc=GiB) == 0 and cheater.call(alloc=GiB) == 0
+    agent = agents(node_, "--interval", "200ms", "--on-violation", "kill")
+    assert wait_until(lambda: (node_.dir / ".agent.json").exists(), 10)      # a look: all within the cap
+    usage_file = str(node_.dir / "a" / "usage")
+    assert cheater.call(hide=0, pid=neighbour.pid, usage=usage_file)["old"] == 2 * GiB
+    assert cheater.call(alloc=2 * GiB) == 0          # the room it made: 5 GiB on the device for a 4 GiB cap
+    over = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 10)
+    assert over["offenders"] == [cheater.host_pid] and over["rewritten"] == [neighbour.host_pid], over
+    kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("kind") == "over-cap", 5)
+    assert (kill["pid"], kill["result"]) == (cheater.host_pid, "killed")
+    assert neighbour.alive()
+    # the neighbour frees what its slot no longer charges: counted from zero, never wrapped
+    assert neighbour.call(free=1) == 0
+    assert [p.memory.get(0, 0) for p in node_.usage("a").procs if p.pid == neighbour.pid] == [0]
+    actions = agent.events("action")
+    assert neighbour.alive() and [e["pid"] for e in actions if "pid" in e] == [cheater.host_pid], actions
+    assert all("rewritten" in e["result"] for e in actions if "pid" not in e), actions
+    assert [v for v in agent.events("violation") if v.get("kind") == "forged"] == []
 
 
 def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_context_overhead(tmp_path, spawn):

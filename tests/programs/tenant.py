@@ -2,9 +2,11 @@
 shim in front of simgpu, or simgpu alone) and takes one JSON command per line on stdin:
 
   {"alloc": BYTES}                 cuMemAlloc; prints the CUresult
+  {"free": 1}                      cuMemFree the last allocation still held; prints the CUresult
   {"hide": BYTES, "usage": PATH}   rewrite this process's own slot charge on device 0 in its
                                    slice's usage file (as a tenant can: the file is writable
-                                   in its container); prints the old charge
+                                   in its container); prints the old charge.  With "pid": PID,
+                                   the slot of that process (a neighbour in the container)
   {"forge": BYTES, "usage": PATH} take the last slot's lock (free, as a cheater finds it) and
                                    write BYTES (mod 2^64: -3 GiB is 2^64 - 3 GiB) as its
                                    charge on device 0; prints 0
@@ -82,6 +84,10 @@ for line in sys.stdin:
         if rc == 0:
             held.append(ptr)
         say(rc)
+    elif "free" in cmd:
+        ptr = next(h for h in reversed(held) if isinstance(h, ctypes.c_uint64))
+        held.remove(ptr)
+        say(cuda.cuMemFree_v2(ptr))
     elif "hide" in cmd:
         # the layout of csrc/vgpu_region.h, as a tenant would read it from the header
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
@@ -89,7 +95,7 @@ for line in sys.stdin:
         from vgpu.slices import usage
         fd = os.open(cmd["usage"], os.O_RDWR)
         slot = next(i for i in range(slices.MAX_PROCS)
-                    if struct.unpack("<i", os.pread(fd, 4, usage.pid_offset(i)))[0] == os.getpid())
+                    if struct.unpack("<i", os.pread(fd, 4, usage.pid_offset(i)))[0] == cmd.get("pid", os.getpid()))
         old = struct.unpack("<Q", os.pread(fd, 8, usage.charge_offset(0, slot)))[0]
         os.pwrite(fd, struct.pack("<Q", cmd["hide"]), usage.charge_offset(0, slot))
         os.close(fd)

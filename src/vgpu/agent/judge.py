@@ -73,6 +73,43 @@ def _where(x) -> dict:
     return {"nvml_device": p.label} if p.mig is None else {"nvml_device": p.label, "mig_uuid": p.mig}
 
 
+class ChargeHistory:
+    """What a process's charge did between looks, to say whose doing its gap is.
+
+    A gap (the driver holding more under a process than its slot charges) comes about in one
+    of two ways: the driver's figure rose and the charge did not (the process allocated
+    around the shim: its own doing), or the charge fell and the driver's figure did not (its
+    slot was rewritten, by itself or by a neighbour in its container: the kernel does not
+    say who wrote a file).  `rewritten` is the part of a process's gap the second way
+    explains: charge falls the driver did not match, given back as the driver's figure
+    later falls further than the charge (a look reads the driver before the usage files: an
+    honest free between the two shows the charge fall one look before the driver's)."""
+
+    def __init__(self):
+        self._last = {}          # (host pid, device) -> (driver, charge, rewritten) at the last look
+
+    def see(self, snap):
+        """Take in every process row of a snapshot; forget processes it does not list."""
+        seen = {}
+        for p in snap.processes:
+            if p.driver is None or p.context:
+                continue
+            key = (p.host_pid, p.device)
+            driver, charge = p.driver, p.charge or 0
+            last = self._last.get(key)
+            rewritten = 0
+            if last is not None:
+                d0, c0, rewritten = last
+                fell_charge, fell_driver = max(0, c0 - charge), max(0, d0 - driver)
+                rewritten += max(0, fell_charge - fell_driver) - max(0, fell_driver - fell_charge)
+            seen[key] = (driver, charge, max(0, min(rewritten, driver - charge)))
+        self._last = seen
+
+    def rewritten(self, pid, device) -> int:
+        last = self._last.get((pid, device))
+        return last[2] if last else 0
+
+
 class Judge:
     """Conditions seen in snapshots become violations when they last: memory and
     unsliced ones for the grace period, compute ones on average over the window."""
@@ -91,6 +128,8 @@ class Judge:
         # locks (Observer.slot_lock_holders); None: none are looked for
         self.lock_holders = None
         self.unjudged = collections.Counter()   # (container, device) -> gaps left unjudged: charges moving
+        self.history = ChargeHistory()
+        self._fit = {}           # (slice, device) -> {host pid: driver figure} at its last look within its cap
 
     def conditions(self, snap: Snapshot) -> dict:
         """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
@@ -102,6 +141,9 @@ class Judge:
             del gpu[key]
             compute.pop(key, None)
         threshold = st.tolerance + st.process_overhead
+        self.history.see(snap)
+        for key in [k for k in self._fit if k not in snap.active]:
+            del self._fit[key]
         for key, sd in snap.active.items():
             forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.memory.get(sd.device, 0) >= FORGED_CHARGE]
             if forged or sd.memory_current >= 1 << 64:
@@ -129,19 +171,33 @@ class Judge:
                         else:
                             driver, current, context, own_gap = fresh
                             gap = driver - current - context
+                    over = sd.memory_max != UNLIMITED and driver > sd.memory_max + tol
                     if gap > tol:
                         detail = {"memory_driver": driver, "memory_current": current,
                                   "memory_max": None if sd.memory_max == UNLIMITED else sd.memory_max,
                                   "tolerance": tol, "gap": gap, **_where(sd)}
-                        offenders = [(p.host_pid, p) for p in sd.processes if p.attribution.certain and
-                                     own_gap.get(p.host_pid) is not None and own_gap[p.host_pid] > threshold]
+                        offenders, rewritten = [], []
+                        for p in sd.processes:
+                            own = own_gap.get(p.host_pid)
+                            if not p.attribution.certain or own is None or own <= threshold:
+                                continue
+                            if own - self.history.rewritten(p.host_pid, p.device) > threshold:
+                                offenders.append((p.host_pid, p))      # it allocated what it was not charged
+                            else:
+                                rewritten.append(p.host_pid)          # its charge was rewritten: by whom, unknown
                         gone = [p.host_pid for p in sd.processes if p.attribution.method == "held-slot" and
                                 p.gap is not None and p.gap > threshold]
                         if gone:     # above their slots' charge, but gone: nothing to act on
                             detail["gone"] = gone
+                        if rewritten:
+                            detail["rewritten"] = rewritten
                         out[("gap", key)] = (sd.name, sd.device, detail, offenders)
-                        if sd.memory_max != UNLIMITED and driver > sd.memory_max + tol:
+                        if over:
+                            if rewritten and not offenders:
+                                offenders = self._grown(key, sd, rewritten, threshold)
                             out[("over-cap", key)] = (sd.name, sd.device, detail, offenders)
+                if sd.memory_max == UNLIMITED or sd.driver <= sd.memory_max + sd.tolerance:
+                    self._fit[key] = {p.host_pid: p.driver or 0 for p in sd.processes}
             if sd.sm_nvml is None or sd.sm_max >= SHARE_FULL:
                 if key in compute:
                     del compute[key]
@@ -172,6 +228,17 @@ class Judge:
                     out[("unsliced", key)] = ("", p.device, {"host_pid": p.host_pid, "memory_driver": p.driver,
                                                              "comm": p.comm, **_where(p)}, [(p.host_pid, p)])
         return out
+
+    def _grown(self, key, sd, rewritten, threshold):
+        """A slice over its cap through rewritten charges: whoever took the room they made,
+        the processes whose driver figure grew since the slice's last look within its cap
+        (none when the agent has not seen it within its cap: nothing to compare with).  The
+        ones whose charge was rewritten are never among them."""
+        fit = self._fit.get(key)
+        if fit is None:
+            return []
+        return [(p.host_pid, p) for p in sd.processes if p.attribution.certain and p.host_pid not in rewritten
+                and p.driver is not None and p.driver - fit.get(p.host_pid, 0) > threshold]
 
     def next_due(self):
         """When a pending memory or unsliced condition is due to be looked at again (it

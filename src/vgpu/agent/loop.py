@@ -185,8 +185,10 @@ class Agent:
             self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
                      result="not killed: the process is gone (its memory is kept by a process that holds its slot)")
         if not v.offenders:
+            why = ("charges rewritten in the usage file, by a process the kernel does not name"
+                   if v.detail.get("rewritten") else "no process the agent is sure of")
             self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device,
-                     result="no process the agent is sure of: reported only")
+                     result=f"{why}: reported only")
             return
         for pid, start in v.offenders:
             if (pid, start) in self._acted:
