@@ -191,6 +191,7 @@ uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of it
 /* does NVML list memory under this process (of pid namespace pid_ns) on these devices? 1, 0, or -1:
  * it cannot say (NVML's pids are the root namespace's) */
 int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices);
+int shared_kept_by_driver(int i);   /* with S.lock held */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
 void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */
 /* before a graph launch: admit what its allocation nodes need beyond the free part of the

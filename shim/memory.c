@@ -130,6 +130,47 @@ int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices)
     return 0;
 }
 
+/* Does the driver still keep shared slot i's memory though no process of the slice holds
+ * it?  An exported POSIX descriptor keeps it on the device after every handle is released
+ * and unmapped, in whatever process it was passed to (one that never touches CUDA holds no
+ * slot).  NVML lists such memory under its exporter's pid (simgpu; what a real driver
+ * lists is not documented).  Kept: on a device it charges, NVML lists under the exporter
+ * at least its charge beyond what the slice's other slots naming the exporter charge there
+ * (its own slot, its other exports): draining it would leave the slice's charges below
+ * what the driver holds for it.  Root pid namespace only (NVML's pids); 0 elsewhere, and
+ * when NVML cannot say.  With S.lock held (not a hot path: a last release, a reap). */
+int shared_kept_by_driver(int i)
+{
+    const struct vgpu_usage_proc *p = &S.usage->procs[i];
+    int32_t exporter = (int32_t)LOAD(&p->state);
+    uint64_t ns = LOAD(&p->pid_ns);
+    if (exporter <= 0 || ns != ROOT_PID_NS_INODE)
+        return 0;
+    uint32_t used = LOAD(&S.usage->slots_used);
+    static nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];   /* (S.lock) */
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
+        uint64_t charge = LOAD(&S.usage->charge[d][i]);
+        if (!charge)
+            continue;
+        int n = nvml_rows(d, infos, sizeof infos / sizeof infos[0]);
+        uint64_t listed = 0, others = 0;
+        for (int r = 0; r < n; r++)
+            if (infos[r].pid == (unsigned int)exporter && infos[r].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE_ULL)
+                listed += infos[r].usedGpuMemory;
+        for (uint32_t j = 0; j < used && j < VGPU_MAX_PROCS; j++) {
+            const struct vgpu_usage_proc *q = &S.usage->procs[j];
+            if (j == (uint32_t)i || LOAD(&q->pid_ns) != ns)
+                continue;
+            int shared = (LOAD(&q->flags) & VGPU_PROC_SHARED) != 0;
+            if ((shared ? (int32_t)LOAD(&q->state) : LOAD(&q->pid)) == exporter)
+                others += LOAD(&S.usage->charge[d][j]);
+        }
+        if (listed > others && listed - others >= charge)
+            return 1;
+    }
+    return 0;
+}
+
 static uint64_t measure_overhead(int dev)
 {
     if (S.context_overhead_set)
@@ -440,7 +481,15 @@ static int shared_hold(uint64_t key)
     return found;
 }
 
-/* Let go of one hold; the slice's last holder drains the slot: the memory is gone. */
+static void shared_drain(int s)   /* with its lock held for writing */
+{
+    drain_slot(s);
+    STORE(&S.usage->procs[s].flags, 0);
+    STORE(&S.usage->procs[s].start_ticks, 0);
+}
+
+/* Let go of one hold; the slice's last holder drains the slot: the memory is gone (unless
+ * the driver still keeps it: shared_kept_by_driver). */
 static void shared_release(int s)
 {
     if (s < 0 || s >= VGPU_MAX_PROCS)
@@ -449,9 +498,11 @@ static void shared_release(int s)
     if (shared_holds[s] > 0 && --shared_holds[s] == 0) {
         slot_lock(S.usage_fd, s, F_UNLCK);
         if (slot_lock(S.usage_fd, s, F_WRLCK) == 0) {
-            drain_slot(s);
-            STORE(&S.usage->procs[s].flags, 0);
-            STORE(&S.usage->procs[s].start_ticks, 0);
+            if (shared_kept_by_driver(s))   /* left charged: a reaper drains it once the driver lets go */
+                INFO("memory exported through usage slot %d is still on the device (a descriptor of it open "
+                     "elsewhere): it stays charged until the driver lets it go", s);
+            else
+                shared_drain(s);
             slot_lock(S.usage_fd, s, F_UNLCK);
         }
     }

@@ -533,6 +533,8 @@ static enum owner slot_owner(int i)
  * root pid namespace) can that be asked; elsewhere the kernel's word alone decides. */
 static int slot_owner_gone(int i)
 {
+    if (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED)
+        return !shared_kept_by_driver(i);   /* no holder left (its lock is free): is the memory gone too? */
     enum owner o = slot_owner(i);
     if (o != OWNER_GONE)
         return o == OWNER_UNKNOWN;   /* (a pid that is another's now: NVML's figure under it is not the slot's) */

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import run_python
 from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
-from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, SUCCESS, Child, wait_gone
+from test_shim_memory import (FORKED, IPC_EXPORTER, IPC_IMPORTER, OUT_OF_MEMORY, PARKER, SUCCESS, VMM_PARKING, Child,
+                              wait_gone)
 from vgpu import slices
 from vgpu.slices import usage
 
@@ -288,4 +289,47 @@ def test_a_pid_reused_while_a_held_slot_names_it_is_never_held_against_the_new_p
     agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == parent, 5)
     assert wait_until(lambda: (lambda r: (r["state"], r["memory_driver"], r["memory_charged"]))(_rows(node_)[parent])
                       == ("sliced", 256 * MiB, 256 * MiB), 5)
+    _quiet(agent)
+
+
+def test_memory_a_descriptor_parked_outside_cuda_keeps_after_its_exporter_ends_is_the_slice_s(node_, agents, children,
+                                                                                              tmp_path):
+    """1 GiB exported as a POSIX descriptor to a process with no CUDA (no slot); the
+    exporter releases its handle and exits.  The driver keeps the memory for the
+    descriptor and NVML lists it under the gone exporter: the agent counts it in the slice
+    through the export's shared slot, which the reapers keep charged (no process holds it)
+    while the driver does -- the slice's figure, a shared row in status, no violation,
+    nothing killed -- and drains once the parker closes it."""
+    node_.ctl("create", "a", "--memory", "1Gi")
+    agent = agents(node_, *STRICT)
+    path = tmp_path / "sock"
+    e = children(VMM_PARKING, node_.shim_env("a"), args=(path,))
+    exporter = e.read()["pid"]
+    parker = children(PARKER, node_.env, args=(path,))
+    assert parker.read() == {"connected": True}
+    assert e.call() == {"created": [SUCCESS, OUT_OF_MEMORY, OUT_OF_MEMORY]}
+    assert e.call() == {"again": OUT_OF_MEMORY}
+    e.proc.stdin.close()
+    e.proc.wait(30)
+
+    def parked_seen():
+        s, c, d = _driver_view(node_)
+        return (d["memory_driver"] == d["memory_current"] == GiB and exporter in d["driver_processes"]) and c
+
+    c = wait_until(parked_seen, 5)
+    assert c, node_.status()
+    (sh,) = c["shared"]
+    assert (sh["exporter_pid"], sh["exporter_alive"], sh["held"], sh["memory"]) == (exporter, False, False,
+                                                                                     {"0": GiB})
+    ev = agent.wait_for(lambda x: x.get("event") == "held-slot" and x.get("pid") == exporter, 5)
+    assert (ev["container"], ev["memory_driver"], ev["memory_charged"]) == ("a", GiB, GiB)
+    assert "descriptor" in ev["note"]
+    time.sleep(1)                                  # looks go by: still nothing to judge
+    _quiet(agent)
+    assert parker.proc.poll() is None
+
+    parker.proc.stdin.close()
+    parker.proc.wait(30)
+    assert wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 5), node_.status()
+    assert node_.status()["containers"][0]["shared"] == []
     _quiet(agent)

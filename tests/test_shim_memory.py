@@ -978,6 +978,77 @@ def test_shareable_vmm_memory_stays_charged_while_an_importer_holds_it(node, spa
     assert (node.usage().current, node.referee().used) == (0, 0)
 
 
+VMM_PARKING = PRELUDE + """
+import socket
+context()
+POSIX_FD = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+prop = cu.CUmemAllocationProp()
+prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type, prop.location.id = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, 0
+prop.requestedHandleTypes = POSIX_FD
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(sys.argv[1])
+srv.listen(1)
+step({"pid": os.getpid()})
+conn, _ = srv.accept()
+
+def park():
+    res = cu.cuMemCreate(GiB, prop, 0)
+    if rc(res):
+        return rc(res)
+    fd = ok(cu.cuMemExportToShareableHandle(res[1], POSIX_FD, 0))
+    socket.send_fds(conn, [b"x"], [fd])      # to a process that never touches CUDA
+    os.close(fd)
+    ok(cu.cuMemRelease(res[1]))              # no handle, no mapping left here
+    return 0
+
+step({"created": [park() for _ in range(3)]})
+step({"again": park()})
+"""
+
+# holds every descriptor it is sent until its stdin closes; no CUDA, no shim
+PARKER = """
+import os, socket, sys, threading
+conn = socket.socket(socket.AF_UNIX)
+conn.connect(sys.argv[1])
+held = []
+threading.Thread(target=lambda: held.extend(f for _, fds, _, _ in iter(lambda: socket.recv_fds(conn, 1, 4), (b"", [], 0, None)) for f in fds), daemon=True).start()
+print('{"connected": true}', flush=True)
+sys.stdin.read()
+"""
+
+
+def test_memory_exported_to_a_descriptor_parked_outside_cuda_stays_charged_until_the_driver_lets_go(
+        node, spawn, tmp_path):
+    """An exporter passes POSIX descriptors of its memory to a process with no CUDA (and so
+    no slot) and releases every handle: the driver keeps the memory for the descriptor.
+    Before, the shim refunded it at the release, and a 1 GiB slice put 3 GiB on the device
+    (the referee's figure).  Now the export's shared slot stays charged while the driver
+    still lists its memory under the exporter: the second GiB is refused, the device holds
+    the cap, alive exporter or dead; when the parker closes them, the next reap gives it back."""
+    path = tmp_path / "sock"
+    e = spawn(node.env(limit="1Gi"), VMM_PARKING, args=(path,))
+    pid = e.read()["pid"]
+    parker = spawn(node.bare_env(), PARKER, args=(path,))
+    assert parker.read() == {"connected": True}
+    assert e.call() == {"created": [SUCCESS, OUT_OF_MEMORY, OUT_OF_MEMORY]}
+
+    def reaped():        # by a host reaper that can ask NVML (the one NVML of the node)
+        run_python(f"from vgpu import slices; slices.reap_slice({str(node.dir)!r}, 'c1')", node.bare_env())
+        return node.usage(reap=False)
+
+    usage, referee = reaped(), node.referee()
+    assert (usage.current, referee.used, referee.procs[pid]) == (GiB, GiB, GiB)
+    assert usage.procs == {pid: 0}                       # the GiB is the export's shared slot's
+    assert e.call() == {"again": OUT_OF_MEMORY}
+    e.proc.stdin.close()
+    e.proc.wait(30)                                      # the exporter gone: the parker still holds it
+    assert (reaped().current, node.referee().used) == (GiB, GiB)
+    parker.proc.stdin.close()
+    parker.proc.wait(30)
+    assert wait_for(lambda: reaped().current == 0 and node.referee().used == 0, 10)
+
+
 def test_threads_racing_the_first_call_are_accounted_exactly(node, c_program):
     """16 threads make their first driver calls (cuInit, context, cuMemAlloc) at once:
     (i + 1) x (64 MiB + 1) each, 136 units asked of a 1 GiB cap."""

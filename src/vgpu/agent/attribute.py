@@ -61,7 +61,7 @@ class Attributing:
                                candidates=tuple(names)), None
         own = [sl for _, sl in found if not sl.shared]
         note = ("gone; its slot is held by a process that inherited it (a forked child)" if own else
-                "gone; memory it exported is held by another process (an importer)")
+                "gone; memory it exported is held by another process (an importer, or a descriptor of it left open)")
         return Attribution(names[0], "held-slot", "sliced", note), own + [sl for _, sl in found if sl.shared]
 
     def _reused(self, pid, t, a, naming):

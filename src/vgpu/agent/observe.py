@@ -170,7 +170,7 @@ class Observer(DriverLook, Attributing, Evidence):
         f.same = None            # the next look reads it again
         self._ended.add(name)
         return ss, [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
-                    for r in (slices._reap_slot(f.rw, sl) for sl in ss if not sl.alive) if r]
+                    for r in (slices._reap_slot(f.rw, sl, ss) for sl in ss if not sl.alive) if r]
 
     def alive(self, pid, pid_ns, start_ticks) -> bool:
         """Is the slot's process one this observer watches, still running?  (Only for
@@ -299,8 +299,9 @@ class Observer(DriverLook, Attributing, Evidence):
             for sl in ss:
                 if not sl.alive:
                     if name not in dead:
-                        dead.append(name)
-                    continue
+                        dead.append(name)     # reaped (a parked one, once the driver lets go)
+                    if not sl.parked:
+                        continue
                 if sl.pid_ns == my_pid_ns:
                     held_pids.add(sl.exporter if sl.shared else sl.pid)
                 if sl.shared:
@@ -405,7 +406,8 @@ class Observer(DriverLook, Attributing, Evidence):
                 continue
             a, t = attribution[pid], tracked.get(pid)
             naming = [(n, sl) for n in sorted(pid_slices[pid]) for sl in slots.get(n, ())
-                      if sl.alive and sl.pid_ns == my_pid_ns and (sl.exporter if sl.shared else sl.pid) == pid]
+                      if (sl.alive or sl.parked) and sl.pid_ns == my_pid_ns and
+                      (sl.exporter if sl.shared else sl.pid) == pid]
             found = None
             if a.state in ("unknown", "unsliced"):
                 found = self._held(pid, t, naming)

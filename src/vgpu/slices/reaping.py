@@ -49,7 +49,7 @@ def reap_slice(directory, name) -> list:
             return []
         with _fd(fd):
             procs = _read_usage_fd(fd, shown).procs
-            return [rec for rec in (_reap_slot(fd, p) for p in procs if not p.alive) if rec]
+            return [rec for rec in (_reap_slot(fd, p, procs) for p in procs if not p.alive) if rec]
 
 
 def _driver_holds(proc) -> bool:
@@ -65,16 +65,39 @@ def _driver_holds(proc) -> bool:
         return False
 
 
-def _reap_slot(fd, proc):
+def _driver_keeps_shared(proc, procs) -> bool:
+    """A shared slot no process of the slice holds: does the driver still keep its memory
+    (an exported descriptor open in a process that never touched CUDA)?  As
+    shim/memory.c shared_kept_by_driver: on a device it charges, NVML lists under its
+    exporter at least its charge beyond the slice's other slots naming the exporter there.
+    Our pid namespace only (NVML's pids); False when NVML cannot say."""
+    if proc.exporter <= 0 or proc.pid_ns != procfs.pid_ns():
+        return False
+    try:
+        for d, charge in proc.memory.items():
+            listed = nvml.running_processes(d).get(proc.exporter) or 0
+            others = sum(q.memory.get(d, 0) for q in procs if q.slot != proc.slot and q.pid_ns == proc.pid_ns and
+                         (q.exporter if q.shared else q.pid) == proc.exporter)
+            if listed - others >= charge:
+                return True
+    except Exception:      # NVML unavailable, a device not answering
+        return False
+    return False
+
+
+def _reap_slot(fd, proc, procs=()):
     """Drain one slot with pread/pwrite only (no mapping: see vgpu.slices.usage) while
     holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
     charges only ever lowers them, so a shim summing them mid-way sees a value between
-    before and after, both true of a dead process."""
+    before and after, both true of a dead process.  `procs`: the slice's slots, as read
+    with this one (a shared slot is weighed against them)."""
     i = proc.slot
     if not proc.shared and proc.pid > 0 and proc.start_ticks and proc.pid_ns == procfs.pid_ns():
         where = procfs.owner(proc.pid, proc.start_ticks)
         if where == procfs.THERE or (where == procfs.GONE and _driver_holds(proc)):
             return None    # dead by its lock, but still letting go of its memory (or alive without the file)
+    if proc.shared and _driver_keeps_shared(proc, procs):
+        return None        # no holder, but the memory is still on the device: it stays charged
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock_struct(fcntl.F_WRLCK, i))
     except (BlockingIOError, PermissionError):

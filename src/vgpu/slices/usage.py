@@ -70,6 +70,13 @@ class Proc:
     shared: bool = False
     exporter: int = 0
 
+    @property
+    def parked(self) -> bool:
+        """A shared slot no process of the slice holds, still charged: the reapers leave it
+        while the driver keeps its memory (a descriptor of the export open in a process that
+        never touched CUDA), so it still names its exporter."""
+        return self.shared and not self.alive and any(self.memory.values())
+
     def to_json(self):
         out = {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
