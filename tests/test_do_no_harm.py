@@ -58,25 +58,27 @@ def test_honest_churn_is_never_a_gap_and_nobody_is_killed(tmp_path, c_program, a
     assert [v for v in violations if v.get("kind") in ("gap", "over-cap")] == [], violations
 
 
-def test_a_negative_charge_written_into_a_free_slot_makes_no_room_and_its_writer_is_killed(tmp_path, spawn, agents):
+@pytest.mark.parametrize("forged", [-3 * GiB, 512 * MiB], ids=["negative", "no-owner"])
+def test_a_charge_written_into_a_free_slot_makes_no_room_and_its_writer_is_killed(tmp_path, spawn, agents, forged):
     """A tenant takes a free slot's lock and writes -3 GiB (2^64 - 3 GiB) into its charge,
     so that the row's sum wraps around to what the others hold minus 3 GiB.  The shim sums
     without wrapping: nothing more is admitted (before: 3 GiB more were, and the slice held
     6 GiB against its 4 GiB cap, judged by NVML's device figure from outside).  The agent
     calls it `forged` and, with kill, kills the slot's lock holder: the cheater, not the
-    honest process beside it."""
+    honest process beside it.  So too a charge in a locked slot no process claimed (its pid
+    0: the shim writes the pid before it charges): a slot with no live owner."""
     node_ = Node(tmp_path)
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "4Gi")
     honest, cheater = spawn(node_.shim_env("a")), spawn(node_.shim_env("a"))
     assert honest.call(alloc=2 * GiB) == 0 and cheater.call(alloc=GiB) == 0
     agent = agents(node_, "--interval", "200ms", "--on-violation", "kill")
-    assert cheater.call(forge=-3 * GiB, usage=str(node_.dir / "a" / "usage")) == 0
+    assert cheater.call(forge=forged, usage=str(node_.dir / "a" / "usage")) == 0
     assert cheater.call(alloc=3 * GiB) == 2          # CUDA_ERROR_OUT_OF_MEMORY
     assert honest.call(alloc=GiB) == 2
     assert node_.status()["devices"][0]["memory_used"] <= 4 * GiB
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "forged", 10)
-    assert v["offenders"] == [cheater.host_pid] and v["slots"][0]["charge"] == (1 << 64) - 3 * GiB, v
+    assert v["offenders"] == [cheater.host_pid] and v["slots"][0]["charge"] == forged % (1 << 64), v
     kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("kind") == "forged", 5)
     assert (kill["pid"], kill["result"]) == (cheater.host_pid, "killed")
     assert honest.alive() and [e["pid"] for e in agent.events("action")] == [cheater.host_pid]

@@ -145,11 +145,14 @@ class Judge:
         for key in [k for k in self._fit if k not in snap.active]:
             del self._fit[key]
         for key, sd in snap.active.items():
-            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.memory.get(sd.device, 0) >= FORGED_CHARGE]
+            forged = [sl for sl in snap.slots.get(sd.name, ()) if sl.memory.get(sd.device, 0) >= FORGED_CHARGE or
+                      (sl.memory.get(sd.device) and not sl.shared and sl.pid <= 0)]
             if forged or sd.memory_current >= 1 << 64:
-                # a charge no device can hold, or a row that sums past 2^64 (a "negative"
-                # charge making room): the shim refuses to admit against it; the offender is
-                # whoever of the slice holds the forged slots' locks (it wrote them)
+                # a charge no device can hold, a row that sums past 2^64 (a "negative" charge
+                # making room), or a charge in a slot no process claimed (the shim writes a
+                # slot's pid before it charges anything, and drains charges before the pid):
+                # the shim refuses to admit against the first two; the offender is whoever of
+                # the slice holds the forged slots' locks (it wrote them)
                 holders = self.lock_holders(sd, [sl.slot for sl in forged]) if self.lock_holders and forged else []
                 out[("forged", key)] = (sd.name, sd.device, {
                     "memory_current": sd.memory_current, "slots": [
