@@ -95,7 +95,10 @@ struct vgpu_usage_device {
  * them: like everything in the usage file, they are written by the container. */
 struct vgpu_usage_proc {
     int32_t pid;                /* as the process sees itself; 0 = free slot */
-    uint32_t state;
+    uint32_t state;             /* a process's slot: its pid as NVML lists it (the root pid namespace's),
+                                   written by the node agent, which sees both; 0 = unknown.  A hint,
+                                   used only to keep a dead process's slot charged while the driver
+                                   lists memory under that pid.  A shared slot: see VGPU_PROC_SHARED */
     uint64_t started_ns;
     char comm[32];
     uint64_t start_ticks;       /* its start time: clock ticks after boot (/proc/self/stat field 22) */

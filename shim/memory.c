@@ -95,8 +95,6 @@ static pthread_mutex_t overhead_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t overhead_devices;            /* bit d: charged on device d (overhead_lock) */
 static uint64_t overhead_bytes[VGPU_MAX_DEVICES];
 
-/* include/linux/proc_ns.h: PROC_PID_INIT_INO, the root pid namespace's inode */
-#define ROOT_PID_NS_INODE 0xEFFFFFFCull
 /* a context's own memory, at most (hundreds of MiB on today's cards, with its modules) */
 #define CONTEXT_OVERHEAD_MAX (2ull << 30)
 

@@ -505,8 +505,12 @@ static enum owner slot_owner(int i)
 {
     const struct vgpu_usage_proc *p = &S.usage->procs[i];
     int32_t pid = LOAD(&p->pid);
-    uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns);
-    if (pid <= 0 || !ticks || !pid_ns || pid == getpid() || pid_ns != inode_of("/proc/self/ns/pid"))
+    uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns), mine = inode_of("/proc/self/ns/pid");
+    if (pid_ns != mine && mine == ROOT_PID_NS_INODE && pid > 0)
+        pid = (int32_t)LOAD(&p->state);   /* a container's process: its pid here, as the node agent wrote it */
+    else if (pid_ns != mine)
+        return OWNER_UNKNOWN;
+    if (pid <= 0 || !ticks || !pid_ns || pid == getpid())
         return OWNER_UNKNOWN;
     char path[64], state, status[2048];
     uint64_t now_ticks;
@@ -529,21 +533,32 @@ static enum owner slot_owner(int i)
 /* Is slot i's process done with its files, and does the driver no longer list memory under
  * it?  The kernel can finish a process before the last of its device files is let go (a
  * reference held elsewhere for a moment, a driver's deferred teardown): its memory is then
- * still the device's, listed under its pid.  Only where NVML's pids are the slot's (the
- * root pid namespace) can that be asked; elsewhere the kernel's word alone decides. */
+ * still the device's, listed under its pid.  That can be asked where NVML's pids are the
+ * slot's (the root pid namespace), or where the node agent wrote the process's pid as NVML
+ * lists it into the slot (`state`: a container's process); elsewhere the kernel's word
+ * alone decides. */
 static int slot_owner_gone(int i)
 {
     if (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED)
         return !shared_kept_by_driver(i);   /* no holder left (its lock is free): is the memory gone too? */
     enum owner o = slot_owner(i);
-    if (o != OWNER_GONE)
-        return o == OWNER_UNKNOWN;   /* (a pid that is another's now: NVML's figure under it is not the slot's) */
+    if (o == OWNER_THERE)
+        return 0;
     const struct vgpu_usage_proc *p = &S.usage->procs[i];
     uint32_t devices = 0;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
         if (LOAD(&S.usage->charge[d][i]))
             devices |= 1u << d;
-    return !devices || driver_holds(LOAD(&p->pid), LOAD(&p->pid_ns), devices) != 1;
+    if (!devices)
+        return 1;
+    /* the pid NVML names it by, as the agent wrote it: asked whatever the kernel here could
+     * say (a tenant can write it too: it only keeps its own slice's slot) */
+    int32_t nvml_pid = (int32_t)LOAD(&p->state);
+    if (nvml_pid > 0 && driver_holds(nvml_pid, ROOT_PID_NS_INODE, devices) == 1)
+        return 0;
+    if (o == OWNER_UNKNOWN)
+        return 1;   /* (its pid another's now: NVML's figure under it is not the slot's) */
+    return driver_holds(LOAD(&p->pid), LOAD(&p->pid_ns), devices) != 1;
 }
 
 static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
@@ -587,6 +602,7 @@ int claim_slot(void)
         p->pid_ns = inode_of("/proc/self/ns/pid");
         p->cgroup_id = self_cgroup_id();
         p->flags = slice_from_file ? VGPU_PROC_FROM_FILE : 0;
+        p->state = 0;                  /* NVML's pid for it: the node agent's to write */
         STORE(&p->pid, (int32_t)getpid());   /* last: a reader that sees the pid sees the rest */
         S.slot = i;
         return 0;

@@ -178,3 +178,50 @@ def test_a_measurement_file_that_is_not_one_stops_env_with_a_hint(tmp_path):
         assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr
         assert "hint: run vgpu-ctl measure-context again" in out.stderr
         assert node_.ctl("env", "a").returncode == 0    # a shell here measures for itself
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.parametrize("reaper", ["in the container", "on the host"])
+def test_a_container_process_s_slot_stays_charged_while_the_driver_holds_its_memory(tmp_path, spawn, agents, reaper):
+    """In a container (a pid namespace of its own) the shim cannot ask NVML about a slot's
+    process: NVML names host pids.  A process holding 512 MiB forks a child that lets go of
+    the usage file but keeps the driver's files (and so the memory), and exits: its slot's
+    lock is free, the kernel says it is gone, and the driver still lists 512 MiB under it.
+    The node agent writes each container process's host pid into its slot, and reapers keep
+    the slot while NVML lists memory under that pid: another process of the slice, in the
+    container or on the host, is refused 768 MiB of its 1 GiB (before: drained, admitted,
+    1.25 GiB on the device, the referee's figure), then gets it once the child is gone."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "1Gi")
+    agents(node_, "--interval", "100ms")
+    # pid 1 of the namespace is a shell that outlives the tenant (its end would end them all)
+    holder = spawn(node_.shim_env("a"), prefix=["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+                                                '"$@"; exec sleep 3600', "sh"])
+    assert holder.pid != holder.host_pid
+    assert holder.call(alloc=512 * MiB) == 0
+    assert wait_until(lambda: [p.host_pid for p in node_.usage("a").procs] == [holder.host_pid], 10), \
+        node_.usage("a").procs
+    child = holder.call(fork_keep=str(node_.dir / "a" / "usage"))["child"]
+    holder.proc.stdin.write('{"exit": 0}\n')
+    holder.proc.stdin.flush()
+    assert wait_until(lambda: not os.path.exists(f"/proc/{holder.host_pid}"), 10)   # exited, waited for by sh
+    if reaper == "in the container":
+        (shell,) = _children(holder.proc.pid)
+        other = spawn(node_.shim_env("a"), prefix=["nsenter", f"--target={shell}", "--pid", "--"])
+        assert other.pid != other.host_pid
+    else:
+        other = spawn(node_.shim_env("a"))
+    assert other.call(alloc=768 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
+    node_.ctl("reap", "a")                            # the host's reaper leaves it too
+    assert node_.usage("a").devices[0]["memory_current"] == 512 * MiB
+    assert node_.status()["devices"][0]["memory_used"] == 512 * MiB
+    os.kill(child, 9)
+    assert wait_until(lambda: other.call(alloc=768 * MiB) == 0, 10)
+    assert node_.status()["devices"][0]["memory_used"] == 768 * MiB

@@ -16,6 +16,11 @@ shim in front of simgpu, or simgpu alone) and takes one JSON command per line on
                                    variables (which stand in for the GPU, not for vgpu) and
                                    relay its lines; prints {"child": pid} first
   {"mmap": [PATH...]}              map these files read-only (and keep them mapped); prints 0
+  {"fork_keep": PATH}              fork a child that lets go of usage file PATH (its descriptors and
+                                   mappings: the slot's lock is no longer held through it) but keeps
+                                   the driver's files, and with them this process's memory; prints
+                                   {"child": its pid in the /proc it sees}
+  {"exit": CODE}                   os._exit(CODE) at once; prints nothing
 At start it prints {"pid": its pid, "host_pid": its pid in the /proc it sees}.  It works on
 CUDA device TENANT_DEVICE (default 0).
 """
@@ -126,6 +131,32 @@ for line in sys.stdin:
         for sub in cmd.get("send", []):
             proc.stdin.write(json.dumps(sub) + "\n")
             proc.stdin.flush()
+    elif "fork_keep" in cmd:
+        usage_file = os.stat(cmd["fork_keep"])
+        kids = f"/proc/{host}/task/{host}/children"      # (pids as the /proc we see names them)
+        before = set(open(kids).read().split())
+        child = os.fork()
+        if child == 0:
+            libc = ctypes.CDLL(None)
+            libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+            for line in open("/proc/self/maps").read().splitlines():
+                fields = line.split()
+                if len(fields) >= 6 and int(fields[4]) == usage_file.st_ino:
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    libc.munmap(start, end - start)
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    st = os.stat(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) == (usage_file.st_dev, usage_file.st_ino):
+                    os.close(int(fd))
+            while True:
+                time.sleep(3600)
+        (child_here,) = set(open(kids).read().split()) - before
+        say({"child": int(child_here)})
+    elif "exit" in cmd:
+        os._exit(cmd["exit"])
     elif "mmap" in cmd:
         for path in cmd["mmap"]:
             with open(path, "rb") as f:

@@ -1,10 +1,13 @@
 """The Observer: one look at the node, slices and driver together, as a Snapshot."""
 import os
+import struct
 import threading
 import time
 
 from .. import nvml, procfs, slices
+from ..slices import usage
 from ..slices.reader import NodeReader
+from ..slices.reaping import ROOT_PID_NS
 from .attribute import Attributing
 from .driver import DriverLook
 from .evidence import Evidence
@@ -153,7 +156,9 @@ class Observer(DriverLook, Attributing, Evidence):
         self._not_slots[sl.pid] = sl.start_ticks
         return None
 
-    def _reap(self, f, name):
+    def _rw(self, f, name):
+        """The slice's usage file, read-write, kept open (opening it for each write would
+        itself be an inotify event)."""
         if f.rw is None:
             shown = os.path.join(self.directory, name, slices.USAGE)
             fd = os.open(shown, slices._RW)
@@ -166,11 +171,30 @@ class Observer(DriverLook, Attributing, Evidence):
                 os.close(fd)
                 raise
             f.rw = fd
+        return f.rw
+
+    def _reap(self, f, name):
+        self._rw(f, name)
         ss, _, _ = UsageReader().read(f.rw, f.devices)
         f.same = None            # the next look reads it again
         self._ended.add(name)
         return ss, [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
                     for r in (slices._reap_slot(f.rw, sl, ss) for sl in ss if not sl.alive) if r]
+
+    def _note_host_pid(self, name, sl, pid):
+        """Write into the slot of a process in another pid namespace (a container's) its pid
+        as NVML lists it, which the container cannot know: once the process ends, a reaper
+        (its slice's shims, `reap`, this agent) keeps its slot charged while the driver
+        still lists memory under that pid (usage.Proc.host_pid).  Only from the root pid
+        namespace, whose pids NVML's are."""
+        f = self.files.get(name)
+        if f is None or self.my_pid_ns != ROOT_PID_NS:
+            return
+        try:
+            os.pwrite(self._rw(f, name), struct.pack("<I", pid), usage.host_pid_offset(sl.slot))
+            sl.host_pid = pid
+        except (OSError, slices.BadFile):
+            pass                 # the file gone or replaced: the next look sees to it
 
     def alive(self, pid, pid_ns, start_ticks) -> bool:
         """Is the slot's process one this observer watches, still running?  (Only for
@@ -478,6 +502,8 @@ class Observer(DriverLook, Attributing, Evidence):
                 elif t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
                     if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
+                        if sl.pid_ns != my_pid_ns and sl.host_pid != pid and sl.start_ticks:
+                            self._note_host_pid(a.slice, sl, pid)
                         keep = True
                         row.slot, row.charge = sl.slot, sl.memory.get(d, 0)
                         sh = self._shared_of.get(a.slice)

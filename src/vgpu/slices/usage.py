@@ -49,6 +49,11 @@ def pid_offset(slot):
     return PROCS_AT + slot * PROC.size
 
 
+def host_pid_offset(slot):
+    """Where the node agent writes a slot's process's pid as NVML lists it (its `state`)."""
+    return PROCS_AT + slot * PROC.size + 4
+
+
 @dataclass
 class Proc:
     """One used slot: the process that claimed it, or a shared slot of exported memory."""
@@ -69,6 +74,10 @@ class Proc:
     # (alive: one still does); pid is 0
     shared: bool = False
     exporter: int = 0
+    # a process's slot in another pid namespace: its pid as NVML (and the host) sees it,
+    # written by the node agent (0: not known); a hint, used only to keep a dead process's
+    # slot charged while the driver still lists memory under it
+    host_pid: int = 0
 
     @property
     def parked(self) -> bool:
@@ -119,7 +128,8 @@ def parse(head, procs, devices):
         shared = not pid and bool(flags & lib.VGPU_PROC_SHARED)
         out.append(Proc(i, pid, comm.split(b"\0", 1)[0].decode(errors="replace"),
                         {d: r[i] for d, r in rows.items() if r[i]}, False, started, ticks, pns, cg,
-                        bool(flags & lib.VGPU_PROC_FROM_FILE), shared, state if shared else 0))
+                        bool(flags & lib.VGPU_PROC_FROM_FILE), shared, state if shared else 0,
+                        0 if shared else state))
     return current, counters, out
 
 
