@@ -47,6 +47,17 @@ typedef enum nvmlReturn_enum {
 /* === handles and constants === */
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
+/* === events (nvml.h "Event Handling Methods") === */
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+typedef struct nvmlEventData_st {
+    nvmlDevice_t device;                 /* where it happened */
+    unsigned long long eventType;        /* nvmlEventType* */
+    unsigned long long eventData;        /* the XID, for nvmlEventTypeXidCriticalError */
+    unsigned int gpuInstanceId;          /* MIG: the instance it concerns (0xFFFFFFFF: the whole GPU) */
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+#define nvmlEventTypeXidCriticalError 0x0000000000000008ULL
+
 #define NVML_INIT_FLAG_NO_GPUS 1u
 #define NVML_INIT_FLAG_NO_ATTACH 2u
 

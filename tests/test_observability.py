@@ -125,7 +125,7 @@ def test_a_dashboard_is_a_grafana_dashboard_on_a_chosen_prometheus(path):
 
 def test_the_rules_pass_promtool_check_and_their_unit_tests():
     out = promtool("check", "rules", RULES)
-    assert out.returncode == 0 and "SUCCESS: 7 rules found" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "SUCCESS: 8 rules found" in out.stdout, out.stdout + out.stderr
     out = promtool("test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
     assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", RULE_TESTS.read_text()))
@@ -189,7 +189,8 @@ SLICES = {   # name: (vgpu-ctl create flags, the pod it serves)
 # the alerts this node raises, each with a label naming what it is about
 EXPECTED_ALERTS = {("VgpuSliceOutOfMemory", "container", "notebook"), ("VgpuSliceStarved", "container", "train"),
                    ("VgpuViolation", "kind", "unsliced"), ("VgpuViolation", "kind", "over-cap"),
-                   ("VgpuUnslicedProcess", "device", "0"), ("VgpuSmGuaranteesOvercommitted", "device", "0")}
+                   ("VgpuUnslicedProcess", "device", "0"), ("VgpuSmGuaranteesOvercommitted", "device", "0"),
+                   ("VgpuGpuUnhealthy", "device", "0")}
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +222,8 @@ def node(tmp_path_factory):
                                  stdout=subprocess.DEVNULL, stderr=log.open("w"))
         started.append(agent)
         port = _listening(agent, log)
+        # a double-bit ECC error on the GPU (NVIDIA: reset the GPU): unhealthy from now on
+        subprocess.run([CTL, "sim", "xid", "0", "48"], env=env, check=True, capture_output=True)
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
                   "rule_files": [str(RULES)],
                   "scrape_configs": [{"job_name": JOB, "honor_labels": True, "static_configs": [

@@ -714,3 +714,49 @@ uint64_t simgpu_busy_ns(int dev, int32_t pid, uint64_t from_ns, uint64_t to_ns)
     }
     return busy;
 }
+
+/* === health: XID events and lost GPUs (struct simgpu_health) === */
+
+int simgpu_gpu_lost(int gpu)
+{
+    return gpu >= 0 && gpu < SIMGPU_MAX_DEVICES && (atomic_load(&g.node->health.lost) >> gpu & 1u);
+}
+
+int simgpu_xid_event(uint64_t n, int *gpu, unsigned *xid)
+{
+    const struct simgpu_xid *e = &g.node->health.ring[n % SIMGPU_XID_RING];
+    if (atomic_load_explicit(&e->seq, memory_order_acquire) != n + 1)
+        return -1;   /* not written yet, or overwritten by a later one */
+    *gpu = e->gpu;
+    *xid = e->xid;
+    return atomic_load_explicit(&e->seq, memory_order_acquire) == n + 1 ? 0 : -1;
+}
+
+SIMGPU_EXPORT int simgpuRaiseXid(unsigned gpu, unsigned xid);
+
+/* Test hooks, in both libraries: raise XID `xid` on GPU `gpu` (its event reaches every NVML
+ * event set registered for it), or make GPU `gpu` fall off the bus.  0, or -1: no such
+ * GPU, or no node. */
+SIMGPU_EXPORT int simgpuRaiseXid(unsigned gpu, unsigned xid)
+{
+    if (simgpu_attach() || gpu >= g.node->device_count)
+        return -1;
+    uint64_t n = atomic_fetch_add(&g.node->health.raised, 1);
+    struct simgpu_xid *e = &g.node->health.ring[n % SIMGPU_XID_RING];
+    atomic_store_explicit(&e->seq, 0, memory_order_release);
+    e->gpu = (int32_t)gpu;
+    e->xid = xid;
+    atomic_store_explicit(&e->seq, n + 1, memory_order_release);
+    simgpu_log("XID %u raised on GPU %u", xid, gpu);
+    return 0;
+}
+
+SIMGPU_EXPORT int simgpuLoseGpu(unsigned gpu)
+{
+    if (simgpu_attach() || gpu >= g.node->device_count)
+        return -1;
+    if (atomic_fetch_or(&g.node->health.lost, 1u << gpu) >> gpu & 1u)
+        return 0;
+    simgpu_log("GPU %u has fallen off the bus", gpu);
+    return simgpuRaiseXid(gpu, 79);   /* the driver's Xid 79, "GPU has fallen off the bus" */
+}

@@ -17,7 +17,8 @@
 #include <stdint.h>
 
 #define SIMGPU_MAGIC 0x5547504d49534756ull   /* "VGSIMPGU" */
-#define SIMGPU_VERSION 6u                    /* 2: MIG state (mig.h); 3: shared memory; 6: cgroup limits */
+#define SIMGPU_VERSION 7u                    /* 2: MIG state (mig.h); 3: shared memory; 6: cgroup limits;
+                                                7: health (XID events, lost GPUs) */
 #define SIMGPU_MAX_DEVICES 8
 #define SIMGPU_MAX_PROCS 256
 #define SIMGPU_RING_SIZE (1u << 20)          /* kernel intervals kept per device */
@@ -26,6 +27,7 @@
 #define SIMGPU_MAX_SHARED 256                /* memory objects more than one process can hold */
 #define SIMGPU_MAX_LIMITS 32                 /* per-cgroup memory limits per device (limits.c) */
 #define SIMGPU_CGROUP_PATH 160               /* a cgroup's sysfs path, NUL included */
+#define SIMGPU_XID_RING 64                   /* XID events kept for NVML's event sets */
 
 #include "simgpu/mig.h"                    /* MIG instances, kept in the node too */
 
@@ -110,6 +112,20 @@ struct simgpu_mem_limit {
     uint64_t checked_ns;                       /* when the directory was last seen (limits.c) */
 };
 
+/* What befell the node's GPUs: XID errors as the driver reports them to NVML's event sets
+ * (nvml.c), and GPUs that fell off the bus.  Raised by tests (simgpuRaiseXid,
+ * simgpuLoseGpu), never by simgpu itself. */
+struct simgpu_xid {
+    _Atomic uint64_t seq;                      /* its number + 1 once written (0: not yet) */
+    int32_t gpu;
+    uint32_t xid;
+};
+struct simgpu_health {
+    _Atomic uint64_t raised;                   /* XID events ever raised on the node */
+    struct simgpu_xid ring[SIMGPU_XID_RING];   /* event n at ring[n % SIMGPU_XID_RING] */
+    _Atomic uint32_t lost;                     /* bit g: GPU g has fallen off the bus */
+};
+
 struct simgpu_node {
     uint64_t magic;
     uint32_t version;
@@ -121,6 +137,7 @@ struct simgpu_node {
     struct simgpu_shared shared[SIMGPU_MAX_SHARED];
     struct simgpu_mem_limit limits[SIMGPU_MAX_DEVICES][SIMGPU_MAX_LIMITS];   /* under the device's lock */
     _Atomic uint32_t limits_set[SIMGPU_MAX_DEVICES];   /* how many: 0 keeps the allocation path free of them */
+    struct simgpu_health health;
     /* followed, page aligned, by SIMGPU_MAX_DEVICES rings of SIMGPU_RING_SIZE intervals */
 };
 
@@ -131,6 +148,10 @@ const char *simgpu_error(void);
 struct simgpu_node *simgpu_node(void);
 const struct simgpu_profile *simgpu_profile(void);
 struct simgpu_interval *simgpu_ring(int dev);
+
+/* Health: is GPU g lost; event n (0-based) if it is still in the ring: 0, else -1. */
+int simgpu_gpu_lost(int gpu);
+int simgpu_xid_event(uint64_t n, int *gpu, unsigned *xid);
 
 /* This process's slot, claimed on first call (-1 if the table is full). */
 int simgpu_my_slot(void);

@@ -14,10 +14,12 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 _Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t");
 _Static_assert(sizeof(nvmlMemory_v2_t) == 40 && nvmlMemory_v2 == 0x02000028u, "nvmlMemory_v2_t");
@@ -89,6 +91,8 @@ static nvmlReturn_t device_index(nvmlDevice_t h, int *dev)
     if (p < base || p >= base + sizeof devices || (p - base) % sizeof devices[0] ||
         h->magic != DEV_MAGIC || h->index >= simgpu_node()->device_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (simgpu_gpu_lost((int)h->index))
+        return NVML_ERROR_GPU_IS_LOST;   /* fallen off the bus: what nvml.h documents for device queries */
     *dev = (int)h->index;
     return NVML_SUCCESS;
 }
@@ -225,6 +229,8 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvm
         return NVML_ERROR_UNINITIALIZED;
     if (!device || index >= simgpu_node()->device_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (simgpu_gpu_lost((int)index))
+        return NVML_ERROR_GPU_IS_LOST;   /* documented for nvmlDeviceGetHandleByIndex_v2 */
     *device = &devices[index];
     return NVML_SUCCESS;
 }
@@ -1313,5 +1319,141 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCSessions(nvmlDevice_t device, unsigne
     (void)d, (void)sessionInfo;
     OUT_OR_RETURN(sessionCount);
     *sessionCount = 0;
+    return NVML_SUCCESS;
+}
+
+/* === events (nvml.h "Event Handling Methods") ===
+ * As NVML documents them: nvmlDeviceRegisterEvents "Starts recording of events on a
+ * specified devices and add the events to specified nvmlEventSet_t" (events from before
+ * the call are not recorded; a type the device does not support is
+ * NVML_ERROR_NOT_SUPPORTED); nvmlEventSetWait_v2 returns at once when an event is ready,
+ * else "sleeps till event arrives but not longer than specified timeout"
+ * (NVML_ERROR_TIMEOUT), and NVML_ERROR_GPU_IS_LOST "if a GPU has fallen off the bus"; on
+ * Linux "every Xid error event would return the associated event data"; for a whole GPU
+ * gpuInstanceId and computeInstanceId are 0xFFFFFFFF.  simgpu supports XID critical errors
+ * only, raised by tests (node.c: simgpuRaiseXid, simgpuLoseGpu). */
+
+#define EVENT_SET_MAGIC 0x54455645u
+#define SUPPORTED_EVENTS nvmlEventTypeXidCriticalError
+#define WHOLE_GPU 0xFFFFFFFFu
+struct nvmlEventSet_st {
+    unsigned int magic;
+    pthread_mutex_t lock;
+    unsigned long long types[SIMGPU_MAX_DEVICES];   /* registered, per GPU */
+    uint64_t from[SIMGPU_MAX_DEVICES];              /* the first event each GPU's registration records */
+    uint64_t next;                                  /* the next node event to look at */
+};
+
+static int event_set_ok(nvmlEventSet_t set)
+{
+    return set && set->magic == EVENT_SET_MAGIC;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvmlEventSet_st *s = calloc(1, sizeof *s);
+    if (!s)
+        return NVML_ERROR_MEMORY;
+    s->magic = EVENT_SET_MAGIC;
+    pthread_mutex_init(&s->lock, NULL);
+    s->next = atomic_load(&simgpu_node()->health.raised);
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    int d;
+    nvmlReturn_t r = device_index(device, &d);
+    if (r)
+        return r;
+    if (!eventTypes)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eventTypes = SUPPORTED_EVENTS;
+    return NVML_SUCCESS;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                                    nvmlEventSet_t set)
+{
+    int d;
+    nvmlReturn_t r = device_index(device, &d);
+    if (r)
+        return r;
+    if (!event_set_ok(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (eventTypes & ~SUPPORTED_EVENTS)
+        return NVML_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&set->lock);
+    if (!(set->types[d] & eventTypes))
+        set->from[d] = atomic_load(&simgpu_node()->health.raised);
+    set->types[d] |= eventTypes;
+    pthread_mutex_unlock(&set->lock);
+    return NVML_SUCCESS;
+}
+
+/* The next event of the set, if one is ready: 1 (data set), 0 (none yet), -1 (a GPU it
+ * watches is lost, and nothing is pending). */
+static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
+{
+    uint64_t raised = atomic_load(&simgpu_node()->health.raised);
+    if (raised - set->next > SIMGPU_XID_RING)
+        set->next = raised - SIMGPU_XID_RING;   /* older ones were overwritten: lost to this set */
+    for (; set->next < raised; set->next++) {
+        int gpu;
+        unsigned xid;
+        if (simgpu_xid_event(set->next, &gpu, &xid))
+            return 0;   /* raised, not written yet: looked at again */
+        if (gpu < 0 || gpu >= SIMGPU_MAX_DEVICES || !(set->types[gpu] & nvmlEventTypeXidCriticalError) ||
+            set->next < set->from[gpu])
+            continue;
+        set->next++;
+        *data = (nvmlEventData_t){.device = &devices[gpu], .eventType = nvmlEventTypeXidCriticalError,
+                                  .eventData = xid, .gpuInstanceId = WHOLE_GPU, .computeInstanceId = WHOLE_GPU};
+        return 1;
+    }
+    for (int d = 0; d < SIMGPU_MAX_DEVICES; d++)
+        if (set->types[d] && simgpu_gpu_lost(d))
+            return -1;
+    return 0;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!event_set_ok(set) || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t deadline = simgpu_now_ns() + (uint64_t)timeoutms * 1000000ull;
+    for (;;) {
+        pthread_mutex_lock(&set->lock);
+        int got = next_event(set, data);
+        pthread_mutex_unlock(&set->lock);
+        if (got)
+            return got > 0 ? NVML_SUCCESS : NVML_ERROR_GPU_IS_LOST;
+        if (simgpu_now_ns() >= deadline)
+            return NVML_ERROR_TIMEOUT;
+        usleep(2000);
+    }
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!event_set_ok(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    set->magic = 0;
+    pthread_mutex_destroy(&set->lock);
+    free(set);
     return NVML_SUCCESS;
 }

@@ -40,7 +40,8 @@ With the node agent (`vgpu-ctl agent`): vgpu_violations_total{container,kind} (c
 "" for an unsliced process), vgpu_violations_active{container,kind},
 vgpu_agent_actions_total{kind,action}, vgpu_agent_gaps_unjudged_total{container,device},
 vgpu_agent_reaped_slots_total,
-vgpu_agent_iterations_total, vgpu_agent_iteration_cpu_seconds.
+vgpu_agent_iterations_total, vgpu_agent_iteration_cpu_seconds; vgpu_gpu_healthy{device},
+vgpu_gpu_xid_errors_total{device,xid} (vgpu.health: NVML's XID events).
 vgpu_nvml_up: 1 when NVML answered.  With the autoscaler: vgpu_autoscale_decisions_total
 {container,device,resource,action}, vgpu_autoscale_ticks_total,
 vgpu_autoscale_tick_cpu_seconds.
@@ -148,6 +149,17 @@ class NodeCollector:
             cpu = GaugeMetricFamily("vgpu_agent_iteration_cpu_seconds", "CPU time of the agent's last iteration.")
             cpu.add_metric([], a.last_iteration_cpu_s)
             out += [total, active, acts, unjudged, reaped, its, cpu]
+            if a.health is not None and a.health.ready.is_set() and a.health.unavailable is None:
+                healthy = GaugeMetricFamily("vgpu_gpu_healthy", "1 while the GPU takes new slices; 0 after an XID "
+                                            "NVIDIA says needs a reset, or once it fell off the bus.",
+                                            labels=["device"])
+                xids = CounterMetricFamily("vgpu_gpu_xid_errors", "XID errors NVML reported on the GPU, by XID.",
+                                           labels=["device", "xid"])
+                for i, h in a.health.gpus().items():
+                    healthy.add_metric([str(i)], 1 if h["healthy"] else 0)
+                    for x, n in h["xids"].items():
+                        xids.add_metric([str(i), x], n)
+                out += [healthy, xids]
         return out
 
     def collect(self):

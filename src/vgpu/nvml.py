@@ -336,3 +336,53 @@ def mig_mode(index: int):
         return bool(n.nvmlDeviceGetMigMode(n.nvmlDeviceGetHandleByIndex(index))[0])
     except Exception:   # NvmlUnavailable, NOT_SUPPORTED (no MIG), INVALID_ARGUMENT (no such device)
         return None
+
+
+class XidEvents:
+    """NVML's event set over every GPU, for XID critical errors (nvmlDeviceRegisterEvents,
+    nvmlEventSetWait_v2).  `wait(timeout_s)`: ("xid", GPU index, XID), ("lost", None, None)
+    when a GPU it watches has fallen off the bus (NVML_ERROR_GPU_IS_LOST), or None when
+    nothing came.  GPUs it could not watch (lost, events not supported): `unwatched`
+    {index: why}.  Raises NvmlUnavailable without NVML or event sets."""
+
+    def __init__(self):
+        import ctypes
+        n = self.n = _nvml()
+        self._address = lambda h: ctypes.cast(h, ctypes.c_void_p).value
+        try:
+            self.set = n.nvmlEventSetCreate()
+        except n.NVMLError as e:
+            raise NvmlUnavailable(f"NVML event sets: {_describe(e)}") from None
+        self.index_of, self.unwatched = {}, {}
+        for i in range(n.nvmlDeviceGetCount()):
+            try:
+                h = n.nvmlDeviceGetHandleByIndex(i)
+                n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, self.set)
+                self.index_of[self._address(h)] = i
+            except n.NVMLError as e:
+                self.unwatched[i] = _describe(e)
+
+    def wait(self, timeout_s):
+        n = self.n
+        try:
+            data = n.nvmlEventSetWait_v2(self.set, max(1, int(timeout_s * 1000)))
+        except n.NVMLError_Timeout:
+            return None
+        except n.NVMLError_GpuIsLost:
+            return ("lost", None, None)
+        return ("xid", self.index_of.get(self._address(data.device)), int(data.eventData))
+
+    def close(self):
+        _call(self.n.nvmlEventSetFree, self.set)
+
+
+def lost_gpus() -> dict:
+    """{index: why} of the GPUs NVML cannot reach (GPU_IS_LOST and the like)."""
+    n = _nvml()
+    out = {}
+    for i in range(n.nvmlDeviceGetCount()):
+        try:
+            n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(i))
+        except n.NVMLError as e:
+            out[i] = _describe(e)
+    return out

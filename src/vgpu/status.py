@@ -10,7 +10,7 @@ import time
 
 from . import board, driverlimits, mig, nvml, podlabels, procfs
 from .agent.state import annotate, describe_violation
-from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
+from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share, format_utc
 from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 from .slices.usage import COUNTERS
 
@@ -354,6 +354,12 @@ def render(data: dict, wide=True) -> str:
         out.append("")
         out.append(table(["MIG-SLICE", "DEVICE", "PROFILE", "PLACEMENT", "GI", "CI", "MEMORY-USED", "PROCESSES",
                           "UUID"], mrows))
+    sick = [d for d in data.get("devices") or [] if (d.get("health") or {}).get("healthy") is False]
+    if sick:
+        out.append("")
+        out.append(table(["UNHEALTHY-GPU", "SINCE", "WHY"], [
+            [d["index"], format_utc(d["health"]["since"]) if d["health"].get("since") else "-",
+             d["health"].get("reason") or "-"] for d in sick]))
     vrows = [[v["kind"], v.get("container") or "-", v.get("device", "-"), _describe_violation(v)]
              for v in data.get("violations") or []]
     if vrows:

@@ -6,7 +6,7 @@ import signal
 import threading
 import time
 
-from .. import driverlimits, procfs, slices
+from .. import driverlimits, health, procfs, slices
 from ..quantities import format_utc
 from ..slices.reader import NodeReader
 from .act import Holder, _signal
@@ -38,6 +38,8 @@ class Agent:
         self.judge.confirm = self.observer.confirm_gap
         self.judge.lock_holders = self.observer.slot_lock_holders
         self.holder = Holder(self.log)
+        # GPU health from NVML's XID events (not without NVML: nothing to wait on)
+        self.health = health.Watcher(self._health_event) if use_nvml else None
         self.on_violation = on_violation or (lambda v, record: None)
         self.on_action = on_action or (lambda container, kind, action, pid, result: None)
         self.reap_enabled = reap
@@ -57,6 +59,17 @@ class Agent:
         self._reused_seen = set()  # (host pid, state, candidates) of processes whose pid a held slot names
         self._soon = {}          # slice -> [monotonic times it is looked at again] (after inotify events)
         self._joined = {}        # slice -> when a process last opened its usage file
+
+    def _health_event(self, kind, gpu, xid):
+        if kind == "xid":
+            what, action, fatal = health.meaning(xid)
+            self.log("xid", device=gpu.index, xid=xid, meaning=what, nvidia_action=action,
+                     gpu_healthy=not fatal and gpu.healthy)
+        elif kind == "unavailable":
+            self.log("gpu-health", watching=False, why=self.health.unavailable)
+        else:
+            self.log("gpu-unhealthy", device=gpu.index, reason=gpu.reason,
+                     hint="new slices are not placed on it; reset the GPU (or the node) and restart the agent")
 
     def _sm_of(self, name, device):
         snap = self.latest
@@ -288,6 +301,7 @@ class Agent:
         return {"version": 1, "pid": os.getpid(), "pid_start": procfs.start_ticks(os.getpid()),
                 "updated": round(time.time(), 3), "interval_s": self.interval, "settings": self.settings.to_json(),
                 "violations": [v.to_json() for v in self.judge.active.values()],
+                "gpus": self.health.gpus() if self.health is not None else {},
                 "held": [{"pid": p, "start_ticks": s} for p, s in self.holder.held_pids()],
                 "violations_total": [{"container": c or None, "kind": k, "count": n}
                                      for (c, k), n in sorted(self.judge.counts.items())]}
@@ -327,6 +341,8 @@ class Agent:
         self.resume_held()
         self.log("start", dir=self.directory, interval_s=self.interval, settings=self.settings.to_json(),
                  autoscale=self.autoscaler is not None)
+        if self.health is not None and not once:
+            self.health.start()
         next_at = time.monotonic()
         try:
             while not stop.is_set():
@@ -352,6 +368,8 @@ class Agent:
                         self.failed_looks += 1
                         self.log("error", error=f"{type(e).__name__}: {e}")
         finally:
+            if self.health is not None:
+                self.health.stop()
             self.holder.halt.set()
             self.holder.release_all()
             self.log("stopped")

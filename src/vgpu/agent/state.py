@@ -87,6 +87,10 @@ def annotate(data: dict, use_nvml=True):
     running = agent_running(state)
     data["agent"] = {"running": running, "pid": state.get("pid") if running else None}
     data["violations"] = state.get("violations", []) if running else None
+    gpus = state.get("gpus") if running and isinstance(state.get("gpus"), dict) else {}
+    for d in data.get("devices") or []:
+        h = gpus.get(str(d.get("index")))
+        d["health"] = h if isinstance(h, dict) else None    # None: no agent watching it
     return data
 
 

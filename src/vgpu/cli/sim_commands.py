@@ -119,3 +119,43 @@ def mig_profiles(device, directory, as_json):
     if not on:
         click.echo(f"\nnote: MIG mode is off on device {device}: FREE is known once it is on (`vgpu-ctl create --mig "
                    "PROFILE` turns it on)")
+
+
+def _simgpu_hook(name, *args):
+    """Call one of simgpu's test hooks (csrc/simgpu/node.c) on the node the environment names."""
+    import ctypes
+    from ..paths import simgpu_dir
+    if not os.environ.get("SIMGPU_STATE_DIR"):
+        raise click.ClickException('no simulated node here: SIMGPU_STATE_DIR is not set '
+                                   '(hint: eval "$(vgpu-ctl sim env)" first)')
+    lib = ctypes.CDLL(str(simgpu_dir() / "libnvidia-ml.so.1"))
+    if getattr(lib, name)(*map(ctypes.c_uint, args)) != 0:
+        raise click.ClickException(f"simgpu has no GPU {args[0]} on the node at {os.environ['SIMGPU_STATE_DIR']}")
+
+
+@sim.command("xid")
+@click.argument("gpu", type=click.IntRange(0, simgpu.MAX_DEVICES - 1))
+@click.argument("xid", type=click.IntRange(1, 999))
+def sim_xid(gpu, xid):
+    """Raise XID error XID on simulated GPU GPU: every NVML event set registered for XID
+    critical errors there receives it (as the node agent's does).
+
+    \b
+    Example:
+      vgpu-ctl sim xid 1 48        # a double-bit ECC error on GPU 1: unhealthy
+      vgpu-ctl sim xid 0 13        # a graphics engine exception: logged, still healthy
+    """
+    _simgpu_hook("simgpuRaiseXid", gpu, xid)
+
+
+@sim.command("lose")
+@click.argument("gpu", type=click.IntRange(0, simgpu.MAX_DEVICES - 1))
+def sim_lose(gpu):
+    """Make simulated GPU GPU fall off the bus: NVML answers NVML_ERROR_GPU_IS_LOST for it
+    from now on, and raises XID 79 there.  Until the state directory is made anew.
+
+    \b
+    Example:
+      vgpu-ctl sim lose 1
+    """
+    _simgpu_hook("simgpuLoseGpu", gpu)
