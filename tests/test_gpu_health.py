@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from conftest import run_python
 from test_node_agent import CTL, Node, agents, wait_until  # noqa: F401 (agents: a fixture)
 from vgpu import health
 
