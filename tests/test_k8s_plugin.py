@@ -8,6 +8,7 @@ Judged from outside: what the stand-in gets back, the quota and CDI files on dis
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -21,6 +22,7 @@ from k8s_fake_api import FakeApiServer
 from k8s_models import roundtrip
 from k8s_node import DRIVER, NODE, NS, Agent, Node
 from kubelet_standin import CALL_TIMEOUT
+from test_node_agent import CTL, wait_until
 from vgpu.k8s import driver as dra_driver
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -556,3 +558,29 @@ def test_a_prepare_batch_answers_within_the_kubelets_deadline_while_the_api_serv
     assert dra_driver.CALL_BUDGET + 1 < CALL_TIMEOUT         # with no nearer deadline: within the kubelet's 45 s
     assert node.status() == {} and not json.loads(node.checkpoint.read_text() if node.checkpoint.exists()
                                                    else '{"claims": {}}')["claims"]
+
+
+def test_a_gpu_with_a_fatal_xid_leaves_the_slice_and_takes_no_new_claim_while_its_neighbour_does(node):
+    """XID 48 (double-bit ECC: NVIDIA says reset the GPU) on gpu-1 of two: the agent logs it,
+    publishes the slice again without gpu-1 (gpu-0 as it was), and a claim the scheduler put
+    on gpu-1 before it knew is refused by name; one on gpu-0 is prepared.  An XID 13 (an
+    application's error) on gpu-0 changes nothing but a log line."""
+    agent = node.start()
+    assert wait_until(lambda: [d["name"] for s in node.api.slices() for d in s["spec"]["devices"]] ==
+                      ["gpu-0", "gpu-1"], 10)
+    subprocess.run([CTL, "sim", "xid", "0", "13"], env=node.env, check=True, capture_output=True)
+    assert agent.wait_for(lambda e: e["event"] == "xid", "xid")["device"] == 0
+    subprocess.run([CTL, "sim", "xid", "1", "48"], env=node.env, check=True, capture_output=True)
+    bad = agent.wait_for(lambda e: e["event"] == "gpu_unhealthy", "gpu_unhealthy")
+    assert bad["device"] == 1 and "XID 48" in bad["reason"]
+    assert wait_until(lambda: [d["name"] for s in node.api.slices() for d in s["spec"]["devices"]] == ["gpu-0"], 10)
+    [published] = node.api.slices()
+    roundtrip(published)
+    assert published["spec"]["pool"]["generation"] == 2
+    kubelet = node.kubelet()
+    sick = node.claim("on-sick", results=({"device": "gpu-1", "memory": "1Gi", "sm": "50"},))
+    refused = kubelet.prepare(sick)[sick[1]].error
+    assert "device gpu-1 is unhealthy (XID 48: Double Bit ECC Error" in refused, refused
+    well = node.claim("on-well", results=({"device": "gpu-0", "memory": "1Gi", "sm": "50"},))
+    assert not kubelet.prepare(well)[well[1]].error
+    assert [e["device"] for e in agent.events() if e["event"] == "gpu_unhealthy"] == [1]

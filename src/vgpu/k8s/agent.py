@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import install, slices
+from .. import health, install, slices
 from ..quantities import format_utc
 from . import cdi, checkpoint, claimstatus, resourceslice
 from .driver import Driver
@@ -147,19 +147,37 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     shim, preload = _shim_files(config)
     api = api or api_client(config.kubeconfig)
     gpus = []     # the driver reads the same list; its MIG instances (checkpoint) are not taken for hand-made ones
+    sick = {}     # GPU index -> why it is unhealthy (vgpu.health): left out of the slice and of new claims
+
+    def healthy():
+        return [g for g in gpus if g.index not in sick]
     try:
         driver = Driver(config.driver_name, config.node_name, config.plugin_dir, config.cdi_dir, config.slice_dir,
-                        shim, preload, claim_reader(api), lambda: gpus, gpu_cdi_devices=config.gpu_cdi_devices,
+                        shim, preload, claim_reader(api), healthy, gpu_cdi_devices=config.gpu_cdi_devices,
                         lend_memory=config.lend_memory, cdi_version=config.cdi_version, log=emit)
     except checkpoint.CheckpointError as e:
         raise AgentError(str(e), e.hint) from None
+    driver.unhealthy = sick
     gpus[:] = _gpus(driver.mig_instances())
     if not gpus:
         raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
     publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT,
                                         mig_gpus=config.mig_gpus)
-    kick = threading.Event()     # publish now: set by the watch, a registration, or stop
+    kick = threading.Event()     # publish now: set by the watch, a registration, an unhealthy GPU, or stop
     threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
+
+    def on_health(kind, gpu, xid):
+        if kind == "xid":
+            what, action, fatal = health.meaning(xid)
+            emit({"event": "xid", "device": gpu.index, "xid": xid, "meaning": what, "nvidia_action": action})
+        elif kind == "unhealthy":
+            sick[gpu.index] = gpu.reason
+            emit({"event": "gpu_unhealthy", "device": gpu.index, "reason": gpu.reason,
+                  "result": "left out of the ResourceSlice and of new claims"})
+            kick.set()
+        else:
+            emit({"event": "gpu_health", "watching": False, "why": gpu_health.unavailable})
+    gpu_health = health.Watcher(on_health)
     try:
         servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit,
                                  on_registered=kick.set)
@@ -171,11 +189,12 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
           "gpus": [g.name for g in gpus], "prepared_claims": len(driver.claims),
           "mig": {g.name: "static" if g.mig_instances else "dynamic" for g in gpus if g.mig_profiles}})
     watcher, rescanned = None, time.monotonic()
+    gpu_health.start()
     try:
         while not stop.is_set():
             kick.clear()
             try:
-                publisher.sync(gpus)
+                publisher.sync(healthy())
             except Exception as e:   # the API server is down or refused: the next round retries
                 emit({"event": "publish_failed", "error": f"{type(e).__name__}: {e}"[:500]})
             if watcher is None:      # after the first round, so that round sees the API server first
@@ -192,5 +211,6 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                 except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
                     emit({"event": "rescan_failed", "error": str(e)})
     finally:
+        gpu_health.stop()
         servers.stop()
         emit({"event": "stopped"})

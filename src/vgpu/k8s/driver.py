@@ -101,6 +101,7 @@ class Driver:
         self.gpu_cdi_devices, self.lend_memory, self.cdi_version = list(gpu_cdi_devices), lend_memory, cdi_version
         self.lock = threading.Lock()
         self.claims = checkpoint.load(self.checkpoint_path)   # CheckpointError: refuse to start
+        self.unhealthy = {}      # GPU index -> why (vgpu.health): gpus() leaves it out; a claim on it is told why
 
     # === the kubelet's two calls ===
 
@@ -275,6 +276,10 @@ class Driver:
                 raise ClaimError(f"claim {shown}: device {r.get('device')} was allocated from pool "
                                  f"{r.get('pool')}, not this node's ({self.node})")
             gpu = gpus.get(r.get("device"))
+            sick = resourceslice.parse_device(str(r.get("device")))
+            if gpu is None and sick and sick[1] in self.unhealthy:
+                raise ClaimError(f"claim {shown}: device {r.get('device')} is unhealthy "
+                                 f"({self.unhealthy[sick[1]]}): it takes no new claims")
             if gpu is None:
                 raise ClaimError(f"claim {shown}: device {r.get('device')} is not on this node "
                                  f"(it has {', '.join(sorted(gpus)) or 'no GPUs'})")
