@@ -19,16 +19,27 @@ published DRA gRPC API, over unix sockets with real gRPC:
   it lists no request names or lists that one exactly.
 - container(*refs): what the runtime then does with those IDs: resolve them with the CDI
   library of `runtime` (tests/k8s_cdi.py), or fail with "unresolvable CDI devices".
+- watch_health(): as a kubelet with ResourceHealthStatus (KEP-4680; beta, on by default in
+  1.36) does once a plugin registered, it opens the plugin's NodeWatchResources stream
+  (dra-health v1alpha1) on the plugin's endpoint and keeps each device's last health; a
+  plugin answering UNIMPLEMENTED reports none.  health(uid) is what the pod's
+  `allocatedResourcesStatus` would say for a prepared claim's devices: the last health
+  sent, "Unknown" once its health_check_timeout_seconds passed without an update.
 
 `api_level`: "1.35" (v1 with share_id), "1.34" (v1 as 1.34 had it: no share_id, so the
 field arrives as an unknown one) or, with prefer=("v1beta1.DRAPlugin",), a v1beta1
 kubelet.  The older message classes are made here from the v1 descriptor, minus share_id,
 under their own package: what matters on the wire is that they lack field 5.
 """
+import threading
+import time
+
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from k8s_cdi import CONTAINERD_2_0, Registry
+from vgpu.k8s.protos import dra_health_v1alpha1_pb2 as dra_health
+from vgpu.k8s.protos import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
 from vgpu.k8s.protos import dra_v1_pb2 as dra
 from vgpu.k8s.protos import pluginregistration_v1_pb2 as reg
 from vgpu.k8s.protos import pluginregistration_v1_pb2_grpc as reg_grpc
@@ -182,6 +193,39 @@ class Kubelet:
         return [i for d in self.prepared[uid] if not request or not d["request_names"] or
                 request in d["request_names"] for i in d["cdi_device_ids"]]
 
+    # === device health (dra-health v1alpha1) ===
+
+    def watch_health(self):
+        """Open the plugin's health stream in a thread; self.devices_health: (pool, device) ->
+        (health name, message, when received, timeout s); self.health_stream: "open",
+        "unimplemented" or the code that ended it."""
+        self.devices_health, self.health_stream = {}, "open"
+        stream = dra_health_grpc.DRAResourceHealthStub(self.dra).NodeWatchResources(
+            dra_health.NodeWatchResourcesRequest())
+        self._health_call = stream
+
+        def pump():
+            try:
+                for response in stream:
+                    for d in response.devices:
+                        self.devices_health[(d.device.pool_name, d.device.device_name)] = (
+                            dra_health.HealthStatus.Name(d.health), d.message, time.monotonic(),
+                            d.health_check_timeout_seconds or 30)
+            except grpc.RpcError as e:
+                self.health_stream = "unimplemented" if e.code() == grpc.StatusCode.UNIMPLEMENTED else \
+                    e.code().name.lower()
+        threading.Thread(target=pump, daemon=True).start()
+
+    def health(self, uid):
+        """[(pool, device, "HEALTHY" | "UNHEALTHY" | "UNKNOWN", message)] of a prepared claim's devices."""
+        out = []
+        for d in self.prepared.get(uid, []):
+            health, message, at, timeout = self.devices_health.get((d["pool"], d["device"]), ("UNKNOWN", "", 0, 0))
+            if health != "UNKNOWN" and time.monotonic() - at > timeout:
+                health, message = "UNKNOWN", ""
+            out.append((d["pool"], d["device"], health, message))
+        return out
+
     def container(self, *refs):
         """refs: (uid, request) per `resources.claims[]` entry of one container -> (the CDI
         IDs, the edits the runtime applies); k8s_cdi.UnresolvableDevices if it cannot."""
@@ -189,5 +233,7 @@ class Kubelet:
         return ids, self.runtime.inject(ids)
 
     def close(self):
+        if getattr(self, "_health_call", None) is not None:
+            self._health_call.cancel()
         for c in self.channels:
             c.close()

@@ -584,3 +584,26 @@ def test_a_gpu_with_a_fatal_xid_leaves_the_slice_and_takes_no_new_claim_while_it
     well = node.claim("on-well", results=({"device": "gpu-0", "memory": "1Gi", "sm": "50"},))
     assert not kubelet.prepare(well)[well[1]].error
     assert [e["device"] for e in agent.events() if e["event"] == "gpu_unhealthy"] == [1]
+
+
+def test_the_kubelet_s_health_stream_says_a_prepared_claim_s_gpu_turned_unhealthy(node):
+    """KEP-4680: the kubelet watches the plugin's NodeWatchResources (dra-health v1alpha1).
+    Claims on gpu-0 and gpu-1 prepared and both HEALTHY; XID 95 (uncontained ECC) on gpu-1:
+    within 2 s the stream says UNHEALTHY for gpu-1, with the XID in its message, and gpu-0
+    stays HEALTHY: what `kubectl describe pod` shows in allocatedResourcesStatus."""
+    node.start()
+    node.published()
+    kubelet = node.kubelet()
+    a = node.claim("on-0", results=({"device": "gpu-0", "memory": "1Gi", "sm": "50"},))
+    b = node.claim("on-1", results=({"device": "gpu-1", "memory": "1Gi", "sm": "50"},))
+    assert not any(r.error for r in kubelet.prepare(a, b).values())
+    kubelet.watch_health()
+    assert wait_until(lambda: [h for _, _, h, _ in kubelet.health(a[1]) + kubelet.health(b[1])] ==
+                      ["HEALTHY", "HEALTHY"], 5), kubelet.devices_health
+    t0 = time.monotonic()
+    subprocess.run([CTL, "sim", "xid", "1", "95"], env=node.env, check=True, capture_output=True)
+    assert wait_until(lambda: kubelet.health(b[1])[0][2] == "UNHEALTHY", 5), kubelet.devices_health
+    assert time.monotonic() - t0 <= 2.0
+    assert "XID 95: Uncontained ECC error" in kubelet.health(b[1])[0][3]
+    assert kubelet.health(a[1]) == [(NODE, "gpu-0", "HEALTHY", "")]
+    assert kubelet.health_stream == "open"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from google.protobuf.descriptor import FieldDescriptor as F
 
-from vgpu.k8s.protos import dra_v1_pb2, pluginregistration_v1_pb2
+from vgpu.k8s.protos import dra_health_v1alpha1_pb2, dra_v1_pb2, pluginregistration_v1_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +72,24 @@ def test_registration_service_and_fields_match_the_published_api():
     assert _fields(m["InfoRequest"]) == _fields(m["RegistrationStatusResponse"]) == {}
 
 
+def test_health_service_and_fields_match_the_published_api():
+    """k8s.io/kubelet pkg/apis/dra-health/v1alpha1/api.proto as tagged v0.36.1."""
+    d = dra_health_v1alpha1_pb2.DESCRIPTOR
+    assert d.package == "v1alpha1"
+    service = d.services_by_name["DRAResourceHealth"]
+    assert [(m.name, m.server_streaming) for m in service.methods] == [("NodeWatchResources", True)]
+    m = d.message_types_by_name
+    S, M = F.TYPE_STRING, F.TYPE_MESSAGE
+    assert _fields(m["DeviceIdentifier"]) == {"pool_name": (1, S, False), "device_name": (2, S, False)}
+    assert _fields(m["DeviceHealth"]) == {"device": (1, M, False), "health": (2, F.TYPE_ENUM, False),
+                                          "last_updated_time": (3, F.TYPE_INT64, False),
+                                          "health_check_timeout_seconds": (4, F.TYPE_INT64, False),
+                                          "message": (5, S, False)}
+    assert _fields(m["NodeWatchResourcesResponse"]) == {"devices": (1, M, True)}
+    assert [(v.name, v.number) for v in d.enum_types_by_name["HealthStatus"].values] == \
+        [("UNKNOWN", 0), ("HEALTHY", 1), ("UNHEALTHY", 2)]
+
+
 def _load(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -86,10 +104,11 @@ def test_checked_in_stubs_are_what_the_protos_generate(tmp_path):
     finally:
         sys.path.pop(0)
     names = gen_protos.generate(str(tmp_path))
-    assert names == ["dra_v1.proto", "pluginregistration_v1.proto"]
+    assert names == ["dra_health_v1alpha1.proto", "dra_v1.proto", "pluginregistration_v1.proto"]
     # compare descriptors, not text: another grpcio-tools version words the file differently
     from google.protobuf import descriptor_pb2
-    for name, checked_in in (("dra_v1", dra_v1_pb2), ("pluginregistration_v1", pluginregistration_v1_pb2)):
+    for name, checked_in in (("dra_v1", dra_v1_pb2), ("pluginregistration_v1", pluginregistration_v1_pb2),
+                             ("dra_health_v1alpha1", dra_health_v1alpha1_pb2)):
         fresh = descriptor_pb2.FileDescriptorProto()
         source = (tmp_path / "vgpu" / "k8s" / "protos" / f"{name}_pb2.py").read_text()
         serialized = source.split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]

@@ -175,12 +175,30 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
             emit({"event": "gpu_unhealthy", "device": gpu.index, "reason": gpu.reason,
                   "result": "left out of the ResourceSlice and of new claims"})
             kick.set()
+            feed.changed()
         else:
             emit({"event": "gpu_health", "watching": False, "why": gpu_health.unavailable})
     gpu_health = health.Watcher(on_health)
+    def device_health():
+        """(pool, device, healthy, why) of every GPU and every device of a prepared claim:
+        a device's health is its GPU's; a GPU this node no longer has: unknown."""
+        known = {g.index for g in gpus}
+        named = {(config.node_name, g.name) for g in gpus}
+        with driver.lock:
+            named |= {(d.get("pool_name"), d.get("device_name")) for e in driver.claims.values()
+                      for d in e.get("devices", ())}
+        out = []
+        for pool, name in sorted(named, key=str):
+            index = (resourceslice.parse_device(str(name)) or (None, None))[1]
+            if index in sick:
+                out.append((pool, name, False, sick[index]))
+            else:
+                out.append((pool, name, True if index in known else None, None))
+        return out
+    feed = plugin.DeviceHealthFeed(device_health)
     try:
         servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit,
-                                 on_registered=kick.set)
+                                 on_registered=kick.set, health_feed=feed)
     except plugin.SocketBusy as e:
         raise AgentError(str(e), "stop the other agent first") from None
     claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)

@@ -12,13 +12,20 @@
   ResourceSlices, so the agent publishes again.
 
 Each call's deadline (the kubelet's 45 s) is handed to the driver, which answers within it.
+dra.sock also serves the device health service (dra-health v1alpha1.DRAResourceHealth,
+KEP-4680), which the kubelet watches to put each allocated device's health in its pods'
+status (`allocatedResourcesStatus`).
 """
 import os
 import socket
+import threading
+import time
 from concurrent import futures
 
 import grpc
 
+from .protos import dra_health_v1alpha1_pb2 as dra_health
+from .protos import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
 from .protos import dra_v1_pb2 as dra
 from .protos import dra_v1_pb2_grpc as dra_grpc
 from .protos import pluginregistration_v1_pb2 as reg
@@ -59,6 +66,58 @@ class DraService(dra_grpc.DRAPluginServicer):
         for uid, error in self.driver.unprepare(_claims(request), context.time_remaining()).items():
             response.claims[uid].error = error
         return response
+
+
+class DeviceHealthFeed:
+    """What the health service streams: `devices()` -> [(pool, device, healthy: True, False or
+    None for unknown, message)], and a change count that `changed()` moves on."""
+
+    def __init__(self, devices):
+        self.devices = devices
+        self.cond = threading.Condition()
+        self.version = 0
+        self.halted = False
+
+    def changed(self):
+        with self.cond:
+            self.version += 1
+            self.cond.notify_all()
+
+    def halt(self):
+        with self.cond:
+            self.halted = True
+            self.cond.notify_all()
+
+
+class HealthService(dra_health_grpc.DRAResourceHealthServicer):
+    """NodeWatchResources: every device's health at once, then again on each change and
+    every HEARTBEAT_S, each with TIMEOUT_S (after which the kubelet takes a device's health as
+    unknown: an agent that died is not taken for a healthy one)."""
+    HEARTBEAT_S, TIMEOUT_S = 10.0, 30
+
+    def __init__(self, feed):
+        self.feed = feed
+
+    def _response(self):
+        now = int(time.time())
+        status = {True: dra_health.HEALTHY, False: dra_health.UNHEALTHY, None: dra_health.UNKNOWN}
+        return dra_health.NodeWatchResourcesResponse(devices=[
+            dra_health.DeviceHealth(device=dra_health.DeviceIdentifier(pool_name=pool, device_name=name),
+                                    health=status[healthy], last_updated_time=now,
+                                    health_check_timeout_seconds=self.TIMEOUT_S, message=(message or "")[:1024])
+            for pool, name, healthy, message in self.feed.devices()])
+
+    def NodeWatchResources(self, request, context):
+        feed, sent, at = self.feed, None, 0.0
+        while context.is_active():
+            with feed.cond:
+                feed.cond.wait_for(lambda: feed.halted or feed.version != sent, timeout=1.0)
+                if feed.halted:
+                    return
+                version = feed.version
+            if version != sent or time.monotonic() - at >= self.HEARTBEAT_S:
+                sent, at = version, time.monotonic()
+                yield self._response()
 
 
 def _v1beta1_handler(service):
@@ -105,7 +164,7 @@ def _claim_socket(path):
 
 def _serve(path, add):
     _claim_socket(path)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))   # (a kubelet's health stream holds one)
     add(server)
     if server.add_insecure_port(f"unix://{path}") == 0:
         raise SocketBusy(f"cannot listen on {path}")
@@ -116,11 +175,14 @@ def _serve(path, add):
 class Servers:
     """Both services, started in the right order; stop() removes the sockets."""
 
-    def __init__(self, driver, driver_name, dra_socket, registration_socket, log, on_registered=lambda: None):
+    def __init__(self, driver, driver_name, dra_socket, registration_socket, log, on_registered=lambda: None,
+                 health_feed=None):
         self.paths = (registration_socket, dra_socket)
-        service = DraService(driver)
+        self.health_feed = health_feed or DeviceHealthFeed(lambda: [])
+        service, health = DraService(driver), HealthService(self.health_feed)
         self.dra = _serve(dra_socket, lambda s: (dra_grpc.add_DRAPluginServicer_to_server(service, s),
-                                                 s.add_generic_rpc_handlers((_v1beta1_handler(service),))))
+                                                 s.add_generic_rpc_handlers((_v1beta1_handler(service),)),
+                                                 dra_health_grpc.add_DRAResourceHealthServicer_to_server(health, s)))
         registration = RegistrationService(driver_name, dra_socket, log, on_registered)
         try:
             self.reg = _serve(registration_socket,
@@ -130,6 +192,7 @@ class Servers:
             raise
 
     def stop(self, grace=5):
+        self.health_feed.halt()     # (its streams end now, not at their next heartbeat)
         for server in (self.reg, self.dra):   # unregister first: the kubelet stops dialling
             server.stop(grace).wait()
         for path in self.paths:
