@@ -237,7 +237,7 @@ def test_status_reports_slices_and_devices_as_json(ctl):
                                 "memory_used": 3 * GiB, "gpu_util": 4000, "memory_allocated": 6 * GiB,
                                 "memory_unlimited": 0, "memory_guaranteed": 5 * GiB, "memory_in_use": 0,
                                 "sm_allocated": 7000, "sm_guaranteed": 7000, "sm_ceilings": False,
-                                "containers": 2}]
+                                "containers": 2, "health": None}]   # (health: no agent watching)
     only = json.loads(ctl("status", "c2", "--json").stdout)
     assert [c["name"] for c in only["containers"]] == ["c2"]
     assert only["devices"] == data["devices"]          # a device's allocation is always the whole node's

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import run_python
-from test_node_agent import CTL, Node, agents, wait_until  # noqa: F401 (agents: a fixture)
+from test_node_agent import CTL, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from vgpu import health
 
 EVENTS = """
@@ -171,3 +171,15 @@ def test_a_gpu_lost_before_the_agent_starts_is_unhealthy_from_its_first_look(tmp
     agent = agents(node_)
     bad = agent.wait_for(lambda e: e.get("event") == "gpu-unhealthy", 5)
     assert bad["device"] == 1 and "unreachable" in bad["reason"]
+
+
+def test_cuda_calls_on_a_lost_gpu_fail_and_the_other_gpu_carries_on(tmp_path, spawn):
+    """A process on each GPU (no shim), then GPU 1 falls off the bus: calls through its
+    context answer CUDA_ERROR_UNKNOWN (999: what applications are seen to get; cuda.h
+    documents nothing for it), GPU 0's process allocates as before."""
+    node_ = Node(tmp_path, devices=2)
+    on0, on1 = spawn(node_.env), spawn({**node_.env, "TENANT_DEVICE": "1"})
+    assert on0.call(alloc=64 << 20) == 0 and on1.call(alloc=64 << 20) == 0
+    _ctl(node_, "lose", "1")
+    assert on1.call(alloc=64 << 20) == 999
+    assert on0.call(alloc=64 << 20) == 0

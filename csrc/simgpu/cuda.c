@@ -689,8 +689,19 @@ static void ctx_deactivate(struct vgpu_ctx *c)
 
 /* A primary context reset (or released) and then used again comes back to life, as the
  * driver re-initializes it. */
+/* A GPU fallen off the bus (node.c: simgpuLoseGpu): every call that reaches it through a
+ * context or stream fails.  cuda.h documents no error for it; applications see
+ * CUDA_ERROR_UNKNOWN (observed: proteneer/timemachine#1203 "Handle gpu fell off bus" adds
+ * cudaErrorUnknown to its hardware errors), so simgpu answers that. */
+static int ctx_gpu_lost(const struct vgpu_ctx *c)
+{
+    return simgpu_gpu_lost(simgpu_view_gpu(c->dev));
+}
+
 static CUresult ctx_use(struct vgpu_ctx *c)
 {
+    if (ctx_gpu_lost(c))
+        return CUDA_ERROR_UNKNOWN;
     if (__atomic_load_n(&c->active, __ATOMIC_ACQUIRE))
         return CUDA_SUCCESS;
     pthread_mutex_lock(&ctx_lock);
@@ -2457,7 +2468,13 @@ static struct vgpu_stream *resolve_stream(CUstream h, CUresult *err)
         }
         return c->null_stream;
     }
-    return handle_ok(h, K_STREAM) ? h : NULL;
+    if (!handle_ok(h, K_STREAM))
+        return NULL;
+    if (ctx_gpu_lost(((struct vgpu_stream *)h)->ctx)) {
+        *err = CUDA_ERROR_UNKNOWN;
+        return NULL;
+    }
+    return h;
 }
 
 SIMGPU_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)

@@ -4,7 +4,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -722,6 +725,19 @@ int simgpu_gpu_lost(int gpu)
     return gpu >= 0 && gpu < SIMGPU_MAX_DEVICES && (atomic_load(&g.node->health.lost) >> gpu & 1u);
 }
 
+/* The node file is a shared mapping: a futex on it works across processes (not FUTEX_PRIVATE). */
+static void health_changed(void)
+{
+    atomic_fetch_add(&g.node->health.changes, 1);
+    syscall(SYS_futex, &g.node->health.changes, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+void simgpu_health_wait(uint32_t seen, uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, &g.node->health.changes, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+
 int simgpu_xid_event(uint64_t n, int *gpu, unsigned *xid)
 {
     const struct simgpu_xid *e = &g.node->health.ring[n % SIMGPU_XID_RING];
@@ -747,6 +763,7 @@ SIMGPU_EXPORT int simgpuRaiseXid(unsigned gpu, unsigned xid)
     e->gpu = (int32_t)gpu;
     e->xid = xid;
     atomic_store_explicit(&e->seq, n + 1, memory_order_release);
+    health_changed();
     simgpu_log("XID %u raised on GPU %u", xid, gpu);
     return 0;
 }
@@ -755,8 +772,13 @@ SIMGPU_EXPORT int simgpuLoseGpu(unsigned gpu)
 {
     if (simgpu_attach() || gpu >= g.node->device_count)
         return -1;
-    if (atomic_fetch_or(&g.node->health.lost, 1u << gpu) >> gpu & 1u)
+    if (simgpu_gpu_lost((int)gpu))
         return 0;
+    /* the driver's Xid 79, "GPU has fallen off the bus", reaches event sets before the loss
+     * itself (their wait answers NVML_ERROR_GPU_IS_LOST once nothing is pending) */
+    simgpuRaiseXid(gpu, 79);
+    atomic_fetch_or(&g.node->health.lost, 1u << gpu);
     simgpu_log("GPU %u has fallen off the bus", gpu);
-    return simgpuRaiseXid(gpu, 79);   /* the driver's Xid 79, "GPU has fallen off the bus" */
+    health_changed();
+    return 0;
 }

@@ -124,6 +124,7 @@ struct simgpu_health {
     _Atomic uint64_t raised;                   /* XID events ever raised on the node */
     struct simgpu_xid ring[SIMGPU_XID_RING];   /* event n at ring[n % SIMGPU_XID_RING] */
     _Atomic uint32_t lost;                     /* bit g: GPU g has fallen off the bus */
+    _Atomic uint32_t changes;                  /* moved on by every XID and loss: a futex event sets wait on */
 };
 
 struct simgpu_node {
@@ -152,6 +153,8 @@ struct simgpu_interval *simgpu_ring(int dev);
 /* Health: is GPU g lost; event n (0-based) if it is still in the ring: 0, else -1. */
 int simgpu_gpu_lost(int gpu);
 int simgpu_xid_event(uint64_t n, int *gpu, unsigned *xid);
+/* Sleep until the node's health changes from `seen` (simgpu_health.changes), at most ns. */
+void simgpu_health_wait(uint32_t seen, uint64_t ns);
 
 /* This process's slot, claimed on first call (-1 if the table is full). */
 int simgpu_my_slot(void);

@@ -1430,14 +1430,17 @@ SIMGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData
         return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t deadline = simgpu_now_ns() + (uint64_t)timeoutms * 1000000ull;
     for (;;) {
+        uint32_t seen = atomic_load(&simgpu_node()->health.changes);
         pthread_mutex_lock(&set->lock);
         int got = next_event(set, data);
         pthread_mutex_unlock(&set->lock);
         if (got)
             return got > 0 ? NVML_SUCCESS : NVML_ERROR_GPU_IS_LOST;
-        if (simgpu_now_ns() >= deadline)
+        uint64_t now = simgpu_now_ns();
+        if (now >= deadline)
             return NVML_ERROR_TIMEOUT;
-        usleep(2000);
+        /* asleep until a change (or 50 ms: an event raised, not yet written, is looked at again) */
+        simgpu_health_wait(seen, deadline - now < 50000000ull ? deadline - now : 50000000ull);
     }
 }
 
