@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_sim_env, run_python
+from test_node_agent import agents, boxes, cgroup, wait_until  # noqa: F401 (fixtures)
 from test_simgpu_limits import ROOT
 from vgpu import driverlimits
 
@@ -227,3 +228,64 @@ def test_the_cgroup_a_killed_run_left_is_removed_by_reap_once_its_slice_is_gone(
         for path in (left, kept, young, left.parent):
             if path.exists():
                 path.rmdir()
+
+
+# === containers: the node agent limits the cgroup it finds their processes in ===
+
+def test_the_agent_puts_a_container_s_slice_cap_on_its_cgroup_and_a_bypasser_is_held(tmp_path, boxes, cgroup,
+                                                                                      agents):
+    """A container (its own mount namespace and cgroup) of slice `a` (2 GiB): a process
+    under the shim and one without it.  The node agent finds their cgroup and puts the
+    slice's cap on it: the bypasser, which the shim cannot see, is refused past 2 GiB by the
+    driver (before: admitted, 2.5 GiB on the device).  `status` says driver+shim with the
+    cgroup; a resize follows; deleting the slice clears it."""
+    from test_node_agent import Node, _slice_mounts, inner_env
+    from vgpu import runtime
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.ctl("create", "a", "--memory", "2Gi", "--request", "1Gi")
+    box = boxes(_slice_mounts(node_, "a"), cgroup=cgroup)
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    raw = box.run(inner_env(node_))                   # no shim: only the driver can hold it
+    assert member.call(alloc=GiB // 2) == 0 and raw.call(alloc=GiB) == 0
+    agent = agents(node_, "--interval", "200ms")
+    done = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "set", 10)
+    assert (done["container"], done["cgroup"], done["devices"]) == ("a", cgroup, {"0": {"soft": GiB, "hard": 2 * GiB}})
+    assert _limits(node_.env, cgroup) == [GiB, 2 * GiB]
+    assert raw.call(alloc=GiB) == OOM                 # 0.5 + 1 + 1 > 2 GiB: the driver refuses
+    assert raw.call(alloc=GiB // 4) == 0
+    (c,) = node_.status()["containers"]
+    assert c["memory_layer"] == {"layer": "driver+shim", "why": None, "cgroup": cgroup}
+    node_.ctl("resize", "a", "--memory", "3Gi")
+    assert agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "resized", 10)
+    assert _limits(node_.env, cgroup) == [GiB, 3 * GiB]
+    assert raw.call(alloc=GiB) == 0
+    member.kill()
+    raw.kill()
+    node_.ctl("delete", "a")
+    assert agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "cleared", 10)
+    assert _limits(node_.env, cgroup) is None
+
+
+def test_two_slices_in_one_cgroup_are_left_to_the_shim_and_say_why(tmp_path, boxes, cgroup, agents):
+    """Two containers of two slices put in one cgroup: one limit cannot be two caps, so
+    neither gets one, and the log and `status` say the cgroup is shared."""
+    from test_node_agent import Node, _slice_mounts, inner_env
+    from vgpu import runtime
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    for name in ("a", "b"):
+        node_.ctl("create", name, "--memory", "1Gi")
+        box = boxes(_slice_mounts(node_, name), cgroup=cgroup)
+        t = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER=name))
+        assert t.call(alloc=GiB // 4) == 0
+    agent = agents(node_, "--interval", "200ms")
+    said = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "shim only", 10)
+    assert said["why"] in ("its cgroup is shared with slice a", "its cgroup is shared with slice b"), said
+    assert _limits(node_.env, cgroup) is None
+    assert wait_until(lambda: sorted(c["memory_layer"]["why"] for c in node_.status()["containers"]) ==
+                      ["its cgroup is shared with slice a", "its cgroup is shared with slice b"], 5)
+
+
+def _limits(env, path):
+    return json.loads(run_python(LIMITS, env, args=[path]).stdout)

@@ -97,6 +97,8 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     assert (data["memory.max"], data["memory.current"], data["sm.max"]) == (4 * GiB, 0, 50)
     assert (data["oom.refusals"], data["throttled.seconds"], data["processes"]) == (0, 0, [])
     assert data["memory.driver"] == 0          # NVML (simgpu's) answers: no process holds GPU memory yet
+    # who holds the cap: no container has run yet, so no cgroup the node agent could limit
+    assert (data["memory.layer"], data["memory.layer.why"]) == ("shim", "no cgroup of its own")
     [ready] = entry["conditions"]
     assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "SlicePrepared")
     # the claim is otherwise as the scheduler left it: allocation and reservedFor untouched

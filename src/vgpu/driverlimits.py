@@ -233,12 +233,13 @@ def release(directory, name, quota):
         remove_cgroup(path)
 
 
-def layer(directory, name, held: dict, mig=False):
-    """("driver+shim", None) when slice `name`'s cgroup carries its hard limit on every
-    device it holds ({NVML index: hard}), else ("shim", why not the driver)."""
+def layer(directory, name, held: dict, mig=False, cgroup=None):
+    """("driver+shim", None) when slice `name`'s cgroup (`run`'s, or `cgroup`: its
+    container's, as the node agent found it) carries its hard limit on every device it holds
+    ({NVML index: hard}), else ("shim", why not the driver)."""
     if mig:
         return "shim", "MIG slice: MIG handles take no driver limits"
-    path = slice_cgroup(directory, name)
+    path = Path(cgroup) if cgroup else slice_cgroup(directory, name)
     if path is None or not path.is_dir():
         return "shim", "no cgroup of its own"
     for index, hard in held.items():

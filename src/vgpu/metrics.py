@@ -235,7 +235,10 @@ class NodeCollector:
             procs.add_metric([name], len(alive))
             modes.add_metric([name, v.quota.sm_mode], 1)
             caps = {d: hard for d, (_, hard) in driverlimits.for_quota(v.quota).items()}
-            layer = driverlimits.layer(self.directory, name, caps, record is not None)[0] if ok else "shim"
+            mine = self.agent.cgroup_limits.applied.get(name) if self.agent is not None and \
+                self.agent.cgroup_limits is not None else None
+            layer = driverlimits.layer(self.directory, name, caps, record is not None,
+                                       cgroup=mine[0] if mine else None)[0] if ok else "shim"
             layers.add_metric([name, layer], 1)
             entries = on_board.get(board.slice_key(name), [])
             hosts = None

@@ -11,6 +11,7 @@ from ..quantities import format_utc
 from ..slices.reader import NodeReader
 from .act import Holder, _signal
 from .judge import Judge
+from .limits import CgroupLimits
 from .model import Tracked
 from .observe import Observer
 from .settings import ORPHAN_S, RECHECK_AFTER, Settings
@@ -40,6 +41,7 @@ class Agent:
         self.holder = Holder(self.log)
         # GPU health from NVML's XID events (not without NVML: nothing to wait on)
         self.health = health.Watcher(self._health_event) if use_nvml else None
+        self.cgroup_limits = CgroupLimits(self.observer, self.log, self.directory) if use_nvml else None
         self.on_violation = on_violation or (lambda v, record: None)
         self.on_action = on_action or (lambda container, kind, action, pid, result: None)
         self.reap_enabled = reap
@@ -105,6 +107,8 @@ class Agent:
             self.log("violation-end", kind=v.kind, container=v.container or None, device=v.device,
                      lasted_s=round(now - v.started, 3))
         self._steer(snap, now)
+        if self.cgroup_limits is not None:
+            self.cgroup_limits.update(snap)
         if now - self._orphans_at >= ORPHAN_S:
             self._orphans_at = now
             self._orphans(snap, now)
@@ -302,6 +306,7 @@ class Agent:
                 "updated": round(time.time(), 3), "interval_s": self.interval, "settings": self.settings.to_json(),
                 "violations": [v.to_json() for v in self.judge.active.values()],
                 "gpus": self.health.gpus() if self.health is not None else {},
+                "driver_limits": self.cgroup_limits.state() if self.cgroup_limits is not None else {},
                 "held": [{"pid": p, "start_ticks": s} for p, s in self.holder.held_pids()],
                 "violations_total": [{"container": c or None, "kind": k, "count": n}
                                      for (c, k), n in sorted(self.judge.counts.items())]}

@@ -4,7 +4,7 @@ import json
 import os
 import time
 
-from .. import procfs, slices
+from .. import driverlimits, procfs, slices
 from ..quantities import format_memory
 from .observe import Observer
 from .settings import STATE_FILE
@@ -87,6 +87,18 @@ def annotate(data: dict, use_nvml=True):
     running = agent_running(state)
     data["agent"] = {"running": running, "pid": state.get("pid") if running else None}
     data["violations"] = state.get("violations", []) if running else None
+    limits = state.get("driver_limits") if running and isinstance(state.get("driver_limits"), dict) else {}
+    for c in data["containers"]:
+        mine, layer = limits.get(c["name"]), c.get("memory_layer")
+        if not isinstance(mine, dict) or not layer or layer.get("layer") != "shim" or \
+                layer.get("why") != "no cgroup of its own":
+            continue
+        if isinstance(mine.get("cgroup"), str):      # its container's cgroup, limited by the agent
+            caps = {int(d["index"]): d["memory_max"] for d in c["devices"] if d.get("memory_max")}
+            got, why = driverlimits.layer(data["dir"], c["name"], caps, cgroup=mine["cgroup"])
+            c["memory_layer"] = {"layer": got, "why": why, "cgroup": mine["cgroup"]}
+        elif isinstance(mine.get("why"), str):
+            c["memory_layer"] = {"layer": "shim", "why": mine["why"]}
     gpus = state.get("gpus") if running and isinstance(state.get("gpus"), dict) else {}
     for d in data.get("devices") or []:
         h = gpus.get(str(d.get("index")))

@@ -76,6 +76,11 @@ def figures(container: dict, index: int, driver_memory=None) -> dict:
     elif driver_memory is not None:   # else NVML's own list, for the slice's processes
         hosts = [p.get("host_pid") for p in container.get("processes") or [] if p.get("alive")]
         data["memory.driver"] = sum(driver_memory.get(h) or 0 for h in hosts if h is not None)
+    layer = container.get("memory_layer") or {}
+    if layer.get("layer"):      # who holds the cap: driver+shim, or shim and why (vgpu.driverlimits)
+        data["memory.layer"] = layer["layer"]
+        if layer.get("why"):
+            data["memory.layer.why"] = layer["why"][:200]
     procs = []
     for p in container.get("processes") or []:
         if not p.get("alive"):
