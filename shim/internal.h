@@ -188,10 +188,10 @@ int stream_device(CUstream stream);
 int nvml_index(nvmlDevice_t device);  /* the CUDA device an NVML handle is; -1: none of them */
 int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
-/* does NVML list memory under this process (of pid namespace pid_ns) on these devices? 1, 0, or -1:
- * it cannot say (NVML's pids are the root namespace's) */
 /* include/linux/proc_ns.h: PROC_PID_INIT_INO, the root pid namespace's inode (NVML's pids are its) */
 #define ROOT_PID_NS_INODE 0xEFFFFFFCull
+/* does NVML list memory under this process (of pid namespace pid_ns) on these devices? 1, 0, or -1:
+ * it cannot say (NVML's pids are the root namespace's) */
 int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices);
 int shared_kept_by_driver(int i);   /* with S.lock held */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */

@@ -133,23 +133,9 @@ context()
 held = ok(cu.cuMemAlloc(512 * MiB))
 # the shim's mapping and descriptor of the usage file (either keeps the file open, and its
 # slot's lock held); the shim must not run again after this
-usage, closed = os.stat(sys.argv[1]), 0
-libc = ctypes.CDLL(None)
-libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-for line in open("/proc/self/maps").read().splitlines():
-    fields = line.split()
-    if len(fields) >= 6 and int(fields[4]) == usage.st_ino:
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        assert libc.munmap(start, end - start) == 0
-for fd in os.listdir("/proc/self/fd"):
-    try:
-        st = os.stat(f"/proc/self/fd/{fd}")
-    except OSError:
-        continue
-    if (st.st_dev, st.st_ino) == (usage.st_dev, usage.st_ino):
-        os.close(int(fd))
-        closed += 1
-if not closed:
+sys.path.insert(0, os.environ["TEST_PROGRAMS"])
+from let_go import let_go
+if not let_go(sys.argv[1]):
     raise SystemExit("no descriptor of the usage file")
 if sys.argv[2] == "zombie leader":         # the main thread ends; another lives on, and the memory with it
     threading.Thread(target=lambda: time.sleep(3600)).start()
@@ -171,7 +157,8 @@ def test_a_slot_whose_lock_is_free_is_not_drained_while_its_process_still_holds_
     asks for is refused, and the device never holds more than the cap; once the process
     is gone, they fit."""
     cap = GiB
-    holder = spawn(node.env(limit=str(cap)), LETS_GO_OF_ITS_FILE, args=(str(node.usage_path()), how))
+    holder = spawn({**node.env(limit=str(cap)), "TEST_PROGRAMS": str(Path(__file__).parent / "programs")},
+                   LETS_GO_OF_ITS_FILE, args=(str(node.usage_path()), how))
     assert holder.read() == {"held": True}
     if how == "zombie leader":
         assert wait_for_state(holder.pid, "Z")

@@ -17,9 +17,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import health, install, slices
+from .. import install, slices
 from ..quantities import format_utc
 from . import cdi, checkpoint, claimstatus, resourceslice
+from .devicehealth import DeviceHealth
 from .driver import Driver
 
 
@@ -147,58 +148,24 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
     shim, preload = _shim_files(config)
     api = api or api_client(config.kubeconfig)
     gpus = []     # the driver reads the same list; its MIG instances (checkpoint) are not taken for hand-made ones
-    sick = {}     # GPU index -> why it is unhealthy (vgpu.health): left out of the slice and of new claims
-
-    def healthy():
-        return [g for g in gpus if g.index not in sick]
+    kick = threading.Event()     # publish now: set by the watch, a registration, an unhealthy GPU, or stop
+    gpu_health = DeviceHealth(config.node_name, gpus, emit, kick.set)
     try:
         driver = Driver(config.driver_name, config.node_name, config.plugin_dir, config.cdi_dir, config.slice_dir,
-                        shim, preload, claim_reader(api), healthy, gpu_cdi_devices=config.gpu_cdi_devices,
+                        shim, preload, claim_reader(api), gpu_health.healthy, gpu_cdi_devices=config.gpu_cdi_devices,
                         lend_memory=config.lend_memory, cdi_version=config.cdi_version, log=emit)
     except checkpoint.CheckpointError as e:
         raise AgentError(str(e), e.hint) from None
-    driver.unhealthy = sick
+    driver.unhealthy, gpu_health.driver = gpu_health.sick, driver
     gpus[:] = _gpus(driver.mig_instances())
     if not gpus:
         raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
     publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT,
                                         mig_gpus=config.mig_gpus)
-    kick = threading.Event()     # publish now: set by the watch, a registration, an unhealthy GPU, or stop
     threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
-
-    def on_health(kind, gpu, xid):
-        if kind == "xid":
-            what, action, fatal = health.meaning(xid)
-            emit({"event": "xid", "device": gpu.index, "xid": xid, "meaning": what, "nvidia_action": action})
-        elif kind == "unhealthy":
-            sick[gpu.index] = gpu.reason
-            emit({"event": "gpu_unhealthy", "device": gpu.index, "reason": gpu.reason,
-                  "result": "left out of the ResourceSlice and of new claims"})
-            kick.set()
-            feed.changed()
-        else:
-            emit({"event": "gpu_health", "watching": False, "why": gpu_health.unavailable})
-    gpu_health = health.Watcher(on_health)
-    def device_health():
-        """(pool, device, healthy, why) of every GPU and every device of a prepared claim:
-        a device's health is its GPU's; a GPU this node no longer has: unknown."""
-        known = {g.index for g in gpus}
-        named = {(config.node_name, g.name) for g in gpus}
-        with driver.lock:
-            named |= {(d.get("pool_name"), d.get("device_name")) for e in driver.claims.values()
-                      for d in e.get("devices", ())}
-        out = []
-        for pool, name in sorted(named, key=str):
-            index = (resourceslice.parse_device(str(name)) or (None, None))[1]
-            if index in sick:
-                out.append((pool, name, False, sick[index]))
-            else:
-                out.append((pool, name, True if index in known else None, None))
-        return out
-    feed = plugin.DeviceHealthFeed(device_health)
     try:
         servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit,
-                                 on_registered=kick.set, health_feed=feed)
+                                 on_registered=kick.set, health_feed=gpu_health.feed)
     except plugin.SocketBusy as e:
         raise AgentError(str(e), "stop the other agent first") from None
     claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)
@@ -212,7 +179,7 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
         while not stop.is_set():
             kick.clear()
             try:
-                publisher.sync(healthy())
+                publisher.sync(gpu_health.healthy())
             except Exception as e:   # the API server is down or refused: the next round retries
                 emit({"event": "publish_failed", "error": f"{type(e).__name__}: {e}"[:500]})
             if watcher is None:      # after the first round, so that round sees the API server first
