@@ -289,3 +289,42 @@ def test_two_slices_in_one_cgroup_are_left_to_the_shim_and_say_why(tmp_path, box
 
 def _limits(env, path):
     return json.loads(run_python(LIMITS, env, args=[path]).stdout)
+
+
+def test_a_pod_s_containers_in_cgroups_of_their_own_are_held_together_by_the_pod_s_cgroup(tmp_path, cgroup, agents):
+    """A pod of two containers (each its own cgroup below the pod's, as the kubelet's systemd
+    driver names them, and its own mount namespace) shares one claim's 1 GiB, no shim in
+    either.  A limit on each container would give each the whole cap; the agent puts it on
+    the pod's cgroup, so together they are refused past 1 GiB."""
+    import uuid
+    from test_node_agent import Node, Tenant, inner_env
+    from vgpu import podlabels
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    uid = str(uuid.uuid4())
+    pod = f"{cgroup}/kubepods-besteffort-pod{uid.replace('-', '_')}.slice"
+    parts = [f"{pod}/cri-containerd-{i}.scope" for i in (1, 2)]
+    for path in (pod, *parts):
+        os.mkdir(path)
+    node_.ctl("create", "claim-1", "--memory", "1Gi")
+    podlabels.write(node_.dir, "claim-1", {"namespace": "ns", "pod": "p", "pod_uid": uid})
+    tenants = [Tenant({"PATH": "/usr/bin:/bin", **inner_env(node_)},
+                      prefix=["unshare", "--mount", "sh", "-c", f'echo $$ > {part}/cgroup.procs; exec "$0" "$@"'])
+               for part in parts]
+    try:
+        assert tenants[0].call(alloc=GiB // 2) == 0 and tenants[1].call(alloc=GiB // 4) == 0
+        agent = agents(node_, "--interval", "200ms")
+        done = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "set", 10)
+        assert (done["container"], done["cgroup"]) == ("claim-1", pod)
+        assert tenants[1].call(alloc=GiB // 2) == OOM     # 0.5 + 0.25 + 0.5 GiB > 1 GiB, in the pod together
+        assert tenants[0].call(alloc=GiB // 4) == 0
+    finally:
+        for t in tenants:
+            t.kill()
+        for path in (*parts, pod):
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    time.sleep(0.1)

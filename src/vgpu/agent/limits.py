@@ -7,9 +7,11 @@ host's own cgroups, a shell's session, are never limited).  The decisions, as
 docs/node-agent.md says them:
 - one slice in one cgroup: that cgroup gets hard = memory.max and soft = the request on
   each device the slice holds;
-- one slice over several cgroups (two containers of one claim): none of them does (each
-  would get the whole cap: twice the cap together), the shim alone holds it ("its
-  processes span several cgroups");
+- one slice over several cgroups: where they are the containers of its pod (below the
+  pod's cgroup, which names the pod's UID, as the kubelet's cgroup drivers do), the pod's
+  cgroup gets the limit: a pod's claim covers its containers; else none does (each would
+  get the whole cap: twice the cap together), the shim alone holds it ("its processes span
+  several cgroups");
 - several slices in one cgroup: none of them does (one limit cannot be two caps), the
   shim alone ("its cgroup is shared with slice b").
 A limit is set as soon as the cgroup is first seen, follows resizes (the quota's
@@ -49,17 +51,32 @@ class CgroupLimits:
             for g in groups:
                 sharing.setdefault(g, set()).add(name)
         want, why = {}, {}
+        pods = self._pod_uids()
         for name, groups in cgroups.items():
             if len(groups) > 1:
-                why[name] = "its processes span several cgroups"
-                continue
-            (g,) = groups
-            others = sorted(sharing[g] - {name})
+                g = _pod_cgroup(groups, pods.get(name, ()))
+                if g is None:
+                    why[name] = "its processes span several cgroups"
+                    continue
+            else:
+                (g,) = groups
+            others = sorted({n for h, names in sharing.items() if h == g or h.startswith(g + "/")
+                             for n in names} - {name})
             if others:
                 why[name] = f"its cgroup is shared with slice {', '.join(others)}"
                 continue
             want[name] = g
         return want, why
+
+    def _pod_uids(self) -> dict:
+        """{slice: {pod UID}}: from its pod labels, and from the Kubernetes claims the agent knows."""
+        out = {}
+        for name, f in self.observer.files.items():
+            if f.pod_uid:
+                out.setdefault(name, set()).add(f.pod_uid)
+        for name, uids in (self.observer.pod_uids() or {}).items():
+            out.setdefault(name, set()).update(uids or ())
+        return out
 
     def update(self, snap):
         root = driverlimits.cgroup2_root()
@@ -111,3 +128,21 @@ class CgroupLimits:
         """For `status`: {slice: {"cgroup": path}} held by the driver, {slice: {"why": ...}} not."""
         return {**{n: {"cgroup": p} for n, (p, _, _) in self.applied.items()},
                 **{n: {"why": w} for n, w in self.refused.items() if n not in self.applied}}
+
+
+def _pod_cgroup(groups, uids):
+    """The cgroup of the pod whose containers these cgroups are: their common parent, when
+    its name carries one of the slice's pod UIDs (the systemd driver writes '_' for '-');
+    else None."""
+    parts = [g.strip("/").split("/") for g in groups]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    if not common:
+        return None
+    leaf = common[-1]
+    if any(uid and (uid in leaf or uid.replace("-", "_") in leaf) for uid in uids):
+        return "/" + "/".join(common)
+    return None
