@@ -296,6 +296,21 @@ def _is_cgroup2(path):
         return any(line.split()[4] == path and " - cgroup2 " in line for line in f)
 
 
+def assert_json_devices(obj, where="$"):
+    """docs/design.md "Logs and JSON": every `device` and `index` is a number (or null), every
+    `nvml_device` a string (or null), wherever they are in `obj`."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("device", "index"):
+                assert v is None or (isinstance(v, int) and not isinstance(v, bool)), f"{where}.{k} = {v!r}"
+            if k == "nvml_device":
+                assert v is None or isinstance(v, str), f"{where}.{k} = {v!r}"
+            assert_json_devices(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            assert_json_devices(v, f"{where}[{i}]")
+
+
 def wait_until(pred, timeout, step=0.02):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -709,8 +724,9 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     (d,) = by["soft"]["devices"]
     assert (d["index"], d["nvml_device"], d["memory_driver"], d["driver_processes"]) == (0, "0", GiB, [soft.host_pid])
     (u,) = s["unsliced"]
-    assert (u["host_pid"], u["device"], u["mig_uuid"], u["memory_driver"]) == (loose.host_pid, label, rec["uuid"],
-                                                                               GiB // 2)
+    assert (u["host_pid"], u["device"], u["nvml_device"], u["mig_uuid"], u["memory_driver"]) == \
+        (loose.host_pid, rec["device"], label, rec["uuid"], GiB // 2)
+    assert_json_devices(s)        # one convention: `device` a number, `nvml_device` the label
     row = next(line for line in n.ctl("status").stdout.splitlines() if line.startswith("(unsliced)"))
     assert f"512Mi on {label}" in row
     m = agent.metrics()
@@ -738,6 +754,7 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     assert honest.alive() and soft.alive() and loose.alive()
     assert all(e["pid"] == liar.host_pid for e in agent.events("action"))
     assert {(e["container"], e["kind"]) for e in agent.events("violation")} == {("m", "gap"), ("m", "over-cap")}
+    assert_json_devices([e for e in agent.events("violation") + agent.events("action")])
 
 
 def test_a_software_slice_on_gpu_1_is_judged_there_and_a_renumbered_container_where_it_really_is(tmp_path, spawn,

@@ -314,8 +314,9 @@ def render(data: dict, wide=True) -> str:
         cmd = p.get("command") or p.get("comm") or "?"
         if p["state"] == "ambiguous":
             cmd = f"{cmd} (claimed by {', '.join(p.get('candidates', []))})"
-        on = len(data["devices"]) > 1 or isinstance(p["device"], str)    # (a MIG device: "0/mig-2-0")
-        prow.append([what, "-", p["host_pid"], mem + (f" on {p['device']}" if on else ""),
+        where = p.get("nvml_device") or str(p["device"])          # (a MIG device: "0/mig-2-0")
+        on = len(data["devices"]) > 1 or "/" in where
+        prow.append([what, "-", p["host_pid"], mem + (f" on {where}" if on else ""),
                      _percent(p["sm_util"]), cmd if len(cmd) <= 60 else cmd[:57] + "..."])
     if prow and wide:
         out.append("")

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 
 from ..quantities import SHARE_FULL, UNLIMITED
-from .model import Snapshot
+from .model import Snapshot, json_device
 from .settings import FORGED_CHARGE, SLACK_S
 
 
@@ -26,7 +26,7 @@ class Violation:
     wall: float = None
 
     def to_json(self):
-        return {"kind": self.kind, "container": self.container or None, "device": self.device,
+        return {"kind": self.kind, "container": self.container or None, "device": json_device(self.device),
                 "since": round(self.wall, 3) if self.wall else None, "action": self.action,
                 "offenders": [p for p, _ in self.offenders], **self.detail}
 

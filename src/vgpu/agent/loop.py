@@ -12,7 +12,7 @@ from ..slices.reader import NodeReader
 from .act import Holder, _signal
 from .judge import Judge
 from .limits import CgroupLimits
-from .model import Tracked
+from .model import Tracked, json_device
 from .observe import Observer
 from .settings import ORPHAN_S, RECHECK_AFTER, Settings
 from .state import read_state, write_state
@@ -79,6 +79,8 @@ class Agent:
         return None if sd is None else sd.sm_nvml
 
     def log(self, event, **fields):
+        if "device" in fields:      # an index, never a MIG label (docs/design.md "Logs and JSON")
+            fields["device"] = json_device(fields["device"])
         rec = {"ts": format_utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
         self.log_line(json.dumps(rec, separators=(",", ":")))
 
@@ -130,7 +132,8 @@ class Agent:
                 continue
             key = (p.attribution.slice, p.host_pid)
             if key not in self._held_seen and key not in seen:
-                self.log("held-slot", container=p.attribution.slice, device=p.device, pid=p.host_pid,
+                self.log("held-slot", container=p.attribution.slice, device=p.device,
+                         nvml_device=p.place.label if p.place is not None else None, pid=p.host_pid,
                          memory_driver=p.driver, slot=p.slot, memory_charged=p.charge,
                          note=f"{p.attribution.note}: its memory counts in the slice; never acted on")
             seen.add(key)
@@ -143,7 +146,8 @@ class Agent:
             key = (p.host_pid, a.state, a.candidates)
             if key not in self._reused_seen:
                 self.log("pid-reused", container=a.slice, candidates=list(a.candidates) or None, state=a.state,
-                         device=p.device, pid=p.host_pid, memory_driver=p.driver, memory_charged=p.charge,
+                         device=p.device, nvml_device=p.place.label if p.place is not None else None,
+                         pid=p.host_pid, memory_driver=p.driver, memory_charged=p.charge,
                          note=a.note + ("; never acted on" if a.state == "ambiguous" else ""))
             seen.add(key)
         self._reused_seen = seen

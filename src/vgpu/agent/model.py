@@ -94,6 +94,15 @@ class Place(NamedTuple):
         return self.gpu if self.mig is None else self.label
 
 
+def json_device(device):
+    """A device as JSON names it (docs/design.md "Logs and JSON"): `device` is always an index
+    (a GPU's, or a slice's own), never a MIG label; where NVML lists it is `nvml_device`."""
+    if isinstance(device, str):
+        head = device.split("/", 1)[0]
+        return int(head) if head.isdigit() else None
+    return device
+
+
 def record_place(record, listed=None) -> Place:
     """A MIG slice's instance (its quota's device 0): as NVML lists it now (`listed`:
     {MIG UUID: Place}; by UUID only: a GPU instance ID is reused by the next instance made
@@ -133,12 +142,14 @@ class ProcRow:
         return 0 if self.context else self.driver - (self.charge or 0)
 
     def to_json(self):
-        out = {"host_pid": self.host_pid, "device": self.device, "memory_driver": self.driver,
+        out = {"host_pid": self.host_pid, "device": json_device(self.device), "memory_driver": self.driver,
                "sm_util": self.util * 100 if self.util is not None else None, "slot": self.slot,
                "memory_charged": self.charge, "context_only": self.context, "comm": self.comm,
                **self.attribution.to_json()}
-        if self.place is not None and self.place.mig is not None:
-            out["mig_uuid"] = self.place.mig
+        if self.place is not None:
+            out["nvml_device"] = self.place.label
+            if self.place.mig is not None:
+                out["mig_uuid"] = self.place.mig
         return out
 
 
@@ -167,7 +178,8 @@ class SliceDevice:
         return self.settings.tolerance_for(self.memory_max, len(self.processes))
 
     def to_json(self):
-        return {"container": self.name, "device": self.device, "memory_max": None if self.memory_max == UNLIMITED
+        return {"container": self.name, "device": json_device(self.device),
+                "memory_max": None if self.memory_max == UNLIMITED
                 else self.memory_max, "memory_current": self.memory_current, "memory_driver": self.driver,
                 "tolerance": self.tolerance, "sm_max": self.sm_max, "sm_nvml": self.sm_nvml,
                 "processes": [p.host_pid for p in self.processes],
