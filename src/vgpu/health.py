@@ -14,6 +14,7 @@ import threading
 import time
 
 from . import nvml
+from .quantities import format_utc
 
 # xid: (the catalog's description, its immediate action)
 XIDS = {
@@ -50,7 +51,7 @@ class GpuHealth:
 
     def to_json(self):
         return {"index": self.index, "healthy": self.healthy, "reason": self.reason,
-                "since": round(self.since, 3) if self.since else None,
+                "since": format_utc(self.since) if self.since else None,
                 "xids": {str(x): n for x, n in sorted(self.xids.items())}}
 
 

@@ -10,7 +10,7 @@ import time
 
 from . import board, driverlimits, mig, nvml, podlabels, procfs
 from .agent.state import annotate, describe_violation
-from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share, format_utc
+from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
 from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 from .slices.usage import COUNTERS
 
@@ -359,7 +359,7 @@ def render(data: dict, wide=True) -> str:
     if sick:
         out.append("")
         out.append(table(["UNHEALTHY-GPU", "SINCE", "WHY"], [
-            [d["index"], format_utc(d["health"]["since"]) if d["health"].get("since") else "-",
+            [d["index"], d["health"].get("since") or "-",
              d["health"].get("reason") or "-"] for d in sick]))
     vrows = [[v["kind"], v.get("container") or "-", v.get("device", "-"), _describe_violation(v)]
              for v in data.get("violations") or []]
