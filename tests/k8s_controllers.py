@@ -585,7 +585,14 @@ def schedule_pod(api, namespace, pod_name, classes, version=NEWEST, node=None, w
     if node:
         nodes = [node]
     else:
-        nodes = sorted({s["spec"]["nodeName"] for s in _listed_slices(api) if s["spec"].get("nodeName")})
+        # a pod no node can take yet stays pending and is tried again (the scheduler's
+        # backoff queue): a node whose slices a starting kubelet just deleted republishes them
+        deadline = time.monotonic() + wait_s
+        while True:
+            nodes = sorted({s["spec"]["nodeName"] for s in _listed_slices(api) if s["spec"].get("nodeName")})
+            if nodes or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
     nodes = [n for n in nodes if not bound or bound == {n}]
     why = {}
     for n in nodes:

@@ -377,12 +377,15 @@ class XidEvents:
 
 
 def lost_gpus() -> dict:
-    """{index: why} of the GPUs NVML cannot reach (GPU_IS_LOST and the like)."""
+    """{index: why} of the GPUs that have fallen off the bus (NVML_ERROR_GPU_IS_LOST).  Other
+    errors (a GPU busy with a MIG change, a call it does not support) are not a loss."""
     n = _nvml()
     out = {}
     for i in range(n.nvmlDeviceGetCount()):
         try:
             n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(i))
-        except n.NVMLError as e:
+        except n.NVMLError_GpuIsLost as e:
             out[i] = _describe(e)
+        except n.NVMLError:
+            pass
     return out

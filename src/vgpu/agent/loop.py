@@ -30,6 +30,7 @@ class Agent:
         self.settings = settings or Settings()
         self.interval = interval
         self.log_line = log or (lambda line: print(line, flush=True))
+        self._log_lock = threading.Lock()
         self.autoscaler = autoscaler
         reader = autoscaler.reader if autoscaler is not None else NodeReader(self.directory)
         if autoscaler is not None:   # its SM use of unpaced slices: this agent's attribution, not its own
@@ -82,7 +83,8 @@ class Agent:
         if "device" in fields:      # an index, never a MIG label (docs/design.md "Logs and JSON")
             fields["device"] = json_device(fields["device"])
         rec = {"ts": format_utc(), "event": event, **{k: v for k, v in fields.items() if v is not None}}
-        self.log_line(json.dumps(rec, separators=(",", ":")))
+        with self._log_lock:     # (threads log too: the health watcher, the holder) one line at a time
+            self.log_line(json.dumps(rec, separators=(",", ":")))
 
     # --- one iteration ---
 

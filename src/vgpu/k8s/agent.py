@@ -123,7 +123,15 @@ def _gpus(ours=frozenset()):
 
 
 def _logger(log):
-    return lambda event: log(json.dumps({"ts": format_utc(), **event}))   # as every vgpu-ctl JSON line
+    """One JSON line per event, as every vgpu-ctl JSON line; one at a time (threads emit too:
+    the watch, claim status, the gRPC servers, the GPU health watcher)."""
+    lock = threading.Lock()
+
+    def emit(event):
+        line = json.dumps({"ts": format_utc(), **event})
+        with lock:
+            log(line)
+    return emit
 
 
 def _require_extras():
