@@ -695,6 +695,8 @@ static void ctx_deactivate(struct vgpu_ctx *c)
  * cudaErrorUnknown to its hardware errors), so simgpu answers that. */
 static int ctx_gpu_lost(const struct vgpu_ctx *c)
 {
+    if (!atomic_load_explicit(&simgpu_node()->health.lost, memory_order_relaxed))
+        return 0;   /* (every call passes here: no GPU lost is one load) */
     return simgpu_gpu_lost(simgpu_view_gpu(c->dev));
 }
 
