@@ -687,8 +687,6 @@ static void ctx_deactivate(struct vgpu_ctx *c)
     }
 }
 
-/* A primary context reset (or released) and then used again comes back to life, as the
- * driver re-initializes it. */
 /* A GPU fallen off the bus (node.c: simgpuLoseGpu): every call that reaches it through a
  * context or stream fails.  cuda.h documents no error for it; applications see
  * CUDA_ERROR_UNKNOWN (observed: proteneer/timemachine#1203 "Handle gpu fell off bus" adds
@@ -700,6 +698,8 @@ static int ctx_gpu_lost(const struct vgpu_ctx *c)
     return simgpu_gpu_lost(simgpu_view_gpu(c->dev));
 }
 
+/* A primary context reset (or released) and then used again comes back to life, as the
+ * driver re-initializes it. */
 static CUresult ctx_use(struct vgpu_ctx *c)
 {
     if (ctx_gpu_lost(c))

@@ -47,6 +47,17 @@ def state(pid):
         return None
 
 
+# include/linux/proc_ns.h PROC_PID_INIT_INO: the root pid namespace's inode, whose pids
+# are the ones NVML lists
+ROOT_PID_NS = 0xEFFFFFFC
+
+
+def cgroup_names_pod(path, uid) -> bool:
+    """Does a cgroup path name pod `uid`, as the kubelet's cgroup drivers write it (cgroupfs
+    as is, systemd with '_' for '-')?"""
+    return bool(uid) and (uid in path or uid.replace("-", "_") in path)
+
+
 def pid_ns(pid="self"):
     """The inode of the process's pid namespace."""
     try:

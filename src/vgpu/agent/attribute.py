@@ -119,7 +119,7 @@ class Attributing:
         if t.identity in by_identity:
             return Attribution(by_identity[t.identity], "identity-file", "sliced")
         if t.cgroup:
-            hits = {name for uid, name in pods.items() if uid in t.cgroup or uid.replace("-", "_") in t.cgroup}
+            hits = {name for uid, name in pods.items() if procfs.cgroup_names_pod(t.cgroup, uid)}
             if len(hits) == 1:
                 return Attribution(hits.pop(), "pod", "sliced")
             if len(hits) > 1:

@@ -22,12 +22,12 @@ end (its cgroup removed) clears them.
 """
 import os
 
-from .. import driverlimits, slices
+from .. import driverlimits, procfs
 
 
 class CgroupLimits:
-    def __init__(self, observer, log, directory):
-        self.observer, self.log, self.directory = observer, log, directory
+    def __init__(self, observer, log):
+        self.observer, self.log = observer, log
         self.applied = {}        # slice -> (cgroup path, quota generation, {device: (soft, hard)})
         self.refused = {}        # slice -> why the driver does not hold it (said once)
 
@@ -85,14 +85,18 @@ class CgroupLimits:
         want, why = self.wanted(snap)
         for name in [n for n in self.applied if n not in want]:
             self._clear(name)
+        for name in [n for n in self.refused if n not in why and n not in want]:
+            del self.refused[name]   # no process in a container now: nothing to say of it
         for name, reason in why.items():
             self._refuse(name, reason)
+        views = self.observer.reader.views
         for name, group in want.items():
             path = str(root) + group
-            try:
-                quota = slices.read_quota(self.directory, name)
-            except (slices.VgpuError, OSError):
+            view = views.get(name)
+            if view is None:
                 continue         # gone, or unreadable: the next look sees to it
+            view.refresh_quota()   # (a seqlock read of its mapping: after a resize, the new quota)
+            quota = view.quota
             devices = driverlimits.for_quota(quota)
             old = self.applied.get(name)
             if old is not None and old[:2] == (path, quota.generation):
@@ -100,7 +104,7 @@ class CgroupLimits:
             if old is not None and old[0] != path:
                 self._clear(name)
             try:
-                driverlimits.apply(path, devices, slices.has_mig(self.directory, name))
+                driverlimits.apply(path, devices, view.mig is not None)
                 driverlimits.clear(path, [d for d in (old[2] if old else {}) if d not in devices])
             except driverlimits.Unavailable as e:
                 self._refuse(name, str(e))
@@ -143,6 +147,6 @@ def _pod_cgroup(groups, uids):
     if not common:
         return None
     leaf = common[-1]
-    if any(uid and (uid in leaf or uid.replace("-", "_") in leaf) for uid in uids):
+    if any(procfs.cgroup_names_pod(leaf, uid) for uid in uids):
         return "/" + "/".join(common)
     return None

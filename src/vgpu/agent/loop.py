@@ -42,7 +42,7 @@ class Agent:
         self.holder = Holder(self.log)
         # GPU health from NVML's XID events (not without NVML: nothing to wait on)
         self.health = health.Watcher(self._health_event) if use_nvml else None
-        self.cgroup_limits = CgroupLimits(self.observer, self.log, self.directory) if use_nvml else None
+        self.cgroup_limits = CgroupLimits(self.observer, self.log) if use_nvml else None
         self.on_violation = on_violation or (lambda v, record: None)
         self.on_action = on_action or (lambda container, kind, action, pid, result: None)
         self.reap_enabled = reap

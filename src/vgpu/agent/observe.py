@@ -7,7 +7,6 @@ import time
 from .. import nvml, procfs, slices
 from ..slices import usage
 from ..slices.reader import NodeReader
-from ..slices.reaping import ROOT_PID_NS
 from .attribute import Attributing
 from .driver import DriverLook
 from .evidence import Evidence
@@ -188,7 +187,7 @@ class Observer(DriverLook, Attributing, Evidence):
         still lists memory under that pid (usage.Proc.host_pid).  Only from the root pid
         namespace, whose pids NVML's are."""
         f = self.files.get(name)
-        if f is None or self.my_pid_ns != ROOT_PID_NS:
+        if f is None or self.my_pid_ns != procfs.ROOT_PID_NS:
             return
         try:
             os.pwrite(self._rw(f, name), struct.pack("<I", pid), usage.host_pid_offset(sl.slot))

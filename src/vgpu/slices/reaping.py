@@ -52,14 +52,10 @@ def reap_slice(directory, name) -> list:
             return [rec for rec in (_reap_slot(fd, p, procs) for p in procs if not p.alive) if rec]
 
 
-ROOT_PID_NS = 0xEFFFFFFC      # include/linux/proc_ns.h PROC_PID_INIT_INO: NVML's pids are this namespace's
-
-
 def _driver_holds(proc, pid) -> bool:
     """Does NVML still list memory under the slot's gone process (`pid`, as NVML names it)
-    on a device it charges?  (The
-    kernel can finish a process before the last of its device files is let go: its memory
-    is still the device's.  NVML's pids are the root namespace's, as ours are here; NVML
+    on a device it charges?  (The kernel can finish a process before the last of its
+    device files is let go: its memory is still the device's.  NVML's pids are the root namespace's, as ours are here; NVML
     not there: the kernel's word alone, as shim/shim.c slot_owner_gone.  A MIG slice's device
     0 is its MIG device, on whichever GPU: GPU 0's list may not name it, and then the
     kernel's word decides too.)"""
@@ -100,12 +96,12 @@ def _reap_slot(fd, proc, procs=()):
         # its pid here: its own in our pid namespace, or (a container's process) the one the
         # node agent wrote, when we are in the root namespace (NVML's pids are its)
         mine = procfs.pid_ns()
-        here = proc.pid if proc.pid_ns == mine else proc.host_pid if mine == ROOT_PID_NS else 0
+        here = proc.pid if proc.pid_ns == mine else proc.host_pid if mine == procfs.ROOT_PID_NS else 0
         where = procfs.owner(here, proc.start_ticks) if here > 0 else procfs.REUSED
         if where == procfs.THERE:
             return None    # dead by its lock, but alive (without the file, or exiting)
         if proc.host_pid > 0 and _driver_holds(proc, proc.host_pid) or \
-                where == procfs.GONE and mine == ROOT_PID_NS and _driver_holds(proc, here):
+                where == procfs.GONE and mine == procfs.ROOT_PID_NS and _driver_holds(proc, here):
             return None    # gone, but the driver still lists its memory: still letting go of it
     if proc.shared and _driver_keeps_shared(proc, procs):
         return None        # no holder, but the memory is still on the device: it stays charged
