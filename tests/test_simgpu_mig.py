@@ -604,6 +604,7 @@ print(json.dumps([used, rc(n.nvmlComputeInstanceDestroy, ci), rc(n.nvmlGpuInstan
 
 # === CUDA ===
 
+@pytest.mark.timing     # (it times kernels by the wall clock: run alone, not beside 4 workers)
 def test_cuda_sees_a_mig_device_as_device_0_with_its_memory_and_sms(node):
     env = node("h200")
     uuid, gpu_uuid = nvml("enable()\nmig_device(19)\nprint(json.dumps([mig_device(9), n.nvmlDeviceGetUUID(h)]))", env)
