@@ -288,13 +288,14 @@ def _build_pool(driver, name, group, rel) -> _Pool:
 
 
 def _pools(api, node, rel, wait_s) -> list:
-    """The node's pools; while one is incomplete (a driver still publishing) this waits up
-    to wait_s, as the scheduler retries a pod it cannot place yet (so that no outcome here
-    depends on timing)."""
+    """The node's pools; while there are none (a starting kubelet deleted the node's slices
+    and the driver has not published them again) or one is incomplete (a driver still
+    publishing) this waits up to wait_s, as the scheduler retries a pod it cannot place yet
+    (so that no outcome here depends on timing)."""
     deadline = time.monotonic() + wait_s
     while True:
         pools = _gather(_listed_slices(api), node, rel)
-        if not any(p.incomplete for p in pools) or time.monotonic() >= deadline:
+        if (pools and not any(p.incomplete for p in pools)) or time.monotonic() >= deadline:
             return pools
         time.sleep(0.05)
 
