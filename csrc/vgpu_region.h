@@ -31,9 +31,15 @@
 #define VGPU_UNLIMITED 0xffffffffffffffff
 
 /* struct vgpu_quota.flags */
-#define VGPU_QUOTA_TEMPORARY 1      /* made by `vgpu-ctl run` for one command: owner_* say whose */
+#define VGPU_QUOTA_TEMPORARY 1      /* made for one command (`vgpu-ctl run`) or one standalone program:
+                                       owner_* say whose */
 #define VGPU_QUOTA_SM_CEILING 2     /* --sm-mode ceiling: sm.max always, idle time is never lent to it;
                                        without it (burst) the share is sm.request .. sm.max (board) */
+#define VGPU_QUOTA_STANDALONE 4     /* with TEMPORARY: made by the shim from the limit variables (no
+                                       controller); its last process to exit removes it (shim/shim.c) */
+#define VGPU_QUOTA_MADE_DIR 8       /* STANDALONE: the node directory was made for it ... */
+#define VGPU_QUOTA_MADE_BOARD 16    /* ... and the share board was not there yet: both go with the node's
+                                       last slice, as `vgpu-ctl run` leaves the node as it found it */
 /* struct vgpu_usage_proc.flags */
 #define VGPU_PROC_FROM_FILE 1       /* its slice came from the slice identity file, not the environment */
 #define VGPU_PROC_SHARED 2          /* not a process: device memory shared between processes (an IPC or
@@ -61,8 +67,9 @@ struct vgpu_quota {
     uint32_t flags;             /* VGPU_QUOTA_* */
     char name[VGPU_NAME_MAX];
     struct vgpu_quota_device devices[VGPU_MAX_DEVICES];
-    /* TEMPORARY: the process that made the slice and removes it when its command ends;
-     * the node agent removes it once that process and the slice's own are gone */
+    /* TEMPORARY: the process that made the slice and removes it when its command ends (a
+     * standalone one: the last of its processes does); the node agent removes it once that
+     * process and the slice's own are gone */
     uint64_t owner_pid;         /* as the node's pid namespace owner_pid_ns sees it */
     uint64_t owner_start;       /* its start time: clock ticks after boot (/proc/<pid>/stat field 22) */
     uint64_t owner_pid_ns;      /* inode of that pid namespace (/proc/<pid>/ns/pid) */

@@ -38,6 +38,7 @@
  */
 #include "internal.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -260,8 +261,6 @@ static int valid_name(const char *s)
     return 1;
 }
 
-/* Standalone mode: write the quota made from the environment, unless one exists (a
- * controller's, or an earlier process's: the first one wins, atomically). */
 /* Make `path` holding `data`, complete or not at all (a temporary, then link): any
  * number of processes may race to make it, one wins, none sees it half written.  1 when
  * this process made it; 0 when it was there already or cannot be made (the caller's open
@@ -395,14 +394,17 @@ void charge_found_rewritten(int dev, int slot)
             "(counted from zero again)", slot, dev);
 }
 
-static int slot_in_use(int i)
+static int slot_charged(int i)
 {
-    if (LOAD(&S.usage->procs[i].pid))
-        return 1;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)
         if (LOAD(&S.usage->charge[d][i]))
-            return 1;   /* a drain that was cut short */
+            return 1;
     return 0;
+}
+
+static int slot_in_use(int i)
+{
+    return LOAD(&S.usage->procs[i].pid) || slot_charged(i);   /* (charged alone: a drain cut short) */
 }
 
 /* === who this process is, for the node agent (csrc/vgpu_region.h: vgpu_usage_proc) ===
@@ -752,6 +754,248 @@ static int slice_file(char name[VGPU_NAME_MAX])
     return 1;
 }
 
+/* === standalone slices ===
+ * Without a controller the limit variables make the slice (quota_from_env).  It is
+ * temporary: sized to the devices the driver shows this program (not all 16 indices),
+ * owned by the process that made it, and removed by the last of its processes to exit,
+ * with the node directory and share board where they were made for it, so a later run
+ * with other limits gets them, not the first run's (and a killed last process leaves it
+ * to the node agent's orphan removal).  Making, joining and removing all hold the node
+ * directory's flock, the lock vgpu-ctl's create and delete take (src/vgpu/slices/files.py
+ * _node_lock): a process joining the slice holds it from finding the quota until its
+ * slot is claimed, so a last process ending meanwhile either removes the slice before
+ * (the joiner makes it again) or sees the joiner's slot and leaves it. */
+
+static int standalone_node_fd = -1;      /* the node directory, locked while configure joins */
+static char standalone_dir[4096];        /* set once this process is in a standalone slice */
+static char standalone_name[VGPU_NAME_MAX];
+static dev_t standalone_quota_dev;       /* the quota file it joined (not one made again since) */
+static ino_t standalone_quota_ino;
+
+#define NODE_LOCK_TRIES 2000              /* a millisecond apart: vgpu-ctl holds it for a file write */
+
+/* The node directory's flock, or 0 after NODE_LOCK_TRIES (then the caller goes on without:
+ * the race above reopens, nothing hangs). */
+static int node_lock(int fd)
+{
+    for (int i = 0; i < NODE_LOCK_TRIES; i++) {
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+            return 1;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            return 0;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+/* The devices the driver shows this program: what a standalone slice holds.  0 when it
+ * cannot say (no driver, no device): the slice then holds every index, as before. */
+static uint32_t visible_devices(void)
+{
+    int n = 0;
+    if (!real_cuInit || !real_cuDeviceGetCount || real_cuInit(0) != CUDA_SUCCESS ||
+        real_cuDeviceGetCount(&n) != CUDA_SUCCESS || n <= 0)
+        return 0;
+    return n < VGPU_MAX_DEVICES ? (uint32_t)n : VGPU_MAX_DEVICES;
+}
+
+/* Make the slice's quota from the environment unless one is there (a controller's, or
+ * another process's: that one wins), with the node lock held from here until configure
+ * has claimed a slot (standalone_joined). */
+static void standalone_join(const char *dir, const char *cdir, const char *qpath, struct vgpu_quota *q)
+{
+    uint32_t devices = access(qpath, F_OK) ? visible_devices() : 0;   /* (cuInit outside the lock) */
+    int made_dir = 0, fd = -1;
+    for (int tries = 0; tries < 10 && fd < 0; tries++) {
+        made_dir = mkdir(dir, 0755) == 0;
+        if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
+            continue;   /* removed between the two (or unusable: join_slice says why) */
+        if (!node_lock(fd)) {
+            INFO("the node directory %s stayed locked: joining slice %s without its lock", dir, q->name);
+            close(fd);
+            fd = -1;
+            break;
+        }
+        struct stat st;
+        if (fstat(fd, &st) == 0 && st.st_nlink == 0) {
+            close(fd);   /* the last process of the node's last slice removed it before the lock came */
+            fd = -1;
+        }
+    }
+    standalone_node_fd = fd;
+    if (access(qpath, F_OK) == 0)
+        return;
+    if (!devices)
+        devices = visible_devices();   /* (removed since the look above: rare) */
+    if (devices)
+        q->device_count = devices;
+    char board[4200];
+    snprintf(board, sizeof board, "%s/.sm-board", dir);
+    q->flags |= VGPU_QUOTA_TEMPORARY | VGPU_QUOTA_STANDALONE | (made_dir ? VGPU_QUOTA_MADE_DIR : 0) |
+                (access(board, F_OK) ? VGPU_QUOTA_MADE_BOARD : 0);
+    q->owner_pid = (uint64_t)getpid();
+    q->owner_start = self_start_ticks();
+    q->owner_pid_ns = inode_of("/proc/self/ns/pid");
+    mkdir(cdir, 0755);
+    if (create_file_once(qpath, q, sizeof *q, 0644))
+        INFO("made standalone slice %s in %s (%u devices): removed when its last process ends", q->name, dir,
+             q->device_count);
+}
+
+/* configure is done with the node lock (whether it joined or not). */
+static void standalone_joined(const char *dir, const char *name, const char *qpath)
+{
+    struct stat st;
+    if (S.mode == MODE_ENFORCE && (LOAD(&S.quota->flags) & VGPU_QUOTA_STANDALONE) && stat(qpath, &st) == 0) {
+        snprintf(standalone_dir, sizeof standalone_dir, "%s", dir);
+        snprintf(standalone_name, sizeof standalone_name, "%s", name);
+        standalone_quota_dev = st.st_dev;
+        standalone_quota_ino = st.st_ino;
+    }
+    if (standalone_node_fd >= 0)
+        close(standalone_node_fd);   /* (closing lets go of the flock) */
+    standalone_node_fd = -1;
+}
+
+/* Does a child of this process live?  A child forked after CUDA was initialised holds
+ * the driver's descriptors, and with them this process's memory, and this process's usage
+ * description, and with it its slot (atfork_child): its lock never answers this process.
+ * Any live child keeps the slice (the node agent removes it once all are gone); where
+ * the kernel cannot list children, so does not knowing. */
+static int live_children(void)
+{
+    DIR *tasks = opendir("/proc/self/task");
+    if (!tasks)
+        return 1;
+    struct dirent *t;
+    int any = 0;
+    while (!any && (t = readdir(tasks))) {
+        if (t->d_name[0] == '.')
+            continue;
+        char path[64], buf[4096];
+        snprintf(path, sizeof path, "/proc/self/task/%.16s/children", t->d_name);
+        ssize_t n = read_small(path, buf, sizeof buf);
+        if (n < 0) {
+            any = 1;
+            break;
+        }
+        for (char *p = buf, *end; !any && *p; p = end) {
+            long pid = strtol(p, &end, 10);
+            if (end == p)
+                break;
+            char state, stat_path[64];
+            uint64_t ticks;
+            snprintf(stat_path, sizeof stat_path, "/proc/%ld/stat", pid);
+            any = read_stat(stat_path, &state, &ticks) == 0 && state != 'Z';   /* a zombie holds nothing */
+        }
+    }
+    closedir(tasks);
+    return any;
+}
+
+/* Is anything but this process in the slice?  Every slot's lock is asked from this
+ * process's description, which never conflicts with its own locks: a live process's slot,
+ * or a shared slot another holds, answers.  A charged shared slot is SOMEONE too, since the
+ * driver may keep an export this process holds past its exit (a descriptor parked
+ * elsewhere), as is a live child (live_children).  A dead process's slot still charged
+ * while the driver holds its memory (slot_owner_gone: its device files can outlive it
+ * for a moment) is LETTING_GO: worth waiting for. */
+enum others { NOBODY, SOMEONE, LETTING_GO };
+static enum others others_in_slice(void)
+{
+    enum others found = NOBODY;
+    for (int i = 0; i < VGPU_MAX_PROCS; i++) {
+        struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = LOCK_BASE + i, .l_len = 1};
+        if (fcntl(S.usage_fd, F_OFD_GETLK, &fl) != 0 || fl.l_type != F_UNLCK)
+            return SOMEONE;
+        if (i == S.slot || !slot_in_use(i))
+            continue;
+        if (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED) {
+            if (slot_charged(i))
+                return SOMEONE;
+        } else if (!slot_owner_gone(i)) {
+            found = LETTING_GO;
+        }
+    }
+    return live_children() ? SOMEONE : found;
+}
+
+static int node_has_slices(int node_fd)
+{
+    DIR *d = fdopendir(dup(node_fd));
+    if (!d)
+        return 1;
+    struct dirent *e;
+    int any = 0;
+    while (!any && (e = readdir(d)))
+        any = e->d_type == DT_DIR && valid_name(e->d_name);
+    closedir(d);
+    return any;
+}
+
+/* The last process of a standalone slice removes it at exit, under the node lock: the
+ * quota it joined (not one made again since), the usage file, the slice's directory, and
+ * the board and node directory where they were made for it and no slice is left.  Where a
+ * dead process's memory is still being let go it asks again, LETGO_TRIES times.  No S.lock
+ * here: a thread that held it when exit began would hang the exit. */
+#define LETGO_TRIES 100                   /* 2 ms apart */
+
+static enum others remove_if_last(int fd, uint32_t flags)
+{
+    if (!node_lock(fd))
+        return SOMEONE;
+    enum others who = others_in_slice();
+    int cfd = who == NOBODY ? openat(fd, standalone_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW) : -1;
+    struct stat st;
+    if (cfd >= 0 && fstatat(cfd, "quota", &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == standalone_quota_dev &&
+        st.st_ino == standalone_quota_ino) {
+        unlinkat(cfd, "usage", 0);
+        unlinkat(cfd, "quota", 0);
+        if (unlinkat(fd, standalone_name, AT_REMOVEDIR) == 0 && (flags & VGPU_QUOTA_MADE_BOARD) &&
+            !node_has_slices(fd)) {
+            unlinkat(fd, ".sm-board", 0);
+            if (flags & VGPU_QUOTA_MADE_DIR)
+                rmdir(standalone_dir);   /* (fails where something else lives there now) */
+        }
+    }
+    if (cfd >= 0)
+        close(cfd);
+    flock(fd, LOCK_UN);
+    return who;
+}
+
+__attribute__((destructor)) static void standalone_remove_at_exit(void)
+{
+    if (!standalone_dir[0] || S.usage_fd < 0)
+        return;
+    uint32_t flags = LOAD(&S.quota->flags);
+    int fd = open(standalone_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    for (int i = 0; i < LETGO_TRIES && remove_if_last(fd, flags) == LETTING_GO; i++) {
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+    }
+    close(fd);
+}
+
+/* Map the slice's files and claim a slot (or deny, saying why). */
+static void join_slice(const char *name, const char *qpath, const struct vgpu_quota *env_quota)
+{
+    if (!(S.quota = map_quota(qpath)))
+        return;
+    if (env_quota && memcmp(S.quota->devices, env_quota->devices, S.quota->device_count * sizeof env_quota->devices[0]))
+        INFO("%s already exists; its limits apply, not the environment's", qpath);
+    if (!(S.usage = map_usage(S.usage_path)))
+        return;
+    if (memory_map_table())
+        return deny("cannot map the allocation table");
+    S.mode = MODE_ENFORCE;
+    claim_slot();   /* none free: allocations are refused until one is (see have_slot) */
+    INFO("container %s: quota %s, usage %s, slot %d", name, qpath, S.usage_path, S.slot);
+}
+
 static void configure(void)
 {
     const char *lvl = getenv("VGPU_LOG");
@@ -807,22 +1051,11 @@ static void configure(void)
         S.slice_key = (S.slice_key ^ (unsigned char)*c) * 1099511628211ull;
     S.slice_key |= 1;   /* never 0, a free entry */
     snprintf(S.usage_path, sizeof S.usage_path, "%.4080s/usage", cdir);
-    if (from_env && access(qpath, F_OK)) {
-        mkdir(dir, 0755);
-        mkdir(cdir, 0755);
-        create_file_once(qpath, &env_quota, sizeof env_quota, 0644);
-    }
-    if (!(S.quota = map_quota(qpath)))
-        return;
-    if (from_env && memcmp(S.quota->devices, env_quota.devices, sizeof env_quota.devices))
-        INFO("%s already exists; its limits apply, not the environment's", qpath);
-    if (!(S.usage = map_usage(S.usage_path)))
-        return;
-    if (memory_map_table())
-        return deny("cannot map the allocation table");
-    S.mode = MODE_ENFORCE;
-    claim_slot();   /* none free: allocations are refused until one is (see have_slot) */
-    INFO("container %s: quota %s, usage %s, slot %d", name, qpath, S.usage_path, S.slot);
+    if (from_env)
+        standalone_join(dir, cdir, qpath, &env_quota);
+    join_slice(name, qpath, from_env ? &env_quota : NULL);
+    if (from_env)
+        standalone_joined(dir, name, qpath);
 }
 
 void init_slow(void)

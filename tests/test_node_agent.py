@@ -6,6 +6,7 @@ a pid namespace) made with unshare: see Box.
 import json
 import os
 import queue
+import random
 import re
 import signal
 import struct
@@ -82,6 +83,11 @@ class Tenant:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self.read()
+
+    def end(self):
+        """Close its stdin: it returns from main and exits as programs do (exit handlers run)."""
+        self.proc.stdin.close()
+        assert self.proc.wait(30) == 0, self.proc.stderr.read()
 
     def alive(self):
         try:
@@ -823,6 +829,78 @@ def test_an_orphaned_run_slice_is_removed_once_its_processes_are_gone(node_, age
     e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node_agent.ORPHAN_S + 5)
     assert (e["container"], e["owner_pid"]) == (name, run.pid)
     assert slices.list_names(node_.dir) == ["kept"]
+
+
+# === standalone slices: made by the shim from its variables, gone with its last process ===
+
+def standalone_env(node_, limit="1Gi", **extra):
+    """A program given the shim and a limit, no controller: `docs/shim.md`'s standalone one-liner."""
+    return {**node_.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(node_.dir), "VGPU_MEMORY_LIMIT": limit,
+            **{k: str(v) for k, v in extra.items()}}
+
+
+def test_a_standalone_slice_holds_the_node_s_devices_and_goes_with_its_last_process(tmp_path, spawn):
+    """The one-liner left a permanent slice `default` holding all 16 device indices on a node of
+    one GPU, and a later run with other limits silently got the first run's."""
+    n = Node(tmp_path, devices=2)                       # no node directory yet
+    first = spawn(standalone_env(n))
+    assert first.call(alloc=512 * MiB) == 0
+    q = slices.read_quota(n.dir, "default")
+    assert q.device_count == 2 and [d.memory_max for d in q.devices] == [GiB, GiB]
+    assert q.temporary.pid == first.host_pid
+    [listed] = json.loads(n.ctl("list", "--json").stdout)
+    assert [d["index"] for d in listed["devices"]] == [0, 1]
+    second = spawn(standalone_env(n, limit="4Gi"))     # joins: the slice's limits, not its own
+    assert second.call(alloc=GiB) == OOM
+    first.end()                                         # the slice's maker ends first
+    assert slices.list_names(n.dir) == ["default"]
+    assert second.call(alloc=256 * MiB) == 0
+    second.end()
+    assert not n.dir.exists()                           # made for it: gone with it
+    third = spawn(standalone_env(n, limit="4Gi"))
+    assert third.call(alloc=3 * GiB) == 0               # a new slice, of its own limits
+    third.end()
+    assert not n.dir.exists()
+
+
+def test_a_standalone_slice_leaves_a_node_in_use_as_it_was(node_, spawn):
+    node_.ctl("create", "kept", "--memory", "1Gi")      # makes the share board
+    t = spawn(standalone_env(node_, VGPU_CONTAINER="solo", VGPU_SM_LIMIT="50%"))
+    assert t.call(alloc=256 * MiB) == 0 and t.call(hog=200)["hog"] == 0     # on the board too
+    assert sorted(p.name for p in node_.dir.iterdir()) == [".sm-board", "kept", "solo"]
+    t.end()
+    assert sorted(p.name for p in node_.dir.iterdir()) == [".sm-board", "kept"]
+
+
+def test_a_process_joining_as_the_last_one_ends_is_never_left_in_a_removed_slice(node_, spawn):
+    """The last process removes the slice under the node directory's lock, which a joining
+    process holds from finding the quota to claiming its slot: it is in the slice it found,
+    or in one made again, never in files already unlinked (where its charge would bind no one)."""
+    rng = random.Random(28)
+    last = spawn(standalone_env(node_))
+    for _ in range(30):
+        assert last.call(alloc=64 * MiB) == 0
+        ending = threading.Thread(target=last.end)
+        ending.start()
+        time.sleep(rng.uniform(0, 0.15))                # anywhere in the other's start-up
+        joiner = spawn(standalone_env(node_))
+        assert joiner.call(alloc=64 * MiB) == 0
+        ending.join()
+        usage = slices.read_usage(node_.dir, "default")
+        assert [p.pid for p in usage.procs if p.alive] == [joiner.host_pid]
+        last = joiner
+    last.end()
+    assert slices.list_names(node_.dir) == []
+
+
+def test_a_standalone_slice_whose_last_process_was_killed_is_the_agent_s_to_remove(node_, spawn, agents):
+    t = spawn(standalone_env(node_))
+    assert t.call(alloc=256 * MiB) == 0
+    agent = agents(node_)
+    t.kill()                                            # no exit handler ran: the slice stays
+    e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node_agent.ORPHAN_S + 5)
+    assert (e["container"], e["owner_pid"]) == ("default", t.host_pid)
+    assert slices.list_names(node_.dir) == []
 
 
 # === bad input ===

@@ -6,6 +6,8 @@ it forks, and when a thread ends.  tests/programs/launch_count.c is a short-live
 it launches a number of 1 us kernels at a 50% share and exits at once.
 """
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +15,14 @@ from conftest import make_sim_env
 from vgpu._region import ffi
 from vgpu.paths import SHIM
 
+CTL = str(Path(sys.executable).parent / "vgpu-ctl")
+
 
 def run_counted(tmp_path, c_program, *counts):
-    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
-                       VGPU_CONTAINER="t", VGPU_SM_LIMIT="50%")
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER="t")
+    # a slice the controller made: it outlives its processes (a standalone one goes with its last)
+    subprocess.run([CTL, "create", "t", "--sm", "50%", "--dir", tmp_path / "vgpu"], env=env | {"LD_PRELOAD": ""},
+                   check=True, capture_output=True, timeout=60)
     p = subprocess.run([str(c_program("launch_count")), *map(str, counts)], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, (p.returncode, p.stderr)

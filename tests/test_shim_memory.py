@@ -61,6 +61,12 @@ class Node:
             env["VGPU_MEMORY_LIMIT"] = limit
         return env
 
+    def create(self, container="c1", memory="4Gi"):
+        """Make `container` as the controller does: it outlives its processes (a standalone
+        slice, made by the shim from the variables, goes with its last one)."""
+        subprocess.run([str(Path(sys.executable).parent / "vgpu-ctl"), "create", container, "--memory", memory,
+                        "--dir", self.dir], env=self.bare_env(), check=True, capture_output=True, timeout=60)
+
     def quota_path(self, container="c1"):
         return self.dir / container / "quota"
 
@@ -633,9 +639,10 @@ def sampler_summary(sampler):
 
 def test_processes_racing_for_the_cap_never_exceed_it(node, c_program):
     cap, chunk = 1 * GiB, 200 * MiB
+    node.create(memory=str(cap))                  # read after its processes end
     sampler = run_sampler(node, c_program, interval_us=2000)
     race = subprocess.Popen([str(c_program("shim_storm")), "greedy", "8", str(chunk), "10"],
-                            env=node.env(limit=str(cap)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=node.env(limit=None), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         held = json.loads(race.stdout.readline())
@@ -662,10 +669,11 @@ def test_storm_of_processes_never_exceeds_the_cap(node, c_program):
     """The issue's "done when": 16 processes allocating and freeing random sizes (sync and
     async) for 10 s against a 2 GiB cap; the referee never sees more than the cap."""
     cap = 2 * GiB
+    node.create(memory="2Gi")                     # read after its processes end
     sampler = run_sampler(node, c_program, interval_us=10000)
     storm = subprocess.run([str(c_program("shim_storm")), "storm", "16", str(STORM_SECONDS * 1000),
                             str(256 * MiB), "20261130"],
-                           env=node.env(limit="2Gi"), capture_output=True, text=True,
+                           env=node.env(limit=None), capture_output=True, text=True,
                            timeout=STORM_SECONDS + 60)
     seen = sampler_summary(sampler)
     assert storm.returncode == 0, storm.stderr
@@ -723,12 +731,13 @@ print("holding", flush=True)
 
 
 def test_exit_with_live_allocations_returns_the_budget_at_once(node):
-    run_python(EXIT_WITHOUT_FREE, node.env(limit="1Gi"))
+    node.create(memory="1Gi")                     # read after its process ends
+    run_python(EXIT_WITHOUT_FREE, node.env(limit=None))
     usage = node.usage()
     assert (usage.current, usage.peak, usage.procs) == (0, 768 * MiB, {})
     assert node.referee().used == 0
     # and the whole cap is there for the next process
-    run_python(PRELUDE + "context(); ok(cu.cuMemAlloc(GiB))", node.env(limit="1Gi"))
+    run_python(PRELUDE + "context(); ok(cu.cuMemAlloc(GiB))", node.env(limit=None))
 
 
 FORKED = PRELUDE + """

@@ -236,6 +236,23 @@ def test_standalone_processes_starting_together_never_see_a_half_written_file(tm
         assert json.loads(out.stdout) == {"ok": 32, "refused": 0, "errors": 0, "failed_workers": 0}, out.stderr
 
 
+def test_processes_of_a_standalone_slice_coming_and_going_never_pass_its_cap(node, lifecycle, c_program):
+    """The last process of a standalone slice removes it as it exits; one starting then must
+    join the slice it found or make it again, never stay in files already unlinked, where a
+    third process's new slice would not see its charge.  5,000 processes, 3 at a time, each
+    holding 600 MiB of a 1 GiB cap as it exits: the referee never sees two holding."""
+    cap, held = GiB, 600 * MiB
+    sampler = run_sampler(node, c_program, interval_us=500)
+    env = node.env(limit=str(cap))
+    out = subprocess.run(lifecycle("relay", 5000, 3, held), env=env, capture_output=True, text=True, timeout=300)
+    seen = sampler_summary(sampler)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"ok": 5000, "failed": 0}, out.stderr
+    assert seen["samples"] > 0 and seen["max_used"] == held, seen
+    left = sorted(str(p.relative_to(node.dir)) for p in node.dir.rglob("*")) if node.dir.exists() else []
+    assert left == [], f"left behind: {left}; usage: {node.usage(reap=False) if 'c1/usage' in left else None}"
+
+
 # === what the driver holds: pool reserves ===
 
 POOL_CHILD = PRELUDE + """

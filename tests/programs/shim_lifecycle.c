@@ -17,7 +17,11 @@
  *       forks NPROC workers before any CUDA call; each initialises, waits for the common
  *       start, then allocates BYTES and frees it; prints {"ok": n, "refused": n, ...}.
  *   shim_lifecycle location TYPE BYTES
- *       cuMemCreate of BYTES with location type TYPE; prints {"create": rc}. */
+ *       cuMemCreate of BYTES with location type TYPE; prints {"create": rc}.
+ *   shim_lifecycle relay NPROC WIDTH BYTES
+ *       NPROC workers, WIDTH at a time (one forked as each ends): each initialises, allocates
+ *       BYTES (asking again every 0.2 ms while refused, for up to 2 s), holds it 1 ms and
+ *       calls exit() holding it: one starts while another ends.  Prints {"ok": n, "failed": n}. */
 #define _GNU_SOURCE
 #include "cuda_abi.h"
 
@@ -188,6 +192,51 @@ static int together(int nproc, size_t bytes)
     return 0;
 }
 
+static __attribute__((noreturn)) void relay_worker(size_t bytes)
+{
+    setup();
+    CUdeviceptr p;
+    for (int i = 0; i < 10000; i++) {
+        CUresult e = cu_alloc(&p, bytes);
+        if (e == CUDA_SUCCESS) {
+            struct timespec held = {0, 1000000};
+            nanosleep(&held, NULL);
+            exit(0);   /* exit handlers run, the allocation still held */
+        }
+        if (e != CUDA_ERROR_OUT_OF_MEMORY)
+            _exit(4);
+        struct timespec again = {0, 200000};
+        nanosleep(&again, NULL);
+    }
+    _exit(5);
+}
+
+static int relay(int nproc, int width, size_t bytes)
+{
+    int started = 0, running = 0, ok = 0, failed = 0, status;
+    while (started < nproc || running) {
+        if (started < nproc && running < width) {
+            pid_t pid = fork();
+            if (pid == 0)
+                relay_worker(bytes);
+            if (pid < 0)
+                return 3;
+            started++;
+            running++;
+            continue;
+        }
+        if (wait(&status) < 0)
+            return 3;
+        running--;
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+            ok++;
+        else
+            failed++;
+    }
+    printf("{\"ok\": %d, \"failed\": %d}\n", ok, failed);
+    return 0;
+}
+
 static __attribute__((noreturn)) void location(int type, size_t bytes)
 {
     setup();
@@ -215,6 +264,8 @@ int main(int argc, char **argv)
         return fill(strtoull(argv[2], NULL, 10));
     if (argc == 4 && !strcmp(argv[1], "together"))
         return together(atoi(argv[2]), strtoull(argv[3], NULL, 10));
+    if (argc == 5 && !strcmp(argv[1], "relay"))
+        return relay(atoi(argv[2]), atoi(argv[3]), strtoull(argv[4], NULL, 10));
     if (argc == 4 && !strcmp(argv[1], "location"))
         location(atoi(argv[2]), strtoull(argv[3], NULL, 10));
     fprintf(stderr, "usage: see the comment at the top of shim_lifecycle.c\n");

@@ -298,7 +298,8 @@ class Agent:
             try:
                 slices.delete(self.directory, name)
                 self.log("orphan-removed", container=name, owner_pid=owner.pid,
-                         reason="temporary slice of vgpu-ctl run whose owner is gone, with no process left")
+                         reason="temporary slice (vgpu-ctl run's, or a standalone shim's) whose owner is gone, "
+                                "with no process left")
             except slices.NotFound:
                 pass
             except (slices.VgpuError, OSError) as e:
