@@ -105,7 +105,7 @@ def test_openb_csv_readers(tmp_path):
         ("openb-node-0000", 64000, 262144, 2, "P100"), ("openb-node-0001", 8000, 32768, 1, "V100M16"),
         ("openb-node-0002", 96000, 393216, 8, "G2")]
     pods = plan.read_pods(tmp_path / "p.csv")
-    assert pods[0] == plan.Pod("openb-pod-0001", 6000, 12288, 1, 460, None, (), 427061.0)
+    assert pods[0] == plan.Pod("openb-pod-0001", 6000, 12288, 1, 460, None, (), 427061.0, 12902960.0)
     assert pods[2].num_gpu == 0 and pods[2].gpu_request == 0
     assert pods[3].gpu_spec == ("V100M16", "V100M32") and pods[3].gpu_request == 8000
     # arrival order is creation_time, whatever the file's order
@@ -204,3 +204,45 @@ def test_cli_errors_are_one_line(tmp_path):
     assert out.returncode != 0 and "unknown policy 'worst-fit'; hint: one of" in out.stderr
     out = _ctl("--pods", str(tmp_path / "n.csv"), "--nodes", str(tmp_path / "n.csv"), "--gpu-memory", "G2")
     assert out.returncode == 2 and "is not MODEL=SIZE" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_departures_free_what_pods_took_and_gpus_in_use_are_followed_over_time(tmp_path):
+    """One node of 2 GPUs.  a (half a GPU, 0-10 s), b (half, 5-15), c (a whole one, 12-19),
+    d (a whole one at 13, never leaving: no GPU is idle then, and it is not tried again)."""
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,T4\n")
+    (tmp_path / "p.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+        "a,1000,1024,1,500,,LS,Running,0,10,0\nb,1000,1024,1,500,,LS,Running,5,15,5\n"
+        "c,1000,1024,1,1000,,LS,Running,12,19,12\nd,1000,1024,1,1000,,LS,Running,13,,13\n")
+    out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--departures",
+               "--policy", "first-fit", "--policy", "whole-gpu", "--json")
+    assert out.returncode == 0, out.stderr
+    ff, whole = json.loads(out.stdout)["policies"]
+    # first-fit: a and b share gpu-0 (1 in use), c takes gpu-1 (2), then 1, then 0 at 19
+    run = plan.simulate_over_time(plan.read_pods(tmp_path / "p.csv"), plan.read_nodes(tmp_path / "n.csv"), "first-fit")
+    assert (run.times, run.gpus_in_use) == ([0, 5, 10, 12, 13, 15, 19], [1, 1, 1, 2, 2, 1, 0])
+    assert (ff["gpus_needed_peak"], ff["gpus_in_use_mean"], ff["pods_unplaced"]) == (2, round(22 / 19, 1), 1)
+    # whole-gpu: b takes a GPU of its own while a runs
+    assert (whole["gpus_needed_peak"], whole["gpus_in_use_mean"], whole["pods_unplaced"]) == (2, round(27 / 19, 1), 1)
+    text = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--departures", "--paper")
+    assert text.returncode == 2 and "two protocols; hint: choose one" in text.stderr
+
+
+def test_mig_rounds_each_request_up_to_its_gpus_smallest_profile_at_a_free_placement():
+    """H100 80GB: 7 compute and 8 memory slices (NVIDIA's MIG user guide).  0.3 of a GPU with
+    0.3 of its memory (24 GiB) is a 3g.40gb at start 0; 0.1 (8 GiB) a 1g.10gb at the first
+    free start, 4; a second 3g.40gb finds starts 0 and 4 taken and goes to the A10, which
+    has no MIG: a whole GPU there, as whole-gpu would."""
+    nodes = [plan.Node("h", 64000, 262144, 1, "H100-80G"), plan.Node("a", 64000, 262144, 1, "A10")]
+    pods = [pod("x", 300), pod("y", 100), pod("z", 300)]
+    run = plan.simulate(pods, nodes, "mig")
+    assert [(p.name, p.gpu_milli, p.gpu_memory_mib, i, g) for p, i, g in run.placed] == [
+        ("x", 429, 40448, 0, [0]), ("y", 143, 9984, 0, [0]), ("z", 1000, None, 1, [0])]
+    assert run.cluster.mig[0][0] == 0b11111 and run.cluster.allocated == 429 + 143 + 1000
+    assert plan.mig_profile(pod("w", 1000), "H100-80G", 81152)[0] == "7g.80gb"
+    assert plan.mig_profile(pod("w", 100), "T4", 0) is None
+    # x leaves: its placement is free again for the next 3g.40gb
+    timed = [pod("x", 300, creation_time=0, deletion_time=5), pod("y", 100, creation_time=1),
+             pod("z", 300, creation_time=6)]
+    over = plan.simulate_over_time(timed, nodes[:1], "mig")
+    assert over.unplaced == [] and over.gpus_in_use == [1, 1, 1, 1]

@@ -4,8 +4,8 @@ sharing a GPU.
 One plain-Python model: pods (openb CSV or `kubectl get pods -o json`), nodes (openb node
 CSV), GPUs with an SM share (milli-GPU, 1000 = the whole GPU) and memory, the placement
 policies, the protocol of the FGD paper (Weng et al., "Beware of Fragmentation", USENIX
-ATC '23: pods never leave, the workload scaled to 130% of the cluster's GPUs, seeds) and
-the metrics.  Nothing here talks to a GPU or a cluster.
+ATC '23: pods never leave, the workload scaled to 130% of the cluster's GPUs, seeds), a
+mode in which pods leave at their deletion time, and the metrics.  Nothing here talks to a GPU or a cluster.
 
 Memory of openb pods: the trace has none, so a pod asking `gpu_milli` of a GPU is given
 the same fraction of that GPU model's memory (floor, in MiB).  Memory then never binds
@@ -30,10 +30,26 @@ MIB = 1 << 20
 # unless `gpu_memory` (the CLI's --gpu-memory) names it.
 MODEL_MEMORY_MIB = {
     "P100": 16 * 1024, "T4": 16 * 1024, "V100M16": 16 * 1024, "V100M32": 32 * 1024,
-    "A10": 24 * 1024,
+    "A10": 24 * 1024, "A100-40G": 40 * 1024, "A100-80G": 80 * 1024, "H100-80G": 80 * 1024,
 }
 
-POLICIES = ("whole-gpu", "first-fit", "best-fit", "best-fit-exact", "random")
+POLICIES = ("whole-gpu", "mig", "first-fit", "best-fit", "best-fit-exact", "random")
+
+# MIG: every MIG-capable model has 7 compute slices and 8 memory slices; a profile takes
+# `compute` of the 7 and `memory` of the 8 memory slices, starting at one of `starts`
+# (NVIDIA's MIG user guide, supported-mig-profiles; ../shared/reference/nvml-mig.md).
+# MiB: what nvidia-smi -lgip shows (GiB x 1024, rounded down) on the A100-40GB and the
+# H100 80GB; the A100 80GB has the H100's geometry and sizes.  (compute, memory, starts)
+_MIG_GEOMETRY = ((1, 1, (0, 1, 2, 3, 4, 5, 6)), (1, 2, (0, 2, 4, 6)), (2, 2, (0, 2, 4)), (3, 4, (0, 4)),
+                 (4, 4, (0,)), (7, 8, (0,)))
+_H100_80G = (("1g.10gb", 9984), ("1g.20gb", 20090), ("2g.20gb", 20090), ("3g.40gb", 40448), ("4g.40gb", 40448),
+             ("7g.80gb", 81152))
+_MIG_SIZES = {"A100-40G": (("1g.5gb", 4864), ("1g.10gb", 9984), ("2g.10gb", 9984), ("3g.20gb", 20090),
+                           ("4g.20gb", 20090), ("7g.40gb", 40325)),
+              "A100-80G": _H100_80G, "H100-80G": _H100_80G}
+# model -> ((name, compute, memory slices, MiB, starts), ...)
+MIG_PROFILES = {model: tuple((name, c, m, mib, starts) for (c, m, starts), (name, mib) in zip(_MIG_GEOMETRY, sizes))
+                for model, sizes in _MIG_SIZES.items()}
 
 # The paper's figures: unallocated GPU share at 100% arrived load, default trace, mean of
 # 10 seeds (Weng et al., ATC '23; ../shared/traces/README.md).
@@ -51,6 +67,7 @@ class Pod:
     gpu_memory_mib: int = None    # per GPU, when the pod says; None: derived from gpu_milli
     gpu_spec: tuple = ()          # GPU models allowed; () any
     creation_time: float = 0.0
+    deletion_time: float = None   # None: never leaves
 
     @property
     def gpu_request(self):
@@ -95,6 +112,17 @@ def _int(path, row, column):
                       hint="the openb CSV columns hold integers") from None
 
 
+def _time(path, row, column):
+    """Seconds from the trace's start; None where the column is absent or empty."""
+    if not row.get(column):
+        return None
+    try:
+        return float(row[column])
+    except ValueError:
+        raise BadFile(f"{path}: {column}={row[column]!r} in {row.get('name')} is not a number",
+                      hint="times are seconds from the trace's start") from None
+
+
 def read_nodes(path):
     """The openb node CSV: sn, cpu_milli, memory_mib, gpu, model."""
     rows = _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model"))
@@ -120,7 +148,8 @@ def read_pods(path):
             raise BadFile(f"{path}: gpu_milli={milli} in {r['name']} is not 1-1000", hint="gpu_milli is the share of one GPU")
         spec = tuple(s for s in (r.get("gpu_spec") or "").split("|") if s)
         pods.append(Pod(r["name"], _int(path, r, "cpu_milli"), _int(path, r, "memory_mib"), num_gpu,
-                        milli if num_gpu else 0, None, spec, float(r.get("creation_time") or 0)))
+                        milli if num_gpu else 0, None, spec, _time(path, r, "creation_time") or 0.0,
+                        _time(path, r, "deletion_time")))
     return pods
 
 
@@ -195,6 +224,7 @@ class Cluster:
         self.gmem_cap = [memory.get(n.model) for n in nodes]   # per GPU, None: unknown
         self.gmem = [[memory.get(n.model) or 0] * n.gpus for n in nodes]
         self.maxfree = [MILLI if n.gpus else 0 for n in nodes]
+        self.mig = [[0] * n.gpus for n in nodes]      # memory slices MIG instances hold (mig policy)
         self.idle = [n.gpus for n in nodes]
         self.by_model = {}
         for i, n in enumerate(nodes):
@@ -236,16 +266,69 @@ class Cluster:
         want = pod.gpu_milli if pod.shared else MILLI
         return [g for g, free in enumerate(self.gfree[i]) if free >= want and self.gmem[i][g] >= need]
 
-    def place(self, pod, i, gpus):
-        self.cpu[i] -= pod.cpu_milli
-        self.mem[i] -= pod.memory_mib
+    def gpus_in_use(self):
+        return sum(1 for free in self.gfree for f in free if f < MILLI)
+
+    def take(self, pod, i, gpus, sign=1):
+        """Take what the pod asks on node i's `gpus` (sign -1: give it back)."""
+        self.cpu[i] -= sign * pod.cpu_milli
+        self.mem[i] -= sign * pod.memory_mib
         need = self.gpu_memory_of(pod, i) or 0
         for g in gpus:
-            self.gfree[i][g] -= pod.gpu_milli
-            self.gmem[i][g] -= need
+            self.gfree[i][g] -= sign * pod.gpu_milli
+            self.gmem[i][g] -= sign * need
         self.maxfree[i] = max(self.gfree[i], default=0)
         self.idle[i] = sum(1 for f in self.gfree[i] if f == MILLI)
-        self.allocated += pod.gpu_request
+        self.allocated += sign * pod.gpu_request
+
+
+# === MIG: a request rounded up to the smallest MIG profile of its GPU ===
+
+def mig_profile(pod, model, need_mib):
+    """The smallest profile of `model` (fewest memory slices, then compute) whose compute
+    share covers the pod's SM share and whose memory covers `need_mib`; None where the
+    model has no MIG or no profile is large enough (then the pod takes whole GPUs)."""
+    fits = [p for p in MIG_PROFILES.get(model, ()) if p[1] * MILLI >= pod.gpu_milli * 7 and p[3] >= need_mib]
+    return min(fits, key=lambda p: (p[2], p[1]), default=None)
+
+
+def _mig_start(cluster, i, g, profile):
+    """The lowest free placement of `profile` on GPU g of node i, or None."""
+    _, _, slices, _, starts = profile
+    busy = cluster.mig[i][g]
+    for start in starts:
+        if not busy & (((1 << slices) - 1) << start):
+            return start
+    return None
+
+
+def mig_place(cluster, pod, order):
+    """First fit as the DRA allocator walks the nodes' MIG devices: on each node the pod
+    fits (CPU, memory, model) in `order`, a shared pod on a MIG-capable model takes the
+    first GPU with a free placement of its profile; anything else takes whole idle GPUs.
+    Returns (pod as placed, node, gpus, (start, memory slices) or None) or None."""
+    cpu, mem = cluster.cpu, cluster.mem
+    allowed = set(i for m in pod.gpu_spec for i in cluster.by_model.get(m, ())) if pod.gpu_spec else None
+    whole = _as_whole(pod)
+    for i in order:
+        if (allowed is not None and i not in allowed) or cpu[i] < pod.cpu_milli or mem[i] < pod.memory_mib:
+            continue
+        model = cluster.nodes[i].model
+        profile = mig_profile(pod, model, cluster.gpu_memory_of(pod, i) or 0) if pod.shared else None
+        if profile is not None and profile[1] < 7:
+            for g in range(cluster.nodes[i].gpus):
+                start = _mig_start(cluster, i, g, profile)
+                if start is not None:
+                    placed = Pod(**{**pod.__dict__, "gpu_milli": -(-profile[1] * MILLI // 7),
+                                    "gpu_memory_mib": profile[3]})
+                    return placed, i, [g], (start, profile[2])
+            continue
+        gpus = [g for g, free in enumerate(cluster.gfree[i]) if free == MILLI][:whole.num_gpu]
+        if whole.num_gpu and len(gpus) == whole.num_gpu and (whole.gpu_memory_mib is None or cluster.fitting_gpus(whole, i)):
+            return whole, i, gpus, None
+        if not whole.num_gpu:
+            return whole, i, [], None
+    return None
 
 
 # === policies: each picks (node, gpus) among the nodes the pod fits on ===
@@ -306,8 +389,30 @@ def random_fit(cluster, pod, found, rng):
     return i, ([rng.choice(fits)] if pod.shared else fits[:pod.num_gpu])
 
 
-_PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit, "best-fit-exact": best_fit_exact,
-         "random": random_fit}
+_PICK = {"whole-gpu": first_fit, "mig": None, "first-fit": first_fit, "best-fit": best_fit,
+         "best-fit-exact": best_fit_exact, "random": random_fit}
+
+
+def _placement(cluster, pod, policy, rng):
+    """Where `pod` goes under `policy`: (pod as placed, node, gpus, MIG instance (start,
+    memory slices) or None), or None when it fits nowhere."""
+    if policy == "mig":
+        return mig_place(cluster, pod, cluster.all)
+    placed_as = _as_whole(pod) if policy == "whole-gpu" else pod
+    found = cluster.candidates(placed_as)
+    if not found:
+        return None
+    i, gpus = _PICK[policy](cluster, placed_as, found, rng)
+    return placed_as, i, gpus, None
+
+
+def _take(cluster, placement, sign=1):
+    """Place (sign 1) or give back (-1) a placement."""
+    placed_as, i, gpus, instance = placement
+    cluster.take(placed_as, i, gpus, sign)
+    if instance is not None:
+        start, slices = instance
+        cluster.mig[i][gpus[0]] ^= ((1 << slices) - 1) << start
 
 
 def _as_whole(pod):
@@ -344,16 +449,14 @@ def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_
     if not cluster.capacity:
         raise InvalidRequest("the nodes have no GPUs", hint="give the openb GPU node list")
     run = Run(policy, cluster)
-    pick, rng = _PICK[policy], random.Random(f"{seed}-policy")
+    rng = random.Random(f"{seed}-policy")
     marks = sorted(checkpoints)
     for pod in pods:
         run.asked += pod.gpu_request
-        placed_as = _as_whole(pod) if policy == "whole-gpu" else pod
-        found = cluster.candidates(placed_as)
-        if found:
-            i, gpus = pick(cluster, placed_as, found, rng)
-            cluster.place(placed_as, i, gpus)
-            run.placed.append((placed_as, i, gpus))
+        placement = _placement(cluster, pod, policy, rng)
+        if placement:
+            _take(cluster, placement)
+            run.placed.append(placement[:3])
         else:
             run.unplaced.append(pod)
             run.asked_unplaced += pod.gpu_request
@@ -363,6 +466,57 @@ def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_
             run.checkpoints[marks.pop(0)] = 100.0 * (cluster.capacity - cluster.allocated) / cluster.capacity
         if stop_after is not None and arrived >= stop_after:
             break
+    return run
+
+
+@dataclass
+class OverTime:
+    """A run with departures: GPUs in use (any share allocated) after each event."""
+    policy: str
+    cluster: Cluster
+    times: list = field(default_factory=list)        # event times, seconds
+    gpus_in_use: list = field(default_factory=list)  # after each
+    unplaced: list = field(default_factory=list)     # pods that did not fit when they arrived
+
+    def summary(self):
+        span = self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+        weighted = sum(g * (b - a) for g, a, b in zip(self.gpus_in_use, self.times, self.times[1:]))
+        return {"policy": self.policy, "gpus": sum(n.gpus for n in self.cluster.nodes),
+                "gpus_needed_peak": max(self.gpus_in_use, default=0),
+                "gpus_in_use_mean": round(weighted / span, 1) if span else float(max(self.gpus_in_use, default=0)),
+                "pods_unplaced": len(self.unplaced), "hours": round(span / 3600, 1)}
+
+
+def simulate_over_time(pods, nodes, policy, seed=0, gpu_memory=None):
+    """Pods arrive at creation_time and leave at deletion_time (at one instant, departures
+    first); a pod that does not fit when it arrives is not tried again (the scheduler
+    would keep it pending: it is counted, not placed later).  GPUs in use after each event."""
+    if policy not in _PICK:
+        raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
+    cluster = Cluster(nodes, gpu_memory)
+    run = OverTime(policy, cluster)
+    rng = random.Random(f"{seed}-policy")
+    events = [(p.creation_time, 1, n) for n, p in enumerate(pods)]
+    events += [(p.deletion_time, 0, n) for n, p in enumerate(pods)
+               if p.deletion_time is not None and p.deletion_time >= p.creation_time]
+    where = {}
+    for t, arrives, n in sorted(events):
+        pod = pods[n]
+        if not arrives:
+            if n in where:
+                _take(cluster, where.pop(n), -1)
+        else:
+            placement = _placement(cluster, pod, policy, rng)
+            if placement:
+                _take(cluster, placement)
+                where[n] = placement
+            else:
+                run.unplaced.append(pod)
+        if run.times and run.times[-1] == t:
+            run.gpus_in_use[-1] = cluster.gpus_in_use()
+        else:
+            run.times.append(t)
+            run.gpus_in_use.append(cluster.gpus_in_use())
     return run
 
 

@@ -31,18 +31,20 @@ def _pct(v):
 @click.option("--nodes", "nodes_path", required=True, type=click.Path(dir_okay=False),
               help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model).")
 @click.option("--policy", "policies", multiple=True, help="Placement policy, repeatable "
-              "[default: whole-gpu, first-fit, best-fit, random; also best-fit-exact].")
+              "[default: whole-gpu, first-fit, best-fit, random; also mig, best-fit-exact].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random choices.")
 @click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="MODEL=SIZE",
               help="GPU memory of a model the built-in table lacks (G1-G3 are undisclosed), e.g. G2=32Gi.")
 @click.option("--paper", is_flag=True, help="The FGD paper's protocol instead: the workload scaled to 130% of "
               "the cluster's GPUs, pods in random order, nothing leaves; prints the unallocated GPU share at "
               "100% arrived load, mean and std over --seeds.")
+@click.option("--departures", is_flag=True, help="Pods arrive at creation_time and leave at deletion_time: "
+              "prints the GPUs each policy needs (the most in use at once) and uses on average over time.")
 @click.option("--seeds", default=10, show_default=True, type=click.IntRange(1, 1000), help="Seeds for --paper.")
 @click.option("--order", "how", type=click.Choice(["shuffle", "arrival"]), default="shuffle", show_default=True,
               help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time order).")
 @json_option
-def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, seeds, how, as_json):
+def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departures, seeds, how, as_json):
     """Place pods on nodes under each policy; report GPUs used, unallocated GPU capacity,
     SM and memory occupancy and the pods that did not fit, per GPU model.
 
@@ -54,6 +56,7 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, seeds, ho
       vgpu-ctl plan --pods openb_pod_list_default.csv --nodes openb_node_list_gpu_node.csv
       vgpu-ctl plan --pods pods.json --nodes nodes.csv --policy first-fit --json
       vgpu-ctl plan --paper --policy best-fit --pods ... --nodes ...
+      vgpu-ctl plan --departures --pods ... --nodes ...
     """
     from .. import plan   # (imported here: only `plan` needs it)
 
@@ -64,6 +67,20 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, seeds, ho
     memory = _gpu_memory(gpu_memory)
     nodes = plan.read_nodes(nodes_path)
     pods = plan.read_pods(pods_path)
+    if paper and departures:
+        raise InvalidRequest("--paper and --departures are two protocols", hint="choose one")
+    if departures:
+        rows = [plan.simulate_over_time(pods, nodes, p, seed, memory).summary() for p in policies]
+        if as_json:
+            emit_json({"protocol": {"departures": True}, "policies": rows})
+            return
+        click.echo(f"pods arrive and leave as the trace says ({rows[0]['hours']:g} h); a pod that does not fit "
+                   "when it arrives is not placed later")
+        click.echo(f"{'policy':<16}{'GPUs':>6}{'needed':>8}{'mean in use':>13}{'did not fit':>13}")
+        for r in rows:
+            click.echo(f"{r['policy']:<16}{r['gpus']:>6}{r['gpus_needed_peak']:>8}{r['gpus_in_use_mean']:>13.1f}"
+                       f"{r['pods_unplaced']:>13}")
+        return
     if paper:
         rows = []
         for p in policies:
@@ -93,3 +110,45 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, seeds, ho
         k = r["unplaced_by_kind"]
         click.echo(f"{r['policy']:<16}{r['pods_placed']} of {r['pods']} pods placed; did not fit: {r['pods_unplaced']} "
                    f"(shared {k['shared']}, whole-GPU {k['whole']}, CPU-only {k['cpu_only']})")
+
+
+@main.command("replay")
+@click.option("--memory", "memory_path", required=True, type=click.Path(dir_okay=False),
+              help="GPU memory used per pod: timestamp_anon,value,container_ip (the GenAI trace's file; .gz read as is).")
+@click.option("--duty", "duty_path", type=click.Path(dir_okay=False),
+              help="GPU duty cycle per pod, percent: value,timestamp_anon,container_ip.")
+@click.option("--gpu-memory", "gpu_memory", default="80Gi", show_default=True,
+              help="Memory of the GPU model assumed (the trace's peaks reach 47 GiB: an 80 GB card).")
+@click.option("--request-quantile", "quantiles", multiple=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Autoscaled slices: the quantile of a pod's memory its request is sized at, repeatable "
+              "[default: 0.5, 0.9, 0.99].")
+@json_option
+def replay_cmd(memory_path, duty_path, gpu_memory, quantiles, as_json):
+    """Replay pods' memory and duty series: GPUs needed and memory occupancy with a whole GPU
+    per pod, with a slice per pod sized at its peak, and with slices whose memory the
+    autoscaler moves (the policy `vgpu-ctl autoscale` runs, at its defaults), with what that
+    costs: samples where a pod would have been refused memory (OOM) and GPU time short.
+
+    \b
+    Example:
+      vgpu-ctl replay --memory pod_gpu_memory_used_bytes_anon.csv.gz --duty pod_gpu_duty_cycle_anon.csv.gz
+    """
+    from .. import replay   # (imported here: only `replay` needs it)
+
+    try:
+        gpu_bytes = parse_memory(gpu_memory)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--gpu-memory'") from None
+    times, series = replay.read_series(memory_path, duty_path)
+    result = replay.replay(times, series, gpu_bytes, quantiles or (0.5, 0.9, 0.99))
+    if as_json:
+        emit_json(result)
+        return
+    click.echo(f"{result['pods']} pods, {result['samples']} samples every {result['interval_s']:g} s "
+               f"({result['hours']:g} h), GPUs of {gpu_memory}")
+    click.echo(f"{'config':<18}{'GPUs':>6}{'mem occ':>9}{'OOM samples':>13}{'of all':>8}{'held below':>12}"
+               f"{'SM short':>10}")
+    for c in result["configs"]:
+        name = c["config"] + (f" p{c['request_quantile'] * 100:g}" if "request_quantile" in c else "")
+        click.echo(f"{name:<18}{c['gpus']:>6}{c['memory_occupancy_pct']:>8.1f}%{c['oom_samples']:>13}"
+                   f"{c['oom_pct']:>7.2f}%{c['held_below_demand_s'] / 3600:>11.1f}h{c['sm_short_samples']:>10}")
