@@ -176,7 +176,7 @@ def test_cli_json_through_vgpu_ctl(tmp_path):
     out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json")
     assert out.returncode == 0, out.stderr
     got = {r["policy"]: r for r in json.loads(out.stdout)["policies"]}
-    assert list(got) == ["whole-gpu", "first-fit", "best-fit", "random"]
+    assert list(got) == ["whole-gpu", "k8s-default", "first-fit", "best-fit", "random"]
     ff = got["first-fit"]
     # the 8-GPU pod wants V100s: the only one has 1 GPU; the 1.0 and 0.46 pods share nothing
     assert ff["unplaced"] == ["openb-pod-0003"] and ff["gpus"] == 11 and ff["gpu_asked"] == 9.46
@@ -246,3 +246,34 @@ def test_mig_rounds_each_request_up_to_its_gpus_smallest_profile_at_a_free_place
              pod("z", 300, creation_time=6)]
     over = plan.simulate_over_time(timed, nodes[:1], "mig")
     assert over.unplaced == [] and over.gpus_in_use == [1, 1, 1, 1]
+
+
+def test_k8s_default_is_kube_schedulers_own_node_choice_then_the_drivers_device_order():
+    """kube-scheduler 1.34-1.36 (schedule_one.go, noderesources): the DRA plugin scores 0 for
+    plain requests, so LeastAllocated + BalancedAllocation over CPU and memory pick the node:
+    the emptiest, where first-fit takes the first in node order."""
+    nodes = [node("small", cpu=8000), node("big", cpu=16000)]
+    x = pod("x", 500, cpu=2000)
+    cluster = plan.Cluster(nodes)
+    # small: cpu (6000*100)//8000 = 75, memory (31744*100)//32768 = 96 -> 85; balanced 1 - (0.25 - 1/32)/2 -> 89
+    # big:   cpu 87, memory 96 -> 91; balanced 1 - (0.125 - 1/32)/2 -> 95
+    assert [plan.scheduler_score(cluster, x, i) for i in (0, 1)] == [85 + 89, 91 + 95]
+    assert where(plan.simulate([x], nodes, "k8s-default"))["x"] == ("big", [0])
+    assert where(plan.simulate([x], nodes, "first-fit"))["x"] == ("small", [0])
+    # the driver's order decides the GPU: first fit takes GPU 0, tightest-first the fuller one
+    busy = [pod("w", 700, cpu=1000), pod("v", 400, cpu=1000), pod("u", 300, cpu=1000)]
+    one = [node("only", gpus=2, cpu=64000)]
+    assert where(plan.simulate(busy, one, "k8s-default"))["u"] == ("only", [0])     # 0 has 300 free, 1 has 600
+    assert where(plan.simulate(busy[:2] + [pod("u", 300, cpu=1000)], one, "k8s-tightest"))["u"] == ("only", [0])
+    tight = [pod("w", 400, cpu=1000), pod("v", 800, cpu=1000), pod("u", 200, cpu=1000)]
+    assert where(plan.simulate(tight, one, "k8s-default"))["u"] == ("only", [0])      # 600 free on 0, 200 on 1
+    assert where(plan.simulate(tight, one, "k8s-tightest"))["u"] == ("only", [1])
+
+
+def test_kube_scheduler_filters_only_part_of_a_large_cluster_from_where_it_stopped():
+    assert [plan.feasible_nodes_to_find(n) for n in (50, 100, 250, 1213, 5000)] == [50, 100, 120, 497, 500]
+    nodes = [node(f"n{i:03}", cpu=64000) for i in range(250)]
+    run = plan.simulate([pod("a", 500), pod("b", 500)], nodes, "k8s-default")
+    got = where(run)
+    assert int(got["a"][0][1:]) < 120 <= int(got["b"][0][1:]) < 240      # nodes 0-119, then 120-239
+    assert run.cluster.next_start == 240

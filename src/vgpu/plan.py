@@ -33,7 +33,7 @@ MODEL_MEMORY_MIB = {
     "A10": 24 * 1024, "A100-40G": 40 * 1024, "A100-80G": 80 * 1024, "H100-80G": 80 * 1024,
 }
 
-POLICIES = ("whole-gpu", "mig", "first-fit", "best-fit", "best-fit-exact", "random")
+POLICIES = ("whole-gpu", "mig", "first-fit", "k8s-default", "k8s-tightest", "best-fit", "best-fit-exact", "random")
 
 # MIG: every MIG-capable model has 7 compute slices and 8 memory slices; a profile takes
 # `compute` of the 7 and `memory` of the 8 memory slices, starting at one of `starts`
@@ -230,6 +230,7 @@ class Cluster:
         for i, n in enumerate(nodes):
             self.by_model.setdefault(n.model, []).append(i)
         self.all = list(range(len(nodes)))
+        self.next_start = 0                            # kube-scheduler's next filtering start
         self.capacity = sum(n.gpus for n in nodes) * MILLI
         self.allocated = 0
 
@@ -389,8 +390,74 @@ def random_fit(cluster, pod, found, rng):
     return i, ([rng.choice(fits)] if pod.shared else fits[:pod.num_gpu])
 
 
+# kube-scheduler's own node choice for a pod whose GPUs come from DRA claims, 1.34-1.36
+# (kubernetes/kubernetes pkg/scheduler): the DynamicResources plugin filters the nodes where
+# the allocator finds devices and scores only prioritized-list choices (computeScore: 0 for
+# plain requests), so the default profile's other scores decide: NodeResourcesFit's
+# LeastAllocated over cpu and memory (weights 1: ((allocatable - requested) * 100 /
+# allocatable) per resource, integer, averaged) plus NodeResourcesBalancedAllocation
+# ((1 - |cpu fraction - memory fraction| / 2) * 100, fractions capped at 1), requested
+# counting the pod; the top score wins, ties at random (selectHost).  Filtering stops once
+# numFeasibleNodesToFind feasible nodes are found, starting where the last cycle stopped
+# (schedule_one.go; parallel filtering may check a few more: not modelled).
+MIN_FEASIBLE_NODES, MIN_FEASIBLE_PERCENT = 100, 5
+
+
+def feasible_nodes_to_find(all_nodes):
+    """schedule_one.go numFeasibleNodesToFind with percentageOfNodesToScore unset (0)."""
+    if all_nodes < MIN_FEASIBLE_NODES:
+        return all_nodes
+    percent = max(50 - all_nodes // 125, MIN_FEASIBLE_PERCENT)
+    return max(all_nodes * percent // 100, MIN_FEASIBLE_NODES)
+
+
+def scheduler_score(cluster, pod, i):
+    node = cluster.nodes[i]
+    total = 0
+    fractions = []
+    for cap, free, ask in ((node.cpu_milli, cluster.cpu[i], pod.cpu_milli),
+                           (node.memory_mib, cluster.mem[i], pod.memory_mib)):
+        requested = cap - free + ask
+        total += 0 if not cap or requested > cap else (cap - requested) * 100 // cap
+        fractions.append(min(requested / cap, 1.0) if cap else 0.0)
+    least_allocated = total // 2
+    balanced = int((1 - abs(fractions[0] - fractions[1]) / 2) * 100)
+    return least_allocated + balanced
+
+
+def scheduler_node(cluster, pod, found, rng):
+    """The node kube-scheduler binds the pod to, among `found` (the nodes its filters pass)."""
+    n = len(cluster.nodes)
+    want, feasible = feasible_nodes_to_find(n), set(found)
+    start, chosen, checked = cluster.next_start, [], 0
+    while checked < n and len(chosen) < want:
+        i = (start + checked) % n
+        checked += 1
+        if i in feasible:
+            chosen.append(i)
+    cluster.next_start = (start + checked) % n
+    scores = [scheduler_score(cluster, pod, i) for i in chosen]
+    top = max(scores)
+    return rng.choice([i for i, s in zip(chosen, scores) if s == top])
+
+
+def k8s_default(cluster, pod, found, rng):
+    """What a cluster does today: kube-scheduler's node (above), then the DRA allocator's
+    first fit over the devices in the order vgpu's driver publishes them (GPU index)."""
+    i = scheduler_node(cluster, pod, found, rng)
+    return i, _first_gpus(cluster, pod, i)
+
+
+def k8s_tightest(cluster, pod, found, rng):
+    """What the DRA driver can do alone: the same node, and devices published least free
+    share first, so the allocator's first fit takes the tightest GPU that fits."""
+    i = scheduler_node(cluster, pod, found, rng)
+    return i, _tightest_gpus(cluster, pod, i)
+
+
 _PICK = {"whole-gpu": first_fit, "mig": None, "first-fit": first_fit, "best-fit": best_fit,
-         "best-fit-exact": best_fit_exact, "random": random_fit}
+         "best-fit-exact": best_fit_exact, "random": random_fit,
+         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest}
 
 
 def _placement(cluster, pod, policy, rng):
