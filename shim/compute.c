@@ -10,7 +10,11 @@
  * Each launch is charged its estimated GPU time, and the container's processes draw on
  * one bucket per device kept in the usage file as a virtual clock (GCRA): a launch moves
  * the clock cost / sm.max ahead and waits (sleeping, never spinning, never failing)
- * until the clock is at most SM_BURST_NS ahead of real time.  The share it moves at is
+ * until the clock is at most SM_BURST_NS ahead of real time.  A launch that comes late
+ * keeps up to SM_BURST_NS of the time it did not use (the clock is never more than that
+ * behind): a program that synchronises after each kernel spends the time its kernel
+ * waited behind a neighbour's late, and a kernel costing more than a burst would
+ * otherwise sleep the difference after every such wait (a 70% slice got 58%).  The share it moves at is
  * the slice's allowance (board.c): in ceiling mode sm.max; in burst mode its guarantee
  * (sm.request) plus what the device's other slices leave idle, up to sm.max.
  *   estimate: per (function, grid) the lower envelope of sampled CUDA event timings
@@ -486,9 +490,9 @@ static int pace(int dev, uint64_t key)
     uint32_t allowed = allowance(dev, board_entry(dev), now);
     uint64_t wall = cost * SM_FULL / allowed;
 
-    uint64_t t = LOAD(&u->sm_vtime_ns), next;
+    uint64_t t = LOAD(&u->sm_vtime_ns), next, floor = now - SM_BURST_NS;   /* late: keeps a burst */
     do
-        next = (t > now ? t : now) + wall;
+        next = (t > floor ? t : floor) + wall;
     while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
     count_launch(dev, cost, next > now + SM_BURST_NS);

@@ -35,6 +35,15 @@ def tenant_env(tmp_path, container, share=None, **extra):
     return env
 
 
+def kept_slice_env(tmp_path, container, share):
+    """A tenant of a slice the controller made: it outlives its process (a standalone one,
+    made from VGPU_SM_LIMIT, goes with its last), so its usage file can be read after."""
+    runner = CliRunner()
+    r = runner.invoke(main, ["create", container, "--sm", share, "--dir", str(tmp_path / "vgpu"), "--overcommit"])
+    assert r.exit_code == 0, r.output
+    return tenant_env(tmp_path, container)
+
+
 def run_tenants(tmp_path, c_program, tenants, seconds, windows, during=None):
     """Start each tenant (env, kernel_us, mode); return each window's share per tenant (%)."""
     exe = c_program("duty")
@@ -65,6 +74,18 @@ def test_two_saturating_tenants_each_get_their_share(tmp_path, c_program):
     [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 6,
                                    [[2.0, 5.5]])
     assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
+
+
+def test_two_tenants_that_wait_for_each_kernel_still_get_their_shares(tmp_path, c_program):
+    """20 ms kernels and a sync after each (a training step that reads its loss): the 70%
+    tenant's launch waits behind the 30% tenant's kernel, and comes late to its own clock.
+    That time used to be forfeited, and a launch costing more than a burst then slept
+    before it could go: 29/58 in every window.  A late launch keeps up to a burst of it."""
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b", "70%")
+    windows = [[2.0 + i, 3.0 + i] for i in range(6)]
+    got = run_tenants(tmp_path, c_program, [(a, 20000, "sync"), (b, 20000, "sync")], 8.5, windows)
+    for got_a, got_b in got:
+        assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, got
 
 
 def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, c_program):
@@ -98,7 +119,7 @@ def test_hami_sm_limit_variable_is_honoured(tmp_path, c_program):
 
 
 def test_full_share_is_not_paced_at_all(tmp_path, c_program):
-    env = tenant_env(tmp_path, "t", "100%")
+    env = kept_slice_env(tmp_path, "t", "100%")
     [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 3, [[1.0, 2.5]])
     assert got >= 95, got
     usage = (tmp_path / "vgpu" / "t" / "usage").read_bytes()
@@ -130,7 +151,7 @@ def test_resize_from_20_to_60_percent_holds_within_a_second(tmp_path, c_program)
 
 
 def test_throttled_time_and_launches_are_counted(tmp_path, c_program):
-    env = tenant_env(tmp_path, "t", "25%")
+    env = kept_slice_env(tmp_path, "t", "25%")
     run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 2, [[0.5, 1.5]])
     u = ffi.from_buffer("struct vgpu_usage *", (tmp_path / "vgpu" / "t" / "usage").read_bytes())
     d = u.devices[0]
@@ -259,7 +280,9 @@ def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(
     of them are killed -9 at a random moment of their start, 20 rounds: the first shim
     makes the board (complete or not at all), and each container ends with one entry its
     processes compute on, however they raced for it (a process killed between taking an
-    entry and giving a second one back leaves one never computed, which nobody reads)."""
+    entry and giving a second one back leaves one never computed, which nobody reads).
+    One process of each container runs on while the board is read: a standalone slice
+    goes with its last process, and the board the shims made with the last slice."""
     import random
     from vgpu import board
     exe = c_program("duty")
@@ -267,20 +290,26 @@ def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(
         base = tmp_path / f"r{round_}"
         base.mkdir()
         envs = [tenant_env(base, f"c{i % 4}", f"{20 + i % 4}%") for i in range(16)]
-        procs = [subprocess.Popen([str(exe), "200", "0.15"], env=env, stdout=subprocess.DEVNULL) for env in envs]
-        for p in random.sample(procs, 4):
-            time.sleep(random.uniform(0, 0.01))
-            p.kill()
-        for p in procs:
-            p.wait(timeout=60)
-        vgpu_dir = base / "vgpu"
-        assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]
-        entries = board.read(vgpu_dir)
-        computed = {k: [e for e in v if e["ceiling"]] for k, v in entries.items()}
-        assert set(computed) <= {board.slice_key(f"c{i}") for i in range(4)}, entries
-        assert all(len(v) == 1 for v in computed.values()), (round_, entries)
-        assert len(computed) >= 3      # a container whose 4 processes were all killed may have none
-        assert {e["ceiling"] for v in computed.values() for e in v} <= {2000, 2100, 2200, 2300}
+        procs = [subprocess.Popen([str(exe), "200", "30" if i < 4 else "0.15"], env=env, stdout=subprocess.DEVNULL)
+                 for i, env in enumerate(envs)]
+        stayers, others = procs[:4], procs[4:]
+        try:
+            for p in random.sample(others, 4):
+                time.sleep(random.uniform(0, 0.01))
+                p.kill()
+            for p in others:
+                p.wait(timeout=60)
+            vgpu_dir = base / "vgpu"
+            assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]
+            entries = board.read(vgpu_dir)
+            computed = {k: [e for e in v if e["ceiling"]] for k, v in entries.items()}
+            assert set(computed) == {board.slice_key(f"c{i}") for i in range(4)}, entries
+            assert all(len(v) == 1 for v in computed.values()), (round_, entries)
+            assert {e["ceiling"] for v in computed.values() for e in v} <= {2000, 2100, 2200, 2300}
+        finally:
+            for p in stayers:
+                p.kill()
+                p.wait(timeout=60)
 
 
 def test_a_hostile_board_entry_keeps_a_burst_slice_at_its_guarantee_never_below(tmp_path, c_program):

@@ -1,6 +1,7 @@
 /* A saturating GPU workload for compute-share tests: launches sim_<us>us kernels (or a
  * graph of them) back to back on one stream for <seconds>, through dlopen + dlsym.
- * usage: duty <kernel_us> <seconds> [kernel|graph|ex|ptsz] [blocks]
+ * usage: duty <kernel_us> <seconds> [kernel|graph|ex|ptsz|sync] [blocks]
+ * (sync: cuStreamSynchronize after each launch, as a training step that reads its loss does)
  * Prints: launches=<n> */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -74,6 +75,8 @@ int main(int argc, char **argv)
         }
         if (r)
             return 6;
+        if (!strcmp(mode, "sync") && ((CUresult(*)(CUstream))cuStreamSynchronize)(s))
+            return 7;
         n++;
     }
     ((CUresult(*)(CUstream))cuStreamSynchronize)(s);
