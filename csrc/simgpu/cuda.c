@@ -38,11 +38,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #define DRIVER_VERSION 13000
@@ -74,6 +76,7 @@ struct vgpu_ctx {
     struct vgpu_stream *null_stream;
 };
 
+struct memq;
 struct vgpu_stream {
     struct hdr h;
     struct vgpu_ctx *ctx;
@@ -89,6 +92,7 @@ struct vgpu_stream {
     struct vgpu_graph_node *capture_last;   /* the node captured last: the next one depends on it */
     CUgraphNode capture_deps[1];            /* what cuStreamGetCaptureInfo hands out */
     CUgraphEdgeData capture_edges[1];
+    struct memq *memq;          /* stream memory operations still pending (NULL: none yet) */
 };
 
 struct vgpu_event {
@@ -291,6 +295,7 @@ static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
 
 static void forget_allocations(void);
 static void forget_contexts(void);
+static void forget_memops(void);
 static void atfork_child(void);
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
@@ -312,6 +317,7 @@ static void atfork_child(void)
     }
     forget_allocations();
     forget_contexts();
+    forget_memops();
 }
 
 /* === context overhead ===
@@ -470,8 +476,8 @@ SIMGPU_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevic
 /* Limits are the simulated board's (node.c says where each comes from; texture and
  * surface limits are those of compute capability 8.x and 9.0 in the CUDA C++ Programming
  * Guide).  Capabilities are what simgpu implements: a feature it does not simulate (IPC events,
- * stream memory operations, peer access, multicast, ...) reads 0, so a program that asks
- * does not go on to use it. */
+ * the v1 and 64-bit stream memory operations, peer access, multicast, ...) reads 0, so a
+ * program that asks does not go on to use it. */
 SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
 {
     REQUIRE_INIT();
@@ -680,6 +686,7 @@ static int ctx_count[SIMGPU_MAX_DEVICES];   /* active contexts of this process, 
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority);
 static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream);
 static void free_allocations_of(struct vgpu_ctx *ctx);
+static void memops_drop_ctx(struct vgpu_ctx *c);
 
 static struct vgpu_ctx *current_ctx(void)
 {
@@ -712,6 +719,7 @@ static void ctx_deactivate(struct vgpu_ctx *c)
         return;
     __atomic_store_n(&c->active, 0, __ATOMIC_RELEASE);
     c->cache_config = CU_FUNC_CACHE_PREFER_NONE;   /* reset "all state" (cuDevicePrimaryCtxReset) */
+    memops_drop_ctx(c);   /* before its memory goes */
     free_allocations_of(c);
     free_streams_of(c, 1);
     if (--ctx_count[c->dev] == 0) {
@@ -2504,7 +2512,16 @@ static int stream_in_ctx_not_null(void *s, void *ctx)
 {
     return stream_in_ctx(s, ctx) && s != ((struct vgpu_ctx *)ctx)->null_stream;
 }
-static void stream_release(void *s) { free(((struct vgpu_stream *)s)->pending); }
+static void memq_detach(struct vgpu_stream *s);
+static int memops_pending(struct vgpu_stream *s);
+static int ctx_memops_pending(struct vgpu_ctx *c);
+static void memops_wait(struct vgpu_stream *s, struct vgpu_ctx *c);
+
+static void stream_release(void *s)
+{
+    memq_detach(s);   /* its pending memory operations still complete */
+    free(((struct vgpu_stream *)s)->pending);
+}
 
 static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream)
 {
@@ -2583,7 +2600,7 @@ SIMGPU_EXPORT CUresult cuStreamDestroy_v2(CUstream h)
     REQUIRE_INIT();
     if (!handle_ok(h, K_STREAM) || h == h->ctx->null_stream)
         return CUDA_ERROR_INVALID_HANDLE;
-    free(h->pending);
+    stream_release(h);
     handle_free(h);   /* pending work still completes on the device timeline */
     return CUDA_SUCCESS;
 }
@@ -2602,6 +2619,7 @@ SIMGPU_EXPORT CUresult cuStreamSynchronize(CUstream h)
         return err;
     if (s->capture)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    memops_wait(s, NULL);
     simgpu_sleep_until(stream_last_end(s));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
@@ -2616,6 +2634,8 @@ SIMGPU_EXPORT CUresult cuStreamQuery(CUstream h)
     struct vgpu_stream *s = resolve_stream(h, &err);
     if (!s)
         return err;
+    if (memops_pending(s))
+        return CUDA_ERROR_NOT_READY;   /* a memory operation is still waiting */
     return simgpu_now_ns() >= stream_last_end(s) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
@@ -2762,6 +2782,7 @@ SIMGPU_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream h, host_fn fn, void *userD
 SIMGPU_EXPORT CUresult cuCtxSynchronize(void)
 {
     REQUIRE_CTX(c);
+    memops_wait(NULL, c);
     simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
@@ -2774,9 +2795,410 @@ SIMGPU_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
         return cuCtxSynchronize();
     if (!handle_ok(ctx, K_CTX) || !ctx->active)
         return CUDA_ERROR_INVALID_CONTEXT;
+    memops_wait(NULL, ctx);
     simgpu_sleep_until(__atomic_load_n(&ctx->last_end, __ATOMIC_ACQUIRE));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
+}
+
+/* === stream memory operations (cuStreamWaitValue32, cuStreamWriteValue32, cuStreamBatchMemOp) ===
+ * cuda.h: a wait "enqueues a synchronization of the stream on the given memory location.
+ * Work ordered after the operation will block until the given condition on the memory
+ * is satisfied" (default: (int32_t)(*addr - value) >= 0; EQ; AND: (*addr & value) != 0);
+ * a write stores a value once the stream's earlier work is done.  Addresses are device
+ * pointers (device memory, or page-locked host memory's device pointer); "None of the
+ * operations accepts pointers to managed memory buffers".
+ *
+ * The model: each stream keeps its memory operations in order.  What can complete when it
+ * is enqueued completes then (a wait whose condition holds; a write whose stream has no
+ * unfinished work); the rest wait in the stream's queue, which a helper thread works
+ * through (a write once the work queued before it has run, a wait once its condition
+ * holds), and the stream is not done until its queue is empty: cuStreamQuery answers
+ * CUDA_ERROR_NOT_READY, cuStreamSynchronize and cuCtxSynchronize wait (for ever, for a
+ * condition nothing satisfies: "Improper use of this API may deadlock the application").
+ * Kernels, copies and events queued after a waiting operation are not held back by it
+ * (simgpu's kernels touch no memory and its copies are done when called).
+ * The device attributes say what is supported: 32-bit operations and barriers of the v2
+ * API; not CU_STREAM_WAIT_VALUE_NOR (CAN_USE_STREAM_WAIT_VALUE_NOR reads 0), 64-bit
+ * operations (CAN_USE_64_BIT_STREAM_MEM_OPS reads 0), flushes of remote writes
+ * (CAN_FLUSH_REMOTE_WRITES reads 0), nor the v1 API (CAN_USE_STREAM_MEM_OPS_V1 reads 0,
+ * as on a driver loaded without NVreg_EnableStreamMemOPs=1, the default): those are
+ * CUDA_ERROR_NOT_SUPPORTED. */
+
+struct memop {
+    int write;                  /* else a wait */
+    uint32_t *addr;
+    uint32_t value;
+    unsigned flags;             /* a wait's condition */
+    uint64_t due;               /* a write: the end of the work queued before it */
+};
+
+struct memq {
+    struct memq *next;          /* every queue of the process */
+    struct vgpu_stream *stream; /* NULL once the stream is destroyed */
+    struct vgpu_ctx *ctx;
+    struct memop *ops;
+    size_t head, count, cap;
+};
+
+static pthread_mutex_t memop_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t memop_cond = PTHREAD_COND_INITIALIZER;   /* a queue got an operation */
+static struct memq *memqs;
+static int memop_thread_started;
+
+#define MEMOP_POLL_NS 50000ull   /* how often the helper looks at waiting operations */
+
+static int memop_wait_holds(const struct memop *op)
+{
+    uint32_t v = __atomic_load_n(op->addr, __ATOMIC_SEQ_CST);
+    switch (op->flags) {
+    case CU_STREAM_WAIT_VALUE_EQ: return v == op->value;
+    case CU_STREAM_WAIT_VALUE_AND: return (v & op->value) != 0;
+    default: return (int32_t)(v - op->value) >= 0;   /* GEQ, a cyclic comparison */
+    }
+}
+
+/* Complete op if it can complete now; 1 if it did. */
+static int memop_try(const struct memop *op)
+{
+    if (!op->write)
+        return memop_wait_holds(op);
+    if (simgpu_now_ns() < op->due)
+        return 0;
+    __atomic_store_n(op->addr, op->value, __ATOMIC_SEQ_CST);   /* with the fence the doc promises */
+    return 1;
+}
+
+static uint32_t *memop_word(CUdeviceptr addr);
+
+/* Under memop_lock: complete what can be completed of q; 1 if it is empty.  An operation
+ * whose memory was freed meanwhile (a program error: the driver leaves it undefined) is
+ * dropped rather than done. */
+static int memq_run_locked(struct memq *q)
+{
+    while (q->count) {
+        const struct memop *op = &q->ops[q->head];
+        if (memop_word((CUdeviceptr)(uintptr_t)op->addr) && !memop_try(op))
+            break;
+        q->head = (q->head + 1) % q->cap;
+        q->count--;
+    }
+    return q->count == 0;
+}
+
+static void memq_unlink_locked(struct memq *q)
+{
+    for (struct memq **p = &memqs; *p; p = &(*p)->next)
+        if (*p == q) {
+            *p = q->next;
+            break;
+        }
+    free(q->ops);
+    free(q);
+}
+
+static void *memop_thread(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&memop_lock);
+    for (;;) {
+        int waiting = 0;
+        for (struct memq *q = memqs, *next; q; q = next) {
+            next = q->next;
+            if (!memq_run_locked(q))
+                waiting = 1;
+            else if (!q->stream)
+                memq_unlink_locked(q);   /* its stream is gone and its work done */
+        }
+        if (!waiting) {
+            pthread_cond_wait(&memop_cond, &memop_lock);
+            continue;
+        }
+        pthread_mutex_unlock(&memop_lock);
+        struct timespec ts = {0, (long)MEMOP_POLL_NS};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&memop_lock);
+    }
+    return NULL;
+}
+
+/* Under memop_lock: append op to s's queue (made on first use); 0, or -1 out of memory. */
+static int memq_push_locked(struct vgpu_stream *s, const struct memop *op)
+{
+    struct memq *q = s->memq;
+    if (!q) {
+        if (!(q = calloc(1, sizeof *q)))
+            return -1;
+        q->stream = s;
+        q->ctx = s->ctx;
+        q->next = memqs;
+        memqs = q;
+        s->memq = q;
+    }
+    if (q->count == q->cap) {
+        size_t cap = q->cap ? q->cap * 2 : 16;
+        struct memop *ops = malloc(cap * sizeof *ops);
+        if (!ops)
+            return -1;
+        for (size_t i = 0; i < q->count; i++)
+            ops[i] = q->ops[(q->head + i) % q->cap];
+        free(q->ops);
+        q->ops = ops;
+        q->cap = cap;
+        q->head = 0;
+    }
+    q->ops[(q->head + q->count++) % q->cap] = *op;
+    if (!memop_thread_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);   /* the helper takes none of the program's signals */
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        memop_thread_started = pthread_create(&t, &attr, memop_thread, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!memop_thread_started) {
+            q->count--;
+            return -1;
+        }
+    }
+    pthread_cond_signal(&memop_cond);
+    return 0;
+}
+
+/* Enqueue n operations on s, in order: each completes now if it can and nothing before it
+ * waits, else it waits in the stream's queue. */
+static CUresult memops_enqueue(struct vgpu_stream *s, const struct memop *ops, unsigned n)
+{
+    uint64_t due = stream_last_end(s);
+    pthread_mutex_lock(&memop_lock);
+    int queued = s->memq && !memq_run_locked(s->memq);
+    CUresult r = CUDA_SUCCESS;
+    for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
+        struct memop op = ops[i];
+        op.due = due;
+        if (!queued && memop_try(&op))
+            continue;
+        queued = 1;
+        if (memq_push_locked(s, &op))
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_unlock(&memop_lock);
+    return r;
+}
+
+/* Does s still have memory operations to complete? */
+static int memops_pending(struct vgpu_stream *s)
+{
+    pthread_mutex_lock(&memop_lock);
+    int pending = s->memq && !memq_run_locked(s->memq);
+    pthread_mutex_unlock(&memop_lock);
+    return pending;
+}
+
+static int ctx_memops_pending(struct vgpu_ctx *c)
+{
+    int pending = 0;
+    pthread_mutex_lock(&memop_lock);
+    for (struct memq *q = memqs; q && !pending; q = q->next)
+        pending = q->ctx == c && !memq_run_locked(q);
+    pthread_mutex_unlock(&memop_lock);
+    return pending;
+}
+
+/* Wait until the memory operations of stream s (or of every stream of context c) are done. */
+static void memops_wait(struct vgpu_stream *s, struct vgpu_ctx *c)
+{
+    while (s ? memops_pending(s) : ctx_memops_pending(c)) {
+        struct timespec ts = {0, (long)MEMOP_POLL_NS};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* A stream that goes (cuStreamDestroy, its context destroyed): operations it still has
+ * complete all the same ("resources associated with hStream will be released
+ * automatically once the device has completed all work"). */
+static void memq_detach(struct vgpu_stream *s)
+{
+    pthread_mutex_lock(&memop_lock);
+    struct memq *q = s->memq;
+    s->memq = NULL;
+    if (q) {
+        q->stream = NULL;
+        if (memq_run_locked(q))
+            memq_unlink_locked(q);
+    }
+    pthread_mutex_unlock(&memop_lock);
+}
+
+/* A context reset or destroyed: "reset all state" (cuDevicePrimaryCtxReset), its memory
+ * is freed: the operations still pending on its streams are dropped, not done. */
+static void memops_drop_ctx(struct vgpu_ctx *c)
+{
+    pthread_mutex_lock(&memop_lock);
+    for (struct memq *q = memqs, *next; q; q = next) {
+        next = q->next;
+        if (q->ctx != c)
+            continue;
+        q->count = 0;
+        if (!q->stream)
+            memq_unlink_locked(q);
+    }
+    pthread_mutex_unlock(&memop_lock);
+}
+
+/* In a forked child: the parent's queues and helper thread are the parent's. */
+static void forget_memops(void)
+{
+    pthread_mutex_init(&memop_lock, NULL);
+    pthread_cond_init(&memop_cond, NULL);
+    memqs = NULL;
+    memop_thread_started = 0;
+}
+
+/* The 32-bit word at device pointer addr, if a memory operation may use it: 4-byte aligned,
+ * in device memory or page-locked host memory, not managed memory. */
+static uint32_t *memop_word(CUdeviceptr addr)
+{
+    struct ptr_info pi = ptr_info(addr);
+    if (!pi.known || pi.a.kind == A_MANAGED || addr % 4)
+        return NULL;
+    uint64_t base = pi.a.kind == A_RESERVED ? pi.map_base : pi.a.base;
+    uint64_t size = pi.a.kind == A_RESERVED ? pi.map_size : pi.a.size;
+    return size >= 4 && addr - base <= size - 4 ? (uint32_t *)(uintptr_t)addr : NULL;
+}
+
+/* One operation of the v2 API, checked: CUDA_SUCCESS with *op filled, or why not. */
+static CUresult memop_of(const CUstreamBatchMemOpParams *p, struct memop *op, int *skip)
+{
+    *skip = 0;
+    switch (p->operation) {
+    case CU_STREAM_MEM_OP_WAIT_VALUE_32:
+        if (p->waitValue.flags & ~(3u | (unsigned)CU_STREAM_WAIT_VALUE_FLUSH))
+            return CUDA_ERROR_INVALID_VALUE;
+        if ((p->waitValue.flags & 3u) == CU_STREAM_WAIT_VALUE_NOR || (p->waitValue.flags & CU_STREAM_WAIT_VALUE_FLUSH))
+            return CUDA_ERROR_NOT_SUPPORTED;
+        if (!(op->addr = memop_word(p->waitValue.address)))
+            return CUDA_ERROR_INVALID_VALUE;
+        op->write = 0;
+        op->value = p->waitValue.value;
+        op->flags = p->waitValue.flags;
+        return CUDA_SUCCESS;
+    case CU_STREAM_MEM_OP_WRITE_VALUE_32:
+        if (p->writeValue.flags)   /* NO_MEMORY_BARRIER "is not supported in the v2 API" */
+            return CUDA_ERROR_INVALID_VALUE;
+        if (!(op->addr = memop_word(p->writeValue.address)))
+            return CUDA_ERROR_INVALID_VALUE;
+        op->write = 1;
+        op->value = p->writeValue.value;
+        op->flags = 0;
+        return CUDA_SUCCESS;
+    case CU_STREAM_MEM_OP_BARRIER:   /* the operations are done in order, sequentially consistent */
+        *skip = 1;
+        return p->memoryBarrier.flags <= CU_STREAM_MEMORY_BARRIER_TYPE_GPU ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case CU_STREAM_MEM_OP_WAIT_VALUE_64:
+    case CU_STREAM_MEM_OP_WRITE_VALUE_64:
+    case CU_STREAM_MEM_OP_FLUSH_REMOTE_WRITES:
+        return CUDA_ERROR_NOT_SUPPORTED;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+/* cuda.h, cuStreamBatchMemOp: the operations "are enqueued in the order they appear in
+ * the array"; count "Must be less than 256"; flags "must be 0".  All are checked before
+ * any is enqueued. */
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_v2(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                             unsigned int flags)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (count >= 256 || (count && !paramArray) || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (s->capture)
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;   /* no memory-operation nodes in simgpu's graphs */
+    struct memop ops[256];
+    unsigned n = 0;
+    for (unsigned i = 0; i < count; i++) {
+        int skip;
+        if ((err = memop_of(&paramArray[i], &ops[n], &skip)) != CUDA_SUCCESS)
+            return err;
+        n += !skip;
+    }
+    return memops_enqueue(s, ops, n);
+}
+
+/* cuda.h, cuStreamWaitValue32 (v2): the batch of one CU_STREAM_MEM_OP_WAIT_VALUE_32. */
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    CUstreamBatchMemOpParams p = {.waitValue = {CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, {value}, flags, 0}};
+    return cuStreamBatchMemOp_v2(h, 1, &p, 0);
+}
+
+/* cuda.h, cuStreamWriteValue32 (v2): the batch of one CU_STREAM_MEM_OP_WRITE_VALUE_32. */
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    CUstreamBatchMemOpParams p = {.writeValue = {CU_STREAM_MEM_OP_WRITE_VALUE_32, addr, {value}, flags, 0}};
+    return cuStreamBatchMemOp_v2(h, 1, &p, 0);
+}
+
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_v2_ptsz(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                                  unsigned int flags)
+{
+    PER_THREAD(cuStreamBatchMemOp_v2(h, count, paramArray, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_v2_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWaitValue32_v2(h, addr, value, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_v2_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWriteValue32_v2(h, addr, value, flags));
+}
+
+/* The v1 API (the unversioned names, CUDA 8.0): CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+ * reads 0 ("Deprecated, along with v1 MemOps API"), so after the stream is checked these
+ * are CUDA_ERROR_NOT_SUPPORTED, as on a driver without NVreg_EnableStreamMemOPs=1. */
+static CUresult memops_v1(CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    return resolve_stream(h, &err) ? CUDA_ERROR_NOT_SUPPORTED : err;
+}
+
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                          unsigned int flags)
+{
+    (void)count, (void)paramArray, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    (void)addr, (void)value, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    (void)addr, (void)value, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_ptsz(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                               unsigned int flags)
+{
+    PER_THREAD(cuStreamBatchMemOp(h, count, paramArray, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWaitValue32(h, addr, value, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWriteValue32(h, addr, value, flags));
 }
 
 /* === events === */
@@ -5335,6 +5757,18 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuStreamGetId, 12000, 1, cuStreamGetId_ptsz)                             \
     X(cuStreamGetDevice, 12080, 0, cuStreamGetDevice)                          \
     X(cuStreamGetDevice, 12080, 1, cuStreamGetDevice_ptsz)                     \
+    X(cuStreamBatchMemOp, 8000, 0, cuStreamBatchMemOp)                         \
+    X(cuStreamBatchMemOp, 8000, 1, cuStreamBatchMemOp_ptsz)                    \
+    X(cuStreamBatchMemOp, 11070, 0, cuStreamBatchMemOp_v2)                     \
+    X(cuStreamBatchMemOp, 11070, 1, cuStreamBatchMemOp_v2_ptsz)                \
+    X(cuStreamWaitValue32, 8000, 0, cuStreamWaitValue32)                       \
+    X(cuStreamWaitValue32, 8000, 1, cuStreamWaitValue32_ptsz)                  \
+    X(cuStreamWaitValue32, 11070, 0, cuStreamWaitValue32_v2)                   \
+    X(cuStreamWaitValue32, 11070, 1, cuStreamWaitValue32_v2_ptsz)              \
+    X(cuStreamWriteValue32, 8000, 0, cuStreamWriteValue32)                     \
+    X(cuStreamWriteValue32, 8000, 1, cuStreamWriteValue32_ptsz)                \
+    X(cuStreamWriteValue32, 11070, 0, cuStreamWriteValue32_v2)                 \
+    X(cuStreamWriteValue32, 11070, 1, cuStreamWriteValue32_v2_ptsz)            \
     X(cuStreamBeginCapture, 10010, 0, cuStreamBeginCapture_v2)                 \
     X(cuStreamBeginCapture, 10010, 1, cuStreamBeginCapture_v2_ptsz)            \
     X(cuStreamEndCapture, 10000, 0, cuStreamEndCapture)                        \
