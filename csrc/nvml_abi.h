@@ -284,4 +284,44 @@ enum { NVML_CLOCK_ID_CURRENT = 0, NVML_CLOCK_ID_APP_CLOCK_TARGET = 1, NVML_CLOCK
 #define NVML_CLOCKS_EVENT_REASON_GPU_IDLE 0x1ull
 #define NVML_CLOCKS_EVENT_REASONS_SUPPORTED 0x1ffull   /* idle .. display clock setting */
 
+/* === NvLink and the NVLink fabric === */
+#define NVML_NVLINK_MAX_LINKS 36
+typedef enum nvmlIntNvLinkDeviceType_enum {
+    NVML_NVLINK_DEVICE_TYPE_GPU = 0x00,
+    NVML_NVLINK_DEVICE_TYPE_IBMNPU = 0x01,
+    NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02,
+    NVML_NVLINK_DEVICE_TYPE_UNKNOWN = 0xFF,
+} nvmlIntNvLinkDeviceType_t;
+
+#define NVML_GPU_FABRIC_UUID_LEN 16
+#define NVML_GPU_FABRIC_STATE_NOT_SUPPORTED 0
+#define NVML_GPU_FABRIC_STATE_NOT_STARTED 1
+#define NVML_GPU_FABRIC_STATE_IN_PROGRESS 2
+#define NVML_GPU_FABRIC_STATE_COMPLETED 3
+#define NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED 0
+typedef unsigned char nvmlGpuFabricState_t;
+
+typedef struct {
+    unsigned int version;                                   /* nvmlGpuFabricInfo_v2 */
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;                                    /* read only once the state is COMPLETED */
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;                             /* NVML_GPU_FABRIC_STATE_* */
+    unsigned int healthMask;                                /* 0: every field NOT_SUPPORTED */
+} nvmlGpuFabricInfo_v2_t;
+
+typedef struct {
+    unsigned int version;                                   /* nvmlGpuFabricInfo_v3 */
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+    unsigned int healthMask;
+    unsigned char healthSummary;                            /* NVML_GPU_FABRIC_HEALTH_SUMMARY_* */
+} nvmlGpuFabricInfo_v3_t;
+typedef nvmlGpuFabricInfo_v3_t nvmlGpuFabricInfoV_t;
+
+#define nvmlGpuFabricInfo_v2 NVML_STRUCT_VERSION(GpuFabricInfo, 2)   /* 0x02000024 */
+#define nvmlGpuFabricInfo_v3 NVML_STRUCT_VERSION(GpuFabricInfo, 3)   /* 0x03000028 */
+
 #endif

@@ -38,11 +38,13 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #define DRIVER_VERSION 13000
@@ -69,10 +71,12 @@ struct vgpu_ctx {
     unsigned flags;
     int refs;
     int active;                 /* 0: a primary context after reset or its last release */
+    int cache_config;           /* cuCtxSetCacheConfig's preference (CUfunc_cache) */
     uint64_t last_end;          /* end of the latest work this context queued */
     struct vgpu_stream *null_stream;
 };
 
+struct memq;
 struct vgpu_stream {
     struct hdr h;
     struct vgpu_ctx *ctx;
@@ -83,6 +87,12 @@ struct vgpu_stream {
     uint64_t *pending;          /* ring of end times: the bounded launch queue */
     unsigned pending_head, pending_count;
     struct vgpu_graph *capture; /* non-NULL while capturing */
+    unsigned long long id;      /* cuStreamGetId: unique for the life of the process */
+    cuuint64_t capture_id;      /* the capture sequence's, unique for the life of the process */
+    struct vgpu_graph_node *capture_last;   /* the node captured last: the next one depends on it */
+    CUgraphNode capture_deps[1];            /* what cuStreamGetCaptureInfo hands out */
+    CUgraphEdgeData capture_edges[1];
+    struct memq *memq;          /* stream memory operations still pending (NULL: none yet) */
 };
 
 struct vgpu_event {
@@ -109,6 +119,9 @@ struct vgpu_module {
     struct hdr h;
     struct vgpu_function *functions;
     struct simgpu_image image;
+    struct vgpu_library *library;  /* the library it was loaded for (cuKernelGetLibrary), or NULL */
+    uint64_t globals;              /* device memory of the image's variables (0: none) */
+    uint64_t *global_at;           /* each variable's offset in it, as image.globals */
 };
 
 struct vgpu_link {                /* a pending cuLink* invocation */
@@ -141,6 +154,8 @@ struct vgpu_array {
     struct vgpu_ctx *ctx;       /* destroyed with it */
     uint64_t size;
     void *data;
+    uint64_t row_bytes, rows;   /* level 0 as rows of elements (2D copies) */
+    unsigned elem;              /* bytes of one element (0: a format simgpu does not size) */
 };
 
 struct kernel_node { struct vgpu_function *fn; uint64_t blocks; };
@@ -154,12 +169,14 @@ struct vgpu_graph {
     struct vgpu_graph_node **all;   /* every node, as cuGraphGetNodes lists them (the graph owns them) */
     size_t nall, all_cap;
 };
+struct kernel_params;
 struct vgpu_graph_node {
     struct hdr h;
     struct vgpu_graph *graph;
     CUgraphNodeType type;
     struct graph_mem *mem;      /* memory nodes: the allocation */
     int frees;                  /* a free node (else an allocation node) */
+    struct kernel_params *kp;   /* kernel nodes: their parameters (cuGraphKernelNodeGetParams) */
 };
 struct vgpu_graph_exec {
     struct hdr h;
@@ -188,6 +205,8 @@ _Static_assert(sizeof(struct vgpu_function) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_module) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_link) <= ARENA_SLOT, "arena slot");
 _Static_assert(sizeof(struct vgpu_mempool) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_array) <= ARENA_SLOT, "arena slot");
+_Static_assert(sizeof(struct vgpu_graph_node) <= ARENA_SLOT, "arena slot");
 
 static pthread_mutex_t arena_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *arena;
@@ -276,6 +295,7 @@ static int dev_ok(CUdevice d) { return d >= 0 && d < ndevices(); }
 
 static void forget_allocations(void);
 static void forget_contexts(void);
+static void forget_memops(void);
 static void atfork_child(void);
 static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
 
@@ -297,6 +317,7 @@ static void atfork_child(void)
     }
     forget_allocations();
     forget_contexts();
+    forget_memops();
 }
 
 /* === context overhead ===
@@ -455,8 +476,8 @@ SIMGPU_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevic
 /* Limits are the simulated board's (node.c says where each comes from; texture and
  * surface limits are those of compute capability 8.x and 9.0 in the CUDA C++ Programming
  * Guide).  Capabilities are what simgpu implements: a feature it does not simulate (IPC events,
- * stream memory operations, peer access, multicast, ...) reads 0, so a program that asks
- * does not go on to use it. */
+ * the v1 and 64-bit stream memory operations, peer access, multicast, ...) reads 0, so a
+ * program that asks does not go on to use it. */
 SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
 {
     REQUIRE_INIT();
@@ -571,6 +592,23 @@ SIMGPU_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
+/* cuda.h, cuDeviceCanAccessPeer: 1 "if contexts on dev are capable of directly accessing
+ * memory from contexts on peerDev and 0 otherwise"; CUDA_ERROR_INVALID_DEVICE for a bad
+ * ordinal.  simgpu models no peer access (cuCtxEnablePeerAccess is not simulated), so 0
+ * for every pair; for a device and itself too, as peer access is between two contexts
+ * (cuCtxEnablePeerAccess: "CUDA_ERROR_INVALID_CONTEXT if ... the current context is
+ * peerContext"). */
+SIMGPU_EXPORT CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
+{
+    REQUIRE_INIT();
+    if (!canAccessPeer)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!dev_ok(dev) || !dev_ok(peerDev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *canAccessPeer = 0;
+    return CUDA_SUCCESS;
+}
+
 SIMGPU_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
 {
     REQUIRE_INIT();
@@ -648,6 +686,7 @@ static int ctx_count[SIMGPU_MAX_DEVICES];   /* active contexts of this process, 
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority);
 static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream);
 static void free_allocations_of(struct vgpu_ctx *ctx);
+static void memops_drop_ctx(struct vgpu_ctx *c);
 
 static struct vgpu_ctx *current_ctx(void)
 {
@@ -679,6 +718,8 @@ static void ctx_deactivate(struct vgpu_ctx *c)
     if (!c->active)
         return;
     __atomic_store_n(&c->active, 0, __ATOMIC_RELEASE);
+    c->cache_config = CU_FUNC_CACHE_PREFER_NONE;   /* reset "all state" (cuDevicePrimaryCtxReset) */
+    memops_drop_ctx(c);   /* before its memory goes */
     free_allocations_of(c);
     free_streams_of(c, 1);
     if (--ctx_count[c->dev] == 0) {
@@ -799,6 +840,12 @@ SIMGPU_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
     pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
 }
+
+/* The 7.0 ABIs (unversioned names): cuda.h documents one behaviour for both ABIs of each,
+ * "Releasing a primary context that has not been previously retained will fail with
+ * CUDA_ERROR_INVALID_CONTEXT"; reset destroys its allocations and state, not the context. */
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+SIMGPU_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
 
 SIMGPU_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
@@ -927,6 +974,11 @@ SIMGPU_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
+/* The 2.0 ABIs (unversioned names): the same calls as the _v2 ones (cuda.h maps
+ * cuCtxPushCurrent / cuCtxPopCurrent to _v2 and documents them once). */
+SIMGPU_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+SIMGPU_EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
+
 SIMGPU_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
 {
     REQUIRE_INIT();
@@ -1003,11 +1055,41 @@ SIMGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value)
     return limit >= 0 && limit < 7 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* cuda.h, cuCtxGetCacheConfig / cuCtxSetCacheConfig: the current context's preferred
+ * split of L1 and shared memory, one of CU_FUNC_CACHE_PREFER_NONE (the default), _SHARED,
+ * _L1, _EQUAL; "only a preference".  These boards share L1 and shared memory (Ampere,
+ * Hopper), so what is set is what is read back (PREFER_NONE is only forced on devices
+ * whose split is fixed); a reset primary context is back to PREFER_NONE. */
+SIMGPU_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache *pconfig)
+{
+    REQUIRE_INIT();
+    struct vgpu_ctx *c = current_ctx();
+    if (!pconfig)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *pconfig = (CUfunc_cache)c->cache_config;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuCtxSetCacheConfig(CUfunc_cache config)
+{
+    REQUIRE_INIT();
+    struct vgpu_ctx *c = current_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if ((int)config < CU_FUNC_CACHE_PREFER_NONE || config > CU_FUNC_CACHE_PREFER_EQUAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    c->cache_config = config;
+    return CUDA_SUCCESS;
+}
+
 /* === memory: allocation table ===
  * Sorted by address, so device pointers inside an allocation are recognised (copies
  * check them; frees find their size).  Reserved VMM ranges are entries too. */
 
-enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED, A_GRAPH, A_IPC };   /* A_IPC: an opened IPC handle */
+/* A_IPC: an opened IPC handle; A_MODULE: a module's variables (cuModuleGetGlobal) */
+enum alloc_kind { A_DEVICE, A_MANAGED, A_HOST, A_RESERVED, A_GRAPH, A_IPC, A_MODULE };
 
 struct alloc {
     uint64_t base, size;
@@ -2353,11 +2435,13 @@ SIMGPU_EXPORT CUresult cuPointerGetAttributes(unsigned int numAttributes, CUpoin
 
 /* === memory: arrays === */
 
-static CUresult array_new(CUarray *out, uint64_t size)
+static CUresult array_new(CUarray *out, uint64_t size, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     REQUIRE_CTX(c);
     if (!out || !size)
         return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR one = {1, 1, 1, d->Format, d->NumChannels, 0};
+    unsigned elem = (unsigned)vgpu_array_bytes(&one, 1);   /* one element */
     if (simgpu_mem_reserve(c->dev, size))
         return CUDA_ERROR_OUT_OF_MEMORY;
     struct vgpu_array *a = handle_new(K_ARRAY);
@@ -2372,6 +2456,9 @@ static CUresult array_new(CUarray *out, uint64_t size)
     a->ctx = c;
     a->size = size;
     a->data = data;
+    a->elem = elem;
+    a->row_bytes = (uint64_t)d->Width * elem;
+    a->rows = d->Height ? d->Height : 1;
     *out = a;
     return CUDA_SUCCESS;
 }
@@ -2392,7 +2479,7 @@ SIMGPU_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCR
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     CUDA_ARRAY3D_DESCRIPTOR d3 = {d->Width, d->Height, 0, d->Format, d->NumChannels, 0};
-    return array_new(pHandle, vgpu_array_bytes(&d3, 1));
+    return array_new(pHandle, vgpu_array_bytes(&d3, 1), &d3);
 }
 
 SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
@@ -2400,7 +2487,7 @@ SIMGPU_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_D
     REQUIRE_INIT();
     if (!d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
-    return array_new(pHandle, vgpu_array_bytes(d, 1));
+    return array_new(pHandle, vgpu_array_bytes(d, 1), d);
 }
 
 SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
@@ -2410,7 +2497,7 @@ SIMGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const C
     if (!d || !d->Width || !numMipmapLevels ||
         (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
         return CUDA_ERROR_INVALID_VALUE;
-    return array_new(pHandle, vgpu_array_bytes(d, numMipmapLevels));
+    return array_new(pHandle, vgpu_array_bytes(d, numMipmapLevels), d);
 }
 
 SIMGPU_EXPORT CUresult cuArrayDestroy(CUarray a) { return array_destroy(a); }
@@ -2425,18 +2512,30 @@ static int stream_in_ctx_not_null(void *s, void *ctx)
 {
     return stream_in_ctx(s, ctx) && s != ((struct vgpu_ctx *)ctx)->null_stream;
 }
-static void stream_release(void *s) { free(((struct vgpu_stream *)s)->pending); }
+static void memq_detach(struct vgpu_stream *s);
+static int memops_pending(struct vgpu_stream *s);
+static int ctx_memops_pending(struct vgpu_ctx *c);
+static void memops_wait(struct vgpu_stream *s, struct vgpu_ctx *c);
+
+static void stream_release(void *s)
+{
+    memq_detach(s);   /* its pending memory operations still complete */
+    free(((struct vgpu_stream *)s)->pending);
+}
 
 static void free_streams_of(struct vgpu_ctx *ctx, int keep_null_stream)
 {
     handles_drop(K_STREAM, keep_null_stream ? stream_in_ctx_not_null : stream_in_ctx, ctx, stream_release);
 }
 
+static unsigned long long stream_ids;   /* the last stream id handed out */
+
 static struct vgpu_stream *stream_new(struct vgpu_ctx *ctx, unsigned flags, int priority)
 {
     struct vgpu_stream *s = handle_new(K_STREAM);
     if (!s)
         return NULL;
+    s->id = __atomic_add_fetch(&stream_ids, 1, __ATOMIC_RELAXED);
     s->pending = calloc(SIMGPU_QUEUE_DEPTH, sizeof *s->pending);
     if (!s->pending) {
         handle_free(s);
@@ -2501,7 +2600,7 @@ SIMGPU_EXPORT CUresult cuStreamDestroy_v2(CUstream h)
     REQUIRE_INIT();
     if (!handle_ok(h, K_STREAM) || h == h->ctx->null_stream)
         return CUDA_ERROR_INVALID_HANDLE;
-    free(h->pending);
+    stream_release(h);
     handle_free(h);   /* pending work still completes on the device timeline */
     return CUDA_SUCCESS;
 }
@@ -2520,6 +2619,7 @@ SIMGPU_EXPORT CUresult cuStreamSynchronize(CUstream h)
         return err;
     if (s->capture)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    memops_wait(s, NULL);
     simgpu_sleep_until(stream_last_end(s));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
@@ -2534,6 +2634,8 @@ SIMGPU_EXPORT CUresult cuStreamQuery(CUstream h)
     struct vgpu_stream *s = resolve_stream(h, &err);
     if (!s)
         return err;
+    if (memops_pending(s))
+        return CUDA_ERROR_NOT_READY;   /* a memory operation is still waiting */
     return simgpu_now_ns() >= stream_last_end(s) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
@@ -2614,6 +2716,47 @@ SIMGPU_EXPORT CUresult cuStreamGetCtx(CUstream h, CUcontext *pctx)
 
 SIMGPU_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream h, CUcontext *pctx) { PER_THREAD(cuStreamGetCtx(h, pctx)); }
 
+/* cuda.h, cuStreamGetId: "the unique Id which is associated with the given stream handle.
+ * The Id is unique for the life of the program"; the special streams (NULL,
+ * CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) have theirs.  Ids are never reused, though
+ * handles are. */
+SIMGPU_EXPORT CUresult cuStreamGetId(CUstream h, unsigned long long *streamId)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!streamId)
+        return CUDA_ERROR_INVALID_VALUE;
+    *streamId = s->id;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetId_ptsz(CUstream h, unsigned long long *streamId)
+{
+    PER_THREAD(cuStreamGetId(h, streamId));
+}
+
+/* cuda.h, cuStreamGetDevice: "the device to which a stream belongs" (its context's). */
+SIMGPU_EXPORT CUresult cuStreamGetDevice(CUstream h, CUdevice *device)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = s->ctx->dev;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetDevice_ptsz(CUstream h, CUdevice *device)
+{
+    PER_THREAD(cuStreamGetDevice(h, device));
+}
+
 typedef void (*host_fn)(void *);
 
 SIMGPU_EXPORT CUresult cuLaunchHostFunc(CUstream h, host_fn fn, void *userData)
@@ -2639,6 +2782,7 @@ SIMGPU_EXPORT CUresult cuLaunchHostFunc_ptsz(CUstream h, host_fn fn, void *userD
 SIMGPU_EXPORT CUresult cuCtxSynchronize(void)
 {
     REQUIRE_CTX(c);
+    memops_wait(NULL, c);
     simgpu_sleep_until(__atomic_load_n(&c->last_end, __ATOMIC_ACQUIRE));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
@@ -2651,9 +2795,410 @@ SIMGPU_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
         return cuCtxSynchronize();
     if (!handle_ok(ctx, K_CTX) || !ctx->active)
         return CUDA_ERROR_INVALID_CONTEXT;
+    memops_wait(NULL, ctx);
     simgpu_sleep_until(__atomic_load_n(&ctx->last_end, __ATOMIC_ACQUIRE));
     pools_release_over_threshold();
     return CUDA_SUCCESS;
+}
+
+/* === stream memory operations (cuStreamWaitValue32, cuStreamWriteValue32, cuStreamBatchMemOp) ===
+ * cuda.h: a wait "enqueues a synchronization of the stream on the given memory location.
+ * Work ordered after the operation will block until the given condition on the memory
+ * is satisfied" (default: (int32_t)(*addr - value) >= 0; EQ; AND: (*addr & value) != 0);
+ * a write stores a value once the stream's earlier work is done.  Addresses are device
+ * pointers (device memory, or page-locked host memory's device pointer); "None of the
+ * operations accepts pointers to managed memory buffers".
+ *
+ * The model: each stream keeps its memory operations in order.  What can complete when it
+ * is enqueued completes then (a wait whose condition holds; a write whose stream has no
+ * unfinished work); the rest wait in the stream's queue, which a helper thread works
+ * through (a write once the work queued before it has run, a wait once its condition
+ * holds), and the stream is not done until its queue is empty: cuStreamQuery answers
+ * CUDA_ERROR_NOT_READY, cuStreamSynchronize and cuCtxSynchronize wait (for ever, for a
+ * condition nothing satisfies: "Improper use of this API may deadlock the application").
+ * Kernels, copies and events queued after a waiting operation are not held back by it
+ * (simgpu's kernels touch no memory and its copies are done when called).
+ * The device attributes say what is supported: 32-bit operations and barriers of the v2
+ * API; not CU_STREAM_WAIT_VALUE_NOR (CAN_USE_STREAM_WAIT_VALUE_NOR reads 0), 64-bit
+ * operations (CAN_USE_64_BIT_STREAM_MEM_OPS reads 0), flushes of remote writes
+ * (CAN_FLUSH_REMOTE_WRITES reads 0), nor the v1 API (CAN_USE_STREAM_MEM_OPS_V1 reads 0,
+ * as on a driver loaded without NVreg_EnableStreamMemOPs=1, the default): those are
+ * CUDA_ERROR_NOT_SUPPORTED. */
+
+struct memop {
+    int write;                  /* else a wait */
+    uint32_t *addr;
+    uint32_t value;
+    unsigned flags;             /* a wait's condition */
+    uint64_t due;               /* a write: the end of the work queued before it */
+};
+
+struct memq {
+    struct memq *next;          /* every queue of the process */
+    struct vgpu_stream *stream; /* NULL once the stream is destroyed */
+    struct vgpu_ctx *ctx;
+    struct memop *ops;
+    size_t head, count, cap;
+};
+
+static pthread_mutex_t memop_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t memop_cond = PTHREAD_COND_INITIALIZER;   /* a queue got an operation */
+static struct memq *memqs;
+static int memop_thread_started;
+
+#define MEMOP_POLL_NS 50000ull   /* how often the helper looks at waiting operations */
+
+static int memop_wait_holds(const struct memop *op)
+{
+    uint32_t v = __atomic_load_n(op->addr, __ATOMIC_SEQ_CST);
+    switch (op->flags) {
+    case CU_STREAM_WAIT_VALUE_EQ: return v == op->value;
+    case CU_STREAM_WAIT_VALUE_AND: return (v & op->value) != 0;
+    default: return (int32_t)(v - op->value) >= 0;   /* GEQ, a cyclic comparison */
+    }
+}
+
+/* Complete op if it can complete now; 1 if it did. */
+static int memop_try(const struct memop *op)
+{
+    if (!op->write)
+        return memop_wait_holds(op);
+    if (simgpu_now_ns() < op->due)
+        return 0;
+    __atomic_store_n(op->addr, op->value, __ATOMIC_SEQ_CST);   /* with the fence the doc promises */
+    return 1;
+}
+
+static uint32_t *memop_word(CUdeviceptr addr);
+
+/* Under memop_lock: complete what can be completed of q; 1 if it is empty.  An operation
+ * whose memory was freed meanwhile (a program error: the driver leaves it undefined) is
+ * dropped rather than done. */
+static int memq_run_locked(struct memq *q)
+{
+    while (q->count) {
+        const struct memop *op = &q->ops[q->head];
+        if (memop_word((CUdeviceptr)(uintptr_t)op->addr) && !memop_try(op))
+            break;
+        q->head = (q->head + 1) % q->cap;
+        q->count--;
+    }
+    return q->count == 0;
+}
+
+static void memq_unlink_locked(struct memq *q)
+{
+    for (struct memq **p = &memqs; *p; p = &(*p)->next)
+        if (*p == q) {
+            *p = q->next;
+            break;
+        }
+    free(q->ops);
+    free(q);
+}
+
+static void *memop_thread(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&memop_lock);
+    for (;;) {
+        int waiting = 0;
+        for (struct memq *q = memqs, *next; q; q = next) {
+            next = q->next;
+            if (!memq_run_locked(q))
+                waiting = 1;
+            else if (!q->stream)
+                memq_unlink_locked(q);   /* its stream is gone and its work done */
+        }
+        if (!waiting) {
+            pthread_cond_wait(&memop_cond, &memop_lock);
+            continue;
+        }
+        pthread_mutex_unlock(&memop_lock);
+        struct timespec ts = {0, (long)MEMOP_POLL_NS};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&memop_lock);
+    }
+    return NULL;
+}
+
+/* Under memop_lock: append op to s's queue (made on first use); 0, or -1 out of memory. */
+static int memq_push_locked(struct vgpu_stream *s, const struct memop *op)
+{
+    struct memq *q = s->memq;
+    if (!q) {
+        if (!(q = calloc(1, sizeof *q)))
+            return -1;
+        q->stream = s;
+        q->ctx = s->ctx;
+        q->next = memqs;
+        memqs = q;
+        s->memq = q;
+    }
+    if (q->count == q->cap) {
+        size_t cap = q->cap ? q->cap * 2 : 16;
+        struct memop *ops = malloc(cap * sizeof *ops);
+        if (!ops)
+            return -1;
+        for (size_t i = 0; i < q->count; i++)
+            ops[i] = q->ops[(q->head + i) % q->cap];
+        free(q->ops);
+        q->ops = ops;
+        q->cap = cap;
+        q->head = 0;
+    }
+    q->ops[(q->head + q->count++) % q->cap] = *op;
+    if (!memop_thread_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);   /* the helper takes none of the program's signals */
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        memop_thread_started = pthread_create(&t, &attr, memop_thread, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!memop_thread_started) {
+            q->count--;
+            return -1;
+        }
+    }
+    pthread_cond_signal(&memop_cond);
+    return 0;
+}
+
+/* Enqueue n operations on s, in order: each completes now if it can and nothing before it
+ * waits, else it waits in the stream's queue. */
+static CUresult memops_enqueue(struct vgpu_stream *s, const struct memop *ops, unsigned n)
+{
+    uint64_t due = stream_last_end(s);
+    pthread_mutex_lock(&memop_lock);
+    int queued = s->memq && !memq_run_locked(s->memq);
+    CUresult r = CUDA_SUCCESS;
+    for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
+        struct memop op = ops[i];
+        op.due = due;
+        if (!queued && memop_try(&op))
+            continue;
+        queued = 1;
+        if (memq_push_locked(s, &op))
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_unlock(&memop_lock);
+    return r;
+}
+
+/* Does s still have memory operations to complete? */
+static int memops_pending(struct vgpu_stream *s)
+{
+    pthread_mutex_lock(&memop_lock);
+    int pending = s->memq && !memq_run_locked(s->memq);
+    pthread_mutex_unlock(&memop_lock);
+    return pending;
+}
+
+static int ctx_memops_pending(struct vgpu_ctx *c)
+{
+    int pending = 0;
+    pthread_mutex_lock(&memop_lock);
+    for (struct memq *q = memqs; q && !pending; q = q->next)
+        pending = q->ctx == c && !memq_run_locked(q);
+    pthread_mutex_unlock(&memop_lock);
+    return pending;
+}
+
+/* Wait until the memory operations of stream s (or of every stream of context c) are done. */
+static void memops_wait(struct vgpu_stream *s, struct vgpu_ctx *c)
+{
+    while (s ? memops_pending(s) : ctx_memops_pending(c)) {
+        struct timespec ts = {0, (long)MEMOP_POLL_NS};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* A stream that goes (cuStreamDestroy, its context destroyed): operations it still has
+ * complete all the same ("resources associated with hStream will be released
+ * automatically once the device has completed all work"). */
+static void memq_detach(struct vgpu_stream *s)
+{
+    pthread_mutex_lock(&memop_lock);
+    struct memq *q = s->memq;
+    s->memq = NULL;
+    if (q) {
+        q->stream = NULL;
+        if (memq_run_locked(q))
+            memq_unlink_locked(q);
+    }
+    pthread_mutex_unlock(&memop_lock);
+}
+
+/* A context reset or destroyed: "reset all state" (cuDevicePrimaryCtxReset), its memory
+ * is freed: the operations still pending on its streams are dropped, not done. */
+static void memops_drop_ctx(struct vgpu_ctx *c)
+{
+    pthread_mutex_lock(&memop_lock);
+    for (struct memq *q = memqs, *next; q; q = next) {
+        next = q->next;
+        if (q->ctx != c)
+            continue;
+        q->count = 0;
+        if (!q->stream)
+            memq_unlink_locked(q);
+    }
+    pthread_mutex_unlock(&memop_lock);
+}
+
+/* In a forked child: the parent's queues and helper thread are the parent's. */
+static void forget_memops(void)
+{
+    pthread_mutex_init(&memop_lock, NULL);
+    pthread_cond_init(&memop_cond, NULL);
+    memqs = NULL;
+    memop_thread_started = 0;
+}
+
+/* The 32-bit word at device pointer addr, if a memory operation may use it: 4-byte aligned,
+ * in device memory or page-locked host memory, not managed memory. */
+static uint32_t *memop_word(CUdeviceptr addr)
+{
+    struct ptr_info pi = ptr_info(addr);
+    if (!pi.known || pi.a.kind == A_MANAGED || addr % 4)
+        return NULL;
+    uint64_t base = pi.a.kind == A_RESERVED ? pi.map_base : pi.a.base;
+    uint64_t size = pi.a.kind == A_RESERVED ? pi.map_size : pi.a.size;
+    return size >= 4 && addr - base <= size - 4 ? (uint32_t *)(uintptr_t)addr : NULL;
+}
+
+/* One operation of the v2 API, checked: CUDA_SUCCESS with *op filled, or why not. */
+static CUresult memop_of(const CUstreamBatchMemOpParams *p, struct memop *op, int *skip)
+{
+    *skip = 0;
+    switch (p->operation) {
+    case CU_STREAM_MEM_OP_WAIT_VALUE_32:
+        if (p->waitValue.flags & ~(3u | (unsigned)CU_STREAM_WAIT_VALUE_FLUSH))
+            return CUDA_ERROR_INVALID_VALUE;
+        if ((p->waitValue.flags & 3u) == CU_STREAM_WAIT_VALUE_NOR || (p->waitValue.flags & CU_STREAM_WAIT_VALUE_FLUSH))
+            return CUDA_ERROR_NOT_SUPPORTED;
+        if (!(op->addr = memop_word(p->waitValue.address)))
+            return CUDA_ERROR_INVALID_VALUE;
+        op->write = 0;
+        op->value = p->waitValue.value;
+        op->flags = p->waitValue.flags;
+        return CUDA_SUCCESS;
+    case CU_STREAM_MEM_OP_WRITE_VALUE_32:
+        if (p->writeValue.flags)   /* NO_MEMORY_BARRIER "is not supported in the v2 API" */
+            return CUDA_ERROR_INVALID_VALUE;
+        if (!(op->addr = memop_word(p->writeValue.address)))
+            return CUDA_ERROR_INVALID_VALUE;
+        op->write = 1;
+        op->value = p->writeValue.value;
+        op->flags = 0;
+        return CUDA_SUCCESS;
+    case CU_STREAM_MEM_OP_BARRIER:   /* the operations are done in order, sequentially consistent */
+        *skip = 1;
+        return p->memoryBarrier.flags <= CU_STREAM_MEMORY_BARRIER_TYPE_GPU ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    case CU_STREAM_MEM_OP_WAIT_VALUE_64:
+    case CU_STREAM_MEM_OP_WRITE_VALUE_64:
+    case CU_STREAM_MEM_OP_FLUSH_REMOTE_WRITES:
+        return CUDA_ERROR_NOT_SUPPORTED;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+/* cuda.h, cuStreamBatchMemOp: the operations "are enqueued in the order they appear in
+ * the array"; count "Must be less than 256"; flags "must be 0".  All are checked before
+ * any is enqueued. */
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_v2(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                             unsigned int flags)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (count >= 256 || (count && !paramArray) || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (s->capture)
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;   /* no memory-operation nodes in simgpu's graphs */
+    struct memop ops[256];
+    unsigned n = 0;
+    for (unsigned i = 0; i < count; i++) {
+        int skip;
+        if ((err = memop_of(&paramArray[i], &ops[n], &skip)) != CUDA_SUCCESS)
+            return err;
+        n += !skip;
+    }
+    return memops_enqueue(s, ops, n);
+}
+
+/* cuda.h, cuStreamWaitValue32 (v2): the batch of one CU_STREAM_MEM_OP_WAIT_VALUE_32. */
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    CUstreamBatchMemOpParams p = {.waitValue = {CU_STREAM_MEM_OP_WAIT_VALUE_32, addr, {value}, flags, 0}};
+    return cuStreamBatchMemOp_v2(h, 1, &p, 0);
+}
+
+/* cuda.h, cuStreamWriteValue32 (v2): the batch of one CU_STREAM_MEM_OP_WRITE_VALUE_32. */
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    CUstreamBatchMemOpParams p = {.writeValue = {CU_STREAM_MEM_OP_WRITE_VALUE_32, addr, {value}, flags, 0}};
+    return cuStreamBatchMemOp_v2(h, 1, &p, 0);
+}
+
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_v2_ptsz(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                                  unsigned int flags)
+{
+    PER_THREAD(cuStreamBatchMemOp_v2(h, count, paramArray, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_v2_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWaitValue32_v2(h, addr, value, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_v2_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWriteValue32_v2(h, addr, value, flags));
+}
+
+/* The v1 API (the unversioned names, CUDA 8.0): CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
+ * reads 0 ("Deprecated, along with v1 MemOps API"), so after the stream is checked these
+ * are CUDA_ERROR_NOT_SUPPORTED, as on a driver without NVreg_EnableStreamMemOPs=1. */
+static CUresult memops_v1(CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    return resolve_stream(h, &err) ? CUDA_ERROR_NOT_SUPPORTED : err;
+}
+
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                          unsigned int flags)
+{
+    (void)count, (void)paramArray, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    (void)addr, (void)value, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    (void)addr, (void)value, (void)flags;
+    return memops_v1(h);
+}
+SIMGPU_EXPORT CUresult cuStreamBatchMemOp_ptsz(CUstream h, unsigned int count, CUstreamBatchMemOpParams *paramArray,
+                                               unsigned int flags)
+{
+    PER_THREAD(cuStreamBatchMemOp(h, count, paramArray, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWaitValue32_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWaitValue32(h, addr, value, flags));
+}
+SIMGPU_EXPORT CUresult cuStreamWriteValue32_ptsz(CUstream h, CUdeviceptr addr, uint32_t value, unsigned int flags)
+{
+    PER_THREAD(cuStreamWriteValue32(h, addr, value, flags));
 }
 
 /* === events === */
@@ -2837,6 +3382,80 @@ SIMGPU_EXPORT CUresult cuMemcpyDtoHAsync_v2_ptsz(void *d, CUdeviceptr s, size_t 
 SIMGPU_EXPORT CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { PER_THREAD(cuMemcpyDtoDAsync_v2(d, s, n, h)); }
 SIMGPU_EXPORT CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream h) { PER_THREAD(cuMemcpyAsync(d, s, n, h)); }
 
+/* One side of a 2D copy (cuda.h, CUDA_MEMCPY2D): HOST is host memory at host; DEVICE device
+ * memory at dev; UNIFIED any address of the unified space at dev; ARRAY the array's level 0
+ * (its rows, no pitch), where "XInBytes must be evenly divisible by the array element size".
+ * The first row starts at base + y * pitch + x; "If specified, srcPitch must be greater
+ * than or equal to WidthInBytes + srcXInBytes" (likewise dst), and no pitch may exceed
+ * CU_DEVICE_ATTRIBUTE_MAX_PITCH.  Fills *start and *row (the pitch that applies). */
+static CUresult copy2d_side(int type, const void *host, CUdeviceptr dev, CUarray array, size_t pitch, size_t x,
+                            size_t y, size_t width, size_t height, unsigned char **start, size_t *row)
+{
+    uint64_t base, first, extent;
+    switch (type) {
+    case CU_MEMORYTYPE_ARRAY:
+        if (!handle_ok(array, K_ARRAY))
+            return CUDA_ERROR_INVALID_HANDLE;
+        if (!array->elem || x % array->elem || x > array->row_bytes || width > array->row_bytes - x ||
+            y > array->rows || height > array->rows - y)
+            return CUDA_ERROR_INVALID_VALUE;
+        *start = (unsigned char *)array->data + y * array->row_bytes + x;
+        *row = (size_t)array->row_bytes;
+        return CUDA_SUCCESS;
+    case CU_MEMORYTYPE_HOST:
+        base = (uint64_t)(uintptr_t)host;
+        break;
+    case CU_MEMORYTYPE_DEVICE:
+    case CU_MEMORYTYPE_UNIFIED:
+        base = dev;
+        break;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!base || pitch > 2147483647u || ((pitch || height > 1) && (x + width < x || pitch < x + width)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (__builtin_mul_overflow((uint64_t)y, pitch, &first) || __builtin_add_overflow(first, x, &first) ||
+        __builtin_mul_overflow((uint64_t)(height - 1), pitch, &extent) || __builtin_add_overflow(extent, width, &extent) ||
+        __builtin_add_overflow(base, first, &first))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct alloc a;
+    if (type == CU_MEMORYTYPE_DEVICE && !device_range_ok(first, extent))
+        return CUDA_ERROR_INVALID_VALUE;   /* not device memory, or past its end */
+    if (type == CU_MEMORYTYPE_UNIFIED && alloc_find(first, 1, &a) && !alloc_find(first, extent, NULL))
+        return CUDA_ERROR_INVALID_VALUE;   /* memory the driver knows, past its end */
+    *start = (unsigned char *)(uintptr_t)first;
+    *row = pitch;
+    return CUDA_SUCCESS;
+}
+
+/* cuda.h, cuMemcpy2DAsync (_v2, CUDA 3.2): "Perform a 2D memory copy according to the
+ * parameters specified in pCopy", WidthInBytes by Height rows, on hStream.  Done when
+ * called, as simgpu's other asynchronous copies. */
+SIMGPU_EXPORT CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream h)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    CUresult err;
+    if (!resolve_stream(h, &err))
+        return err;
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!p->WidthInBytes || !p->Height)
+        return CUDA_SUCCESS;
+    unsigned char *src, *dst;
+    size_t spitch, dpitch;
+    if ((err = copy2d_side(p->srcMemoryType, p->srcHost, p->srcDevice, p->srcArray, p->srcPitch, p->srcXInBytes,
+                           p->srcY, p->WidthInBytes, p->Height, &src, &spitch)) != CUDA_SUCCESS ||
+        (err = copy2d_side(p->dstMemoryType, p->dstHost, p->dstDevice, p->dstArray, p->dstPitch, p->dstXInBytes,
+                           p->dstY, p->WidthInBytes, p->Height, &dst, &dpitch)) != CUDA_SUCCESS)
+        return err;
+    for (size_t r = 0; r < p->Height; r++)
+        memmove(dst + r * dpitch, src + r * spitch, p->WidthInBytes);
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *p, CUstream h) { PER_THREAD(cuMemcpy2DAsync_v2(p, h)); }
+
 static CUresult fill(CUdeviceptr dst, uint32_t value, unsigned width, size_t count, int sync, CUstream h)
 {
     REQUIRE_CTX(c);
@@ -2873,6 +3492,73 @@ SIMGPU_EXPORT CUresult cuMemsetD32_v2_ptds(CUdeviceptr d, unsigned int v, size_t
 SIMGPU_EXPORT CUresult cuMemsetD8Async_ptsz(CUdeviceptr d, unsigned char v, size_t n, CUstream h) { PER_THREAD(cuMemsetD8Async(d, v, n, h)); }
 SIMGPU_EXPORT CUresult cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n, CUstream h) { PER_THREAD(cuMemsetD16Async(d, v, n, h)); }
 SIMGPU_EXPORT CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { PER_THREAD(cuMemsetD32Async(d, v, n, h)); }
+
+/* === unified memory: prefetch ===
+ * cuda.h, cuMemPrefetchAsync (_v2, CUDA 12.2): "The memory range must refer to managed
+ * memory allocated via cuMemAllocManaged or declared via __managed__ variables"; the
+ * location is a device (whose CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is non-zero:
+ * every simgpu device's is), the host, a host NUMA node (simgpu's host has node 0) or the
+ * one nearest the calling thread; "flags for future use, must be zero now"; errors
+ * CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_DEVICE.  Managed memory is host memory here,
+ * always where every processor reads it: a valid prefetch has nothing to move ("this API
+ * is not required for functionality and only serves to improve performance"). */
+static CUresult prefetch(CUdeviceptr devPtr, size_t count, CUmemLocation loc, unsigned flags, CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    if (!resolve_stream(h, &err))
+        return err;
+    if (flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    switch (loc.type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        if (!dev_ok(loc.id))
+            return CUDA_ERROR_INVALID_DEVICE;
+        break;
+    case CU_MEM_LOCATION_TYPE_HOST:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT:
+        break;   /* "CUmemLocation::id will be ignored" */
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+        if (loc.id != 0)
+            return CUDA_ERROR_INVALID_VALUE;
+        break;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    struct alloc a;
+    if (!count || !alloc_find(devPtr, count, &a) || a.kind != A_MANAGED)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                             unsigned int flags, CUstream h)
+{
+    return prefetch(devPtr, count, location, flags, h);
+}
+
+/* The 8.0 ABI (the unversioned name): a destination device ordinal, or CU_DEVICE_CPU for
+ * the host. */
+SIMGPU_EXPORT CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream h)
+{
+    REQUIRE_INIT();
+    if (dstDevice != CU_DEVICE_CPU && !dev_ok(dstDevice))
+        return CUDA_ERROR_INVALID_DEVICE;
+    CUmemLocation loc = {dstDevice == CU_DEVICE_CPU ? CU_MEM_LOCATION_TYPE_HOST : CU_MEM_LOCATION_TYPE_DEVICE,
+                         dstDevice == CU_DEVICE_CPU ? 0 : dstDevice};
+    return prefetch(devPtr, count, loc, 0, h);
+}
+
+SIMGPU_EXPORT CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream h)
+{
+    PER_THREAD(cuMemPrefetchAsync(devPtr, count, dstDevice, h));
+}
+
+SIMGPU_EXPORT CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                                  unsigned int flags, CUstream h)
+{
+    PER_THREAD(cuMemPrefetchAsync_v2(devPtr, count, location, flags, h));
+}
 
 /* === modules, libraries, functions ===
  * A module holds the kernels its image names (simgpu/image.h): PTX, cubins, fatbins,
@@ -3014,6 +3700,40 @@ static CUresult read_image(const void *data, size_t size, int kind, const char *
     return r;
 }
 
+/* A module's variables (cuModuleGetGlobal, cuLibraryGetGlobal) live in device memory of
+ * their own from load to unload: one block, each variable at its section's alignment,
+ * holding its initial bytes (zeros for .nv.global).  simgpu counts no device memory for a
+ * module's code or data (a model: the driver does not document what loading costs). */
+static CUresult module_globals(struct vgpu_module *m)
+{
+    const struct simgpu_image *img = &m->image;
+    if (!img->nglobals)
+        return CUDA_SUCCESS;
+    uint64_t *at = malloc(img->nglobals * sizeof *at), size = 0;
+    if (!at)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    for (size_t i = 0; i < img->nglobals; i++) {
+        at[i] = size = round_up(size, img->globals[i].align);
+        size += img->globals[i].size;
+    }
+    size = size ? size : 1;
+    unsigned char *p = map_lazy(size);
+    struct vgpu_ctx *c = current_ctx();
+    if (!p || alloc_insert((struct alloc){(uint64_t)(uintptr_t)p, size, c ? c->dev : 0, A_MODULE, 0, NULL, NULL,
+                                          NULL, 0, 0, 0})) {
+        if (p)
+            munmap(p, size);
+        free(at);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    for (size_t i = 0; i < img->nglobals; i++)
+        if (img->globals[i].init)
+            memcpy(p + at[i], img->globals[i].init, img->globals[i].size);
+    m->globals = (uint64_t)(uintptr_t)p;
+    m->global_at = at;
+    return CUDA_SUCCESS;
+}
+
 static CUresult module_new(CUmodule *out, const void *data, size_t size, struct jit_log *log)
 {
     REQUIRE_INIT();
@@ -3031,6 +3751,11 @@ static CUresult module_new(CUmodule *out, const void *data, size_t size, struct 
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     m->image = img;
+    if ((r = module_globals(m)) != CUDA_SUCCESS) {
+        simgpu_image_free(&m->image);
+        handle_free(m);
+        return r;
+    }
     *out = m;
     return CUDA_SUCCESS;
 }
@@ -3109,6 +3834,10 @@ static void module_free(struct vgpu_module *m)
         free(f->name);
         handle_free(f);
     }
+    struct alloc a;
+    if (m->globals && !alloc_remove(m->globals, 1u << A_MODULE, &a))
+        alloc_drop(&a);
+    free(m->global_at);
     simgpu_image_free(&m->image);
     handle_free(m);
 }
@@ -3132,6 +3861,35 @@ SIMGPU_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule m, const 
     CUresult err = CUDA_SUCCESS;
     *hfunc = function_get(m, name, &err);
     return err;
+}
+
+/* A variable of the module's image: its address and its symbol's size (st_size).  An
+ * image whose symbols simgpu cannot read (PTX, which it does not compile; a stand-in or
+ * compressed image) holds none. */
+static CUresult module_global(struct vgpu_module *m, const char *name, CUdeviceptr *dptr, size_t *bytes)
+{
+    const struct simgpu_global *g = simgpu_image_global(&m->image, name);
+    if (!g)
+        return CUDA_ERROR_NOT_FOUND;
+    if (dptr)
+        *dptr = m->globals + m->global_at[g - m->image.globals];
+    if (bytes)
+        *bytes = (size_t)g->size;
+    return CUDA_SUCCESS;
+}
+
+/* cuda.h, cuModuleGetGlobal (_v2, CUDA 3.2): "Returns in *dptr and *bytes the base pointer
+ * and size of the global of name name located in module hmod.  If no variable of that name
+ * exists, cuModuleGetGlobal() returns CUDA_ERROR_NOT_FOUND.  One of the parameters dptr or
+ * bytes (not both) can be NULL in which case it is ignored." */
+SIMGPU_EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule m, const char *name)
+{
+    REQUIRE_INIT();
+    if ((!dptr && !bytes) || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(m, K_MODULE))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return module_global(m, name, dptr, bytes);
 }
 
 SIMGPU_EXPORT CUresult cuModuleGetFunctionCount(unsigned int *count, CUmodule m)
@@ -3217,6 +3975,7 @@ SIMGPU_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, C
         handle_free(l);
         return r;
     }
+    l->module->library = l;
     *library = l;
     return CUDA_SUCCESS;
 }
@@ -3276,6 +4035,35 @@ SIMGPU_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary l)
     if (!handle_ok(l, K_LIBRARY))
         return CUDA_ERROR_INVALID_HANDLE;
     *pMod = l->module;
+    return CUDA_SUCCESS;
+}
+
+/* cuda.h, cuLibraryGetGlobal: "the base pointer and size of the global with name name for
+ * the requested library library and the current context"; CUDA_ERROR_NOT_FOUND if there
+ * is none; dptr or bytes (not both) may be NULL.  (simgpu's library is one module for
+ * every context: one copy of its variables.) */
+SIMGPU_EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary l, const char *name)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    if ((!dptr && !bytes) || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(l, K_LIBRARY))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return module_global(l->module, name, dptr, bytes);
+}
+
+/* cuda.h, cuKernelGetLibrary: "Returns in pLib the handle of the library for the requested
+ * kernel".  A function of a module loaded with cuModuleLoad* is no library's kernel:
+ * CUDA_ERROR_INVALID_HANDLE. */
+SIMGPU_EXPORT CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel k)
+{
+    REQUIRE_INIT();
+    if (!pLib)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!handle_ok(k, K_FUNCTION) || !k->module->library)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pLib = k->module->library;
     return CUDA_SUCCESS;
 }
 
@@ -3723,6 +4511,7 @@ static uint64_t kernel_ns(int dev, const struct vgpu_function *f, uint64_t block
 static CUresult graph_add_kernel(struct vgpu_graph *g, struct vgpu_function *f, uint64_t blocks);
 static struct vgpu_graph_node *graph_node_new(struct vgpu_graph *g, CUgraphNodeType type);
 static void graph_drop_node(struct vgpu_graph_node *n);
+static struct kernel_params *kernel_params_new(const CUDA_KERNEL_NODE_PARAMS *p, struct vgpu_function *f);
 
 /* Queue `dur_ns` on the stream's device, blocking while the stream's queue is full. */
 static void stream_enqueue(struct vgpu_stream *s, uint64_t dur_ns)
@@ -3747,7 +4536,7 @@ static void stream_enqueue(struct vgpu_stream *s, uint64_t dur_ns)
 }
 
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                       unsigned bz, CUstream h)
+                       unsigned bz, unsigned shmem, void **kernelParams, void **extra, CUstream h)
 {
     REQUIRE_INIT();
     if (!handle_ok(f, K_FUNCTION))
@@ -3759,11 +4548,16 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     if (!s)
         return err;
     uint64_t blocks = (uint64_t)gx * gy * gz;
-    if (s->capture) {
+    if (s->capture) {   /* a kernel node, with the launch's parameters (cuGraphKernelNodeGetParams) */
+        CUDA_KERNEL_NODE_PARAMS p = {f, gx, gy, gz, bx, by, bz, shmem, kernelParams, extra, NULL, NULL};
         struct vgpu_graph_node *n = graph_node_new(s->capture, CU_GRAPH_NODE_TYPE_KERNEL);
         CUresult r = n ? graph_add_kernel(s->capture, f, blocks) : CUDA_ERROR_OUT_OF_MEMORY;
+        if (r == CUDA_SUCCESS && !(n->kp = kernel_params_new(&p, f)))
+            r = CUDA_ERROR_OUT_OF_MEMORY;
         if (n && r != CUDA_SUCCESS)
             graph_drop_node(n);
+        else if (n)
+            s->capture_last = n;
         return r;
     }
     stream_enqueue(s, kernel_ns(s->ctx->dev, f, blocks));
@@ -3775,8 +4569,8 @@ SIMGPU_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsig
                                       unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
                                       void **kernelParams, void **extra)
 {
-    (void)sharedMemBytes, (void)kernelParams, (void)extra;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, kernelParams,
+                  extra, hStream);
 }
 
 SIMGPU_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
@@ -3792,12 +4586,12 @@ SIMGPU_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, 
 SIMGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                         void **extra)
 {
-    (void)kernelParams, (void)extra;
     REQUIRE_INIT();
     if (!config)
         return CUDA_ERROR_INVALID_VALUE;
     return launch(f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX,
-                  config->blockDimY, config->blockDimZ, config->hStream);
+                  config->blockDimY, config->blockDimZ, config->sharedMemBytes, kernelParams, extra,
+                  config->hStream);
 }
 
 SIMGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
@@ -3812,8 +4606,8 @@ SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int grid
                                                  unsigned int sharedMemBytes, CUstream hStream,
                                                  void **kernelParams)
 {
-    (void)sharedMemBytes, (void)kernelParams;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, kernelParams,
+                  NULL, hStream);
 }
 
 SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
@@ -3824,6 +4618,92 @@ SIMGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int
 {
     PER_THREAD(cuLaunchCooperativeKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
                                          sharedMemBytes, hStream, kernelParams));
+}
+
+/* === tensor maps ===
+ * cuda.h, cuTensorMapEncodeTiled: "Tensor map objects are only supported on devices of
+ * compute capability 9.0 or higher" (others: CUDA_ERROR_NOT_SUPPORTED, the current
+ * context's device deciding), and "a tensor map object is an opaque value": simgpu writes
+ * its own encoding of the arguments.  Each documented requirement on the arguments is
+ * checked (CUDA_ERROR_INVALID_VALUE): the map 64-byte aligned; a known data type; rank 1
+ * to 5 (at least 3 when interleaved); globalAddress 16-byte aligned (32 with
+ * CU_TENSOR_MAP_INTERLEAVE_32B or the 16-byte-aligned packed types); each globalDim
+ * non-zero and at most 2^32 (a multiple of 128 for the 16-byte-aligned packed types, of 2
+ * for 16U4_ALIGN8B); each globalStride a multiple of 16 (32 as for the address) below 2^40;
+ * each boxDim 1 to 256, the inner box a multiple of 16 bytes without interleave, 128
+ * elements for the 16-byte-aligned packed types; each elementStride 1 to 8; known
+ * interleave, swizzle, L2 promotion and fill values; INTERLEAVE_32B only with SWIZZLE_32B;
+ * a swizzled inner box no wider than its span; the swizzles each packed type allows;
+ * 16U6_ALIGN16B without interleave; the NaN fill for floating-point types only. */
+
+/* Memory per element in half-bytes (the packed types: 16 values in 8 or 16 bytes). */
+static unsigned tensor_nibbles(unsigned t)
+{
+    static const unsigned nibbles[] = {2, 4, 8, 8, 16, 16, 4, 8, 16, 4, 8, 8, 8, 1, 2, 2};
+    return t < sizeof nibbles / sizeof nibbles[0] ? nibbles[t] : 0;
+}
+
+/* tensorMap is a CUtensorMap *; taken as void * so that its alignment is checked, not assumed. */
+SIMGPU_EXPORT CUresult cuTensorMapEncodeTiled(void *tensorMap, CUtensorMapDataType tensorDataType,
+                                              uint32_t tensorRank, void *globalAddress, const cuuint64_t *globalDim,
+                                              const cuuint64_t *globalStrides, const uint32_t *boxDim,
+                                              const uint32_t *elementStrides, CUtensorMapInterleave interleave,
+                                              CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2Promotion,
+                                              CUtensorMapFloatOOBfill oobFill)
+{
+    REQUIRE_CTX(c);
+    (void)c;
+    unsigned t = (unsigned)tensorDataType, il = (unsigned)interleave, sw = (unsigned)swizzle;
+    int packed16 = t == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B || t == CU_TENSOR_MAP_DATA_TYPE_16U6_ALIGN16B;
+    int packed = packed16 || t == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN8B;
+    unsigned align32 = il == CU_TENSOR_MAP_INTERLEAVE_32B || packed16 ? 32 : 16;
+    if (!tensorMap || (uintptr_t)tensorMap % 64 || !tensor_nibbles(t) || !tensorRank || tensorRank > 5 ||
+        il > CU_TENSOR_MAP_INTERLEAVE_32B || (il != CU_TENSOR_MAP_INTERLEAVE_NONE && tensorRank < 3) ||
+        sw > CU_TENSOR_MAP_SWIZZLE_128B_ATOM_64B || (unsigned)l2Promotion > CU_TENSOR_MAP_L2_PROMOTION_L2_256B ||
+        (unsigned)oobFill > CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA ||
+        (uintptr_t)globalAddress % align32 || !globalDim || !boxDim || !elementStrides ||
+        (tensorRank > 1 && !globalStrides))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (uint32_t i = 0; i < tensorRank; i++)
+        if (!globalDim[i] || globalDim[i] > (1ull << 32) || !boxDim[i] || boxDim[i] > 256 || !elementStrides[i] ||
+            elementStrides[i] > 8 || (i + 1 < tensorRank && (globalStrides[i] % align32 || globalStrides[i] >= (1ull << 40))))
+            return CUDA_ERROR_INVALID_VALUE;
+    uint64_t inner = (uint64_t)boxDim[0] * tensor_nibbles(t) / 2;   /* bytes of the box's inner dimension */
+    static const unsigned span[] = {0, 32, 64, 128, 128, 128, 128};
+    if ((packed16 && (globalDim[0] % 128 || boxDim[0] != 128)) ||
+        (t == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN8B && globalDim[0] % 2) ||
+        (il == CU_TENSOR_MAP_INTERLEAVE_NONE && inner % 16) ||
+        (il == CU_TENSOR_MAP_INTERLEAVE_32B && sw != CU_TENSOR_MAP_SWIZZLE_32B) ||
+        (il == CU_TENSOR_MAP_INTERLEAVE_NONE && sw != CU_TENSOR_MAP_SWIZZLE_NONE && inner > span[sw]) ||
+        (t == CU_TENSOR_MAP_DATA_TYPE_16U6_ALIGN16B &&
+         (il != CU_TENSOR_MAP_INTERLEAVE_NONE ||
+          (sw != CU_TENSOR_MAP_SWIZZLE_NONE && sw != CU_TENSOR_MAP_SWIZZLE_128B &&
+           sw != CU_TENSOR_MAP_SWIZZLE_128B_ATOM_32B && sw != CU_TENSOR_MAP_SWIZZLE_128B_ATOM_64B))) ||
+        (t == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B && sw != CU_TENSOR_MAP_SWIZZLE_NONE &&
+         sw != CU_TENSOR_MAP_SWIZZLE_128B && sw != CU_TENSOR_MAP_SWIZZLE_128B_ATOM_32B))
+        return CUDA_ERROR_INVALID_VALUE;
+    int floating = t == CU_TENSOR_MAP_DATA_TYPE_FLOAT16 || t == CU_TENSOR_MAP_DATA_TYPE_FLOAT32 ||
+                   t == CU_TENSOR_MAP_DATA_TYPE_FLOAT64 || t == CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 ||
+                   t == CU_TENSOR_MAP_DATA_TYPE_FLOAT32_FTZ || t == CU_TENSOR_MAP_DATA_TYPE_TFLOAT32 ||
+                   t == CU_TENSOR_MAP_DATA_TYPE_TFLOAT32_FTZ;
+    if (oobFill == CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA && (!floating || packed))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (simgpu_profile()->cc_major < 9)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    /* simgpu's encoding: address; the enums and rank; dims; strides; box and element strides */
+    uint64_t *o = tensorMap;
+    memset(o, 0, sizeof(CUtensorMap));
+    o[0] = (uint64_t)(uintptr_t)globalAddress;
+    o[1] = t | (uint64_t)tensorRank << 8 | (uint64_t)il << 12 | (uint64_t)sw << 16 | (uint64_t)l2Promotion << 20 |
+           (uint64_t)oobFill << 24;
+    for (uint32_t i = 0; i < tensorRank; i++) {
+        o[2 + i] = globalDim[i];
+        if (i + 1 < tensorRank)
+            o[7 + i] = globalStrides[i];
+        o[11] |= (uint64_t)(boxDim[i] - 1) << (8 * i);
+        o[12] |= (uint64_t)(elementStrides[i] - 1) << (4 * i);
+    }
+    return CUDA_SUCCESS;
 }
 
 /* === graphs and stream capture ===
@@ -3855,6 +4735,7 @@ static void graph_drop_node(struct vgpu_graph_node *n)
     struct vgpu_graph *g = n->graph;
     if (g->nall && g->all[g->nall - 1] == n)
         g->nall--;
+    free(n->kp);
     handle_free(n);
 }
 
@@ -3883,8 +4764,10 @@ static void graph_free(struct vgpu_graph *g)
     pthread_mutex_unlock(&graph_mem_lock);
     free(g->mem);
     free(g->nodes);
-    for (size_t i = 0; i < g->nall; i++)
+    for (size_t i = 0; i < g->nall; i++) {
+        free(g->all[i]->kp);
         handle_free(g->all[i]);
+    }
     free(g->all);
     handle_free(g);
 }
@@ -4214,6 +5097,7 @@ static CUresult capture_alloc(struct vgpu_stream *s, CUdeviceptr *dptr, uint64_t
     }
     n->mem = m;
     *dptr = m->dptr;
+    s->capture_last = n;
     return r;
 }
 
@@ -4230,6 +5114,7 @@ static CUresult capture_free(struct vgpu_stream *s, CUdeviceptr dptr)
     }
     n->mem = m;
     n->frees = 1;
+    s->capture_last = n;
     return r;
 }
 
@@ -4275,11 +5160,129 @@ SIMGPU_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phNode, CUgraph g, c
     if (!n)
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = graph_add_kernel(g, f, (uint64_t)p->gridDimX * p->gridDimY * p->gridDimZ);
+    if (r == CUDA_SUCCESS && !(n->kp = kernel_params_new(p, f)))
+        r = CUDA_ERROR_OUT_OF_MEMORY;
     if (r != CUDA_SUCCESS) {
         graph_drop_node(n);
         return r;
     }
     *phNode = n;
+    return CUDA_SUCCESS;
+}
+
+/* === graphs: kernel node parameters ===
+ * cuda.h, cuGraphKernelNodeGetParams: "The kernelParams or extra array returned in
+ * nodeParams, as well as the argument values it points to, are owned by the node.  This
+ * memory remains valid until the node is destroyed or its parameters are modified"; "The
+ * params will contain either kernelParams or extra, according to which of these was most
+ * recently set on the node".  So a node keeps copies: of each argument, sized as the
+ * kernel's image says (a cubin's EIATTR_KPARAM_INFO, PTX's .param list), and of an extra
+ * buffer given with CU_LAUNCH_PARAM_BUFFER_SIZE.  A stand-in image says nothing of its
+ * kernels' parameters: its node keeps the arrays it was given (the caller's memory). */
+struct kernel_params {
+    CUDA_KERNEL_NODE_PARAMS p;  /* as set, kernelParams / extra pointing into this block when copied */
+    struct vgpu_function *fn;   /* what it runs (func, else kern) */
+    size_t buffer_size;         /* the copied extra buffer's size (CU_LAUNCH_PARAM_BUFFER_SIZE points here) */
+};
+
+/* The extra buffer and its size, if `extra` is exactly the documented list of a buffer
+ * pointer and its size (either order) ended by CU_LAUNCH_PARAM_END. */
+static int extra_buffer(void **extra, void **buf, size_t *size)
+{
+    *buf = NULL;
+    int sized = 0;
+    for (int i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+        if (i == 4)
+            return 0;   /* more than the two options */
+        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
+            *buf = extra[i + 1];
+        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
+            *size = *(size_t *)extra[i + 1], sized = 1;
+        else
+            return 0;
+    }
+    return *buf && sized;
+}
+
+static struct kernel_params *kernel_params_new(const CUDA_KERNEL_NODE_PARAMS *p, struct vgpu_function *f)
+{
+    const struct simgpu_kernel *k = &f->info;
+    void *buf = NULL;
+    size_t bytes = sizeof(struct kernel_params), nargs = 0, buffer = 0, at;
+    int copy_args = p->kernelParams && k->params_known;
+    int copy_extra = !p->kernelParams && p->extra && extra_buffer(p->extra, &buf, &buffer);
+    if (copy_args) {
+        nargs = (size_t)k->nparams;
+        bytes += nargs * sizeof(void *);
+        for (size_t i = 0; i < nargs; i++)
+            bytes += (k->params[i].size + 15) / 16 * 16;
+    } else if (copy_extra) {
+        bytes += 5 * sizeof(void *) + buffer;
+    }
+    struct kernel_params *kp = malloc(bytes);
+    if (!kp)
+        return NULL;
+    kp->p = *p;
+    kp->fn = f;
+    kp->buffer_size = buffer;
+    at = sizeof *kp;
+    if (copy_args) {   /* the arguments, each 16-byte aligned after the array of their pointers */
+        void **args = (void **)((char *)kp + at);
+        at += nargs * sizeof(void *);
+        for (size_t i = 0; i < nargs; i++) {
+            args[i] = (char *)kp + at;
+            memcpy(args[i], p->kernelParams[i], k->params[i].size);
+            at += (k->params[i].size + 15) / 16 * 16;
+        }
+        kp->p.kernelParams = args;
+    } else if (copy_extra) {
+        void **extra = (void **)((char *)kp + at);
+        void *copy = (char *)kp + at + 5 * sizeof(void *);
+        memcpy(copy, buf, buffer);
+        extra[0] = CU_LAUNCH_PARAM_BUFFER_POINTER, extra[1] = copy;
+        extra[2] = CU_LAUNCH_PARAM_BUFFER_SIZE, extra[3] = &kp->buffer_size;
+        extra[4] = CU_LAUNCH_PARAM_END;
+        kp->p.extra = extra;
+    }
+    return kp;
+}
+
+static CUresult kernel_node(CUgraphNode node, const struct kernel_params **kp)
+{
+    if (!handle_ok(node, K_GRAPH_NODE) || node->type != CU_GRAPH_NODE_TYPE_KERNEL || !node->kp)
+        return CUDA_ERROR_INVALID_VALUE;   /* cuda.h documents no other error for a wrong node */
+    *kp = node->kp;
+    return CUDA_SUCCESS;
+}
+
+/* CUDA 12.0's ABI: the parameters as set, func / kern / ctx included. */
+SIMGPU_EXPORT CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode node, CUDA_KERNEL_NODE_PARAMS *nodeParams)
+{
+    REQUIRE_INIT();
+    const struct kernel_params *kp;
+    CUresult r = kernel_node(node, &kp);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!nodeParams)
+        return CUDA_ERROR_INVALID_VALUE;
+    *nodeParams = kp->p;
+    return CUDA_SUCCESS;
+}
+
+/* CUDA 10.0's ABI (CUDA_KERNEL_NODE_PARAMS_v1: no kern or ctx): func is the function the
+ * node runs, set by func or by kern (simgpu's kernels and functions are one object). */
+SIMGPU_EXPORT CUresult cuGraphKernelNodeGetParams(CUgraphNode node, CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams)
+{
+    REQUIRE_INIT();
+    const struct kernel_params *kp;
+    CUresult r = kernel_node(node, &kp);
+    if (r != CUDA_SUCCESS)
+        return r;
+    if (!nodeParams)
+        return CUDA_ERROR_INVALID_VALUE;
+    *nodeParams = (CUDA_KERNEL_NODE_PARAMS_v1){kp->fn, kp->p.gridDimX, kp->p.gridDimY, kp->p.gridDimZ,
+                                               kp->p.blockDimX, kp->p.blockDimY, kp->p.blockDimZ,
+                                               kp->p.sharedMemBytes, kp->p.kernelParams, kp->p.extra};
     return CUDA_SUCCESS;
 }
 
@@ -4329,6 +5332,14 @@ SIMGPU_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phExec, CUgraph g, CUg
     if (logBuffer && bufferSize)
         logBuffer[0] = 0;
     return cuGraphInstantiateWithFlags(phExec, g, 0);
+}
+
+/* The 10.0 ABI (the unversioned name): cuda.h declares it as _v2 is declared (error node,
+ * log buffer) and documents one cuGraphInstantiate. */
+SIMGPU_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phExec, CUgraph g, CUgraphNode *errNode, char *logBuffer,
+                                          size_t bufferSize)
+{
+    return cuGraphInstantiate_v2(phExec, g, errNode, logBuffer, bufferSize);
 }
 
 /* cuda.h, cuGraphInstantiateWithParams: flags as cuGraphInstantiateWithFlags takes them
@@ -4421,6 +5432,8 @@ SIMGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream h)
 
 SIMGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream h) { PER_THREAD(cuGraphLaunch(e, h)); }
 
+static cuuint64_t capture_ids;   /* the last capture sequence id handed out */
+
 SIMGPU_EXPORT CUresult cuStreamBeginCapture_v2(CUstream h, int mode)
 {
     REQUIRE_INIT();
@@ -4434,6 +5447,8 @@ SIMGPU_EXPORT CUresult cuStreamBeginCapture_v2(CUstream h, int mode)
     if (s->capture)
         return CUDA_ERROR_ILLEGAL_STATE;
     s->capture = handle_new(K_GRAPH);
+    s->capture_id = __atomic_add_fetch(&capture_ids, 1, __ATOMIC_RELAXED);
+    s->capture_last = NULL;
     return s->capture ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
@@ -4455,6 +5470,7 @@ SIMGPU_EXPORT CUresult cuStreamEndCapture(CUstream h, CUgraph *phGraph)
         return CUDA_ERROR_ILLEGAL_STATE;
     *phGraph = s->capture;
     s->capture = NULL;
+    s->capture_last = NULL;
     return CUDA_SUCCESS;
 }
 
@@ -4479,6 +5495,110 @@ SIMGPU_EXPORT CUresult cuStreamIsCapturing(CUstream h, int *status)
 SIMGPU_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream h, int *status)
 {
     PER_THREAD(cuStreamIsCapturing(h, status));
+}
+
+/* Is a stream of c that synchronizes with the legacy stream (not CU_STREAM_NON_BLOCKING)
+ * capturing? */
+static int blocking_capture_in(struct vgpu_ctx *c)
+{
+    for (size_t i = 0; arena && i < arena_used; i++) {
+        struct vgpu_stream *s = (struct vgpu_stream *)(arena + ARENA_SLOT * i);
+        if (handle_ok(s, K_STREAM) && s->ctx == c && s->capture && !(s->flags & CU_STREAM_NON_BLOCKING))
+            return 1;
+    }
+    return 0;
+}
+
+/* cuda.h, cuStreamGetCaptureInfo (_v3; _v2 without edgeData_out; the 10.1 ABI with the
+ * status and id only): captureStatus_out is required and is CU_STREAM_CAPTURE_STATUS_NONE
+ * for a stream not capturing, _ACTIVE for one that is; the rest is valid only when active:
+ * the id of the capture sequence ("unique over the lifetime of the process"), the graph
+ * captured into, and the nodes the next captured node will depend on (simgpu captures in
+ * order: the node captured last, if any), with their edge data (all zero: simgpu has no
+ * ports) in a driver-owned array valid "until the next API call which operates on the
+ * stream".  "If edgeData_out is non-NULL then dependencies_out must be as well."  On the
+ * legacy stream while a stream not created with CU_STREAM_NON_BLOCKING is capturing:
+ * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT. */
+static CUresult capture_info(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
+                             const CUgraphNode **deps, const CUgraphEdgeData **edges, size_t *ndeps)
+{
+    REQUIRE_INIT();
+    CUresult err;
+    struct vgpu_stream *s = resolve_stream(h, &err);
+    if (!s)
+        return err;
+    if (!status || (edges && !deps))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (s == s->ctx->null_stream && !s->capture && blocking_capture_in(s->ctx))
+        return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT;
+    *status = s->capture ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    size_t n = s->capture && s->capture_last && handle_ok(s->capture_last, K_GRAPH_NODE) ? 1 : 0;
+    s->capture_deps[0] = n ? s->capture_last : NULL;
+    memset(s->capture_edges, 0, sizeof s->capture_edges);
+    if (id)
+        *id = s->capture ? s->capture_id : 0;
+    if (graph)
+        *graph = s->capture;
+    if (deps)
+        *deps = n ? s->capture_deps : NULL;
+    if (edges)
+        *edges = n ? s->capture_edges : NULL;
+    if (ndeps)
+        *ndeps = n;
+    return CUDA_SUCCESS;
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id)
+{
+    return capture_info(h, status, id, NULL, NULL, NULL, NULL);
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                                 CUgraph *graph, const CUgraphNode **deps, size_t *ndeps)
+{
+    return capture_info(h, status, id, graph, deps, NULL, ndeps);
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                                 CUgraph *graph, const CUgraphNode **deps,
+                                                 const CUgraphEdgeData **edges, size_t *ndeps)
+{
+    return capture_info(h, status, id, graph, deps, edges, ndeps);
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo_ptsz(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id)
+{
+    PER_THREAD(cuStreamGetCaptureInfo(h, status, id));
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                                      CUgraph *graph, const CUgraphNode **deps, size_t *ndeps)
+{
+    PER_THREAD(cuStreamGetCaptureInfo_v2(h, status, id, graph, deps, ndeps));
+}
+
+SIMGPU_EXPORT CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream h, CUstreamCaptureStatus *status, cuuint64_t *id,
+                                                      CUgraph *graph, const CUgraphNode **deps,
+                                                      const CUgraphEdgeData **edges, size_t *ndeps)
+{
+    PER_THREAD(cuStreamGetCaptureInfo_v3(h, status, id, graph, deps, edges, ndeps));
+}
+
+/* cuda.h, cuThreadExchangeStreamCaptureMode: "Sets the calling thread's stream capture
+ * interaction mode to the value contained in *mode, and overwrites *mode with the previous
+ * mode for the thread"; CU_STREAM_CAPTURE_MODE_GLOBAL is the default.  (simgpu keeps the
+ * mode; it does not refuse the calls a mode prohibits during capture.) */
+static __thread CUstreamCaptureMode tls_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+
+SIMGPU_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+{
+    REQUIRE_INIT();
+    if (!mode || (unsigned)*mode > CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUstreamCaptureMode old = tls_capture_mode;
+    tls_capture_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
 }
 
 /* === cuGetProcAddress ===
@@ -4510,11 +5630,14 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuDeviceComputeCapability, 2000, 0, cuDeviceComputeCapability)           \
     X(cuDeviceGetAttribute, 2000, 0, cuDeviceGetAttribute)                     \
     X(cuDeviceGetPCIBusId, 4010, 0, cuDeviceGetPCIBusId)                       \
+    X(cuDeviceCanAccessPeer, 4000, 0, cuDeviceCanAccessPeer)                   \
     X(cuDeviceGetDefaultMemPool, 11020, 0, cuDeviceGetDefaultMemPool)          \
     X(cuDeviceGetMemPool, 11020, 0, cuDeviceGetMemPool)                        \
     X(cuDeviceSetMemPool, 11020, 0, cuDeviceSetMemPool)                        \
     X(cuDevicePrimaryCtxRetain, 7000, 0, cuDevicePrimaryCtxRetain)             \
+    X(cuDevicePrimaryCtxRelease, 7000, 0, cuDevicePrimaryCtxRelease)           \
     X(cuDevicePrimaryCtxRelease, 11000, 0, cuDevicePrimaryCtxRelease_v2)       \
+    X(cuDevicePrimaryCtxReset, 7000, 0, cuDevicePrimaryCtxReset)               \
     X(cuDevicePrimaryCtxReset, 11000, 0, cuDevicePrimaryCtxReset_v2)           \
     X(cuDevicePrimaryCtxGetState, 7000, 0, cuDevicePrimaryCtxGetState)         \
     X(cuDevicePrimaryCtxSetFlags, 11000, 0, cuDevicePrimaryCtxSetFlags_v2)     \
@@ -4524,7 +5647,9 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuCtxDestroy, 4000, 0, cuCtxDestroy_v2)                                  \
     X(cuCtxSetCurrent, 4000, 0, cuCtxSetCurrent)                               \
     X(cuCtxGetCurrent, 4000, 0, cuCtxGetCurrent)                               \
+    X(cuCtxPushCurrent, 2000, 0, cuCtxPushCurrent)                             \
     X(cuCtxPushCurrent, 4000, 0, cuCtxPushCurrent_v2)                          \
+    X(cuCtxPopCurrent, 2000, 0, cuCtxPopCurrent)                               \
     X(cuCtxPopCurrent, 4000, 0, cuCtxPopCurrent_v2)                            \
     X(cuCtxGetDevice, 2000, 0, cuCtxGetDevice)                                 \
     X(cuCtxGetDevice, 13000, 0, cuCtxGetDevice_v2)                             \
@@ -4533,6 +5658,8 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuCtxGetStreamPriorityRange, 5050, 0, cuCtxGetStreamPriorityRange)       \
     X(cuCtxGetLimit, 3010, 0, cuCtxGetLimit)                                   \
     X(cuCtxSetLimit, 3010, 0, cuCtxSetLimit)                                   \
+    X(cuCtxGetCacheConfig, 3020, 0, cuCtxGetCacheConfig)                       \
+    X(cuCtxSetCacheConfig, 3020, 0, cuCtxSetCacheConfig)                       \
     X(cuCtxSynchronize, 2000, 0, cuCtxSynchronize)                             \
     X(cuCtxSynchronize, 13000, 0, cuCtxSynchronize_v2)                         \
     X(cuMemAlloc, 3020, 0, cuMemAlloc_v2)                                      \
@@ -4605,6 +5732,12 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuMemsetD16Async, 7000, 1, cuMemsetD16Async_ptsz)                        \
     X(cuMemsetD32Async, 3020, 0, cuMemsetD32Async)                             \
     X(cuMemsetD32Async, 7000, 1, cuMemsetD32Async_ptsz)                        \
+    X(cuMemcpy2DAsync, 3020, 0, cuMemcpy2DAsync_v2)                            \
+    X(cuMemcpy2DAsync, 7000, 1, cuMemcpy2DAsync_v2_ptsz)                       \
+    X(cuMemPrefetchAsync, 8000, 0, cuMemPrefetchAsync)                         \
+    X(cuMemPrefetchAsync, 8000, 1, cuMemPrefetchAsync_ptsz)                    \
+    X(cuMemPrefetchAsync, 12020, 0, cuMemPrefetchAsync_v2)                     \
+    X(cuMemPrefetchAsync, 12020, 1, cuMemPrefetchAsync_v2_ptsz)                \
     X(cuStreamCreate, 2000, 0, cuStreamCreate)                                 \
     X(cuStreamCreateWithPriority, 5050, 0, cuStreamCreateWithPriority)         \
     X(cuStreamDestroy, 4000, 0, cuStreamDestroy_v2)                            \
@@ -4620,12 +5753,35 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuStreamGetFlags, 7000, 1, cuStreamGetFlags_ptsz)                        \
     X(cuStreamGetCtx, 9020, 0, cuStreamGetCtx)                                 \
     X(cuStreamGetCtx, 9020, 1, cuStreamGetCtx_ptsz)                            \
+    X(cuStreamGetId, 12000, 0, cuStreamGetId)                                  \
+    X(cuStreamGetId, 12000, 1, cuStreamGetId_ptsz)                             \
+    X(cuStreamGetDevice, 12080, 0, cuStreamGetDevice)                          \
+    X(cuStreamGetDevice, 12080, 1, cuStreamGetDevice_ptsz)                     \
+    X(cuStreamBatchMemOp, 8000, 0, cuStreamBatchMemOp)                         \
+    X(cuStreamBatchMemOp, 8000, 1, cuStreamBatchMemOp_ptsz)                    \
+    X(cuStreamBatchMemOp, 11070, 0, cuStreamBatchMemOp_v2)                     \
+    X(cuStreamBatchMemOp, 11070, 1, cuStreamBatchMemOp_v2_ptsz)                \
+    X(cuStreamWaitValue32, 8000, 0, cuStreamWaitValue32)                       \
+    X(cuStreamWaitValue32, 8000, 1, cuStreamWaitValue32_ptsz)                  \
+    X(cuStreamWaitValue32, 11070, 0, cuStreamWaitValue32_v2)                   \
+    X(cuStreamWaitValue32, 11070, 1, cuStreamWaitValue32_v2_ptsz)              \
+    X(cuStreamWriteValue32, 8000, 0, cuStreamWriteValue32)                     \
+    X(cuStreamWriteValue32, 8000, 1, cuStreamWriteValue32_ptsz)                \
+    X(cuStreamWriteValue32, 11070, 0, cuStreamWriteValue32_v2)                 \
+    X(cuStreamWriteValue32, 11070, 1, cuStreamWriteValue32_v2_ptsz)            \
     X(cuStreamBeginCapture, 10010, 0, cuStreamBeginCapture_v2)                 \
     X(cuStreamBeginCapture, 10010, 1, cuStreamBeginCapture_v2_ptsz)            \
     X(cuStreamEndCapture, 10000, 0, cuStreamEndCapture)                        \
     X(cuStreamEndCapture, 10000, 1, cuStreamEndCapture_ptsz)                   \
     X(cuStreamIsCapturing, 10000, 0, cuStreamIsCapturing)                      \
     X(cuStreamIsCapturing, 10000, 1, cuStreamIsCapturing_ptsz)                 \
+    X(cuStreamGetCaptureInfo, 10010, 0, cuStreamGetCaptureInfo)                \
+    X(cuStreamGetCaptureInfo, 10010, 1, cuStreamGetCaptureInfo_ptsz)           \
+    X(cuStreamGetCaptureInfo, 11030, 0, cuStreamGetCaptureInfo_v2)             \
+    X(cuStreamGetCaptureInfo, 11030, 1, cuStreamGetCaptureInfo_v2_ptsz)        \
+    X(cuStreamGetCaptureInfo, 12030, 0, cuStreamGetCaptureInfo_v3)             \
+    X(cuStreamGetCaptureInfo, 12030, 1, cuStreamGetCaptureInfo_v3_ptsz)        \
+    X(cuThreadExchangeStreamCaptureMode, 10010, 0, cuThreadExchangeStreamCaptureMode) \
     X(cuLaunchHostFunc, 10000, 0, cuLaunchHostFunc)                            \
     X(cuLaunchHostFunc, 10000, 1, cuLaunchHostFunc_ptsz)                       \
     X(cuEventCreate, 2000, 0, cuEventCreate)                                   \
@@ -4644,11 +5800,14 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuModuleLoadFatBinary, 2000, 0, cuModuleLoadFatBinary)                   \
     X(cuModuleUnload, 2000, 0, cuModuleUnload)                                 \
     X(cuModuleGetFunction, 2000, 0, cuModuleGetFunction)                       \
+    X(cuModuleGetGlobal, 3020, 0, cuModuleGetGlobal_v2)                        \
     X(cuLibraryLoadData, 12000, 0, cuLibraryLoadData)                          \
     X(cuLibraryLoadFromFile, 12000, 0, cuLibraryLoadFromFile)                  \
     X(cuLibraryUnload, 12000, 0, cuLibraryUnload)                              \
     X(cuLibraryGetKernel, 12000, 0, cuLibraryGetKernel)                        \
     X(cuLibraryGetModule, 12000, 0, cuLibraryGetModule)                        \
+    X(cuLibraryGetGlobal, 12000, 0, cuLibraryGetGlobal)                        \
+    X(cuKernelGetLibrary, 12050, 0, cuKernelGetLibrary)                        \
     X(cuKernelGetFunction, 12000, 0, cuKernelGetFunction)                      \
     X(cuKernelGetAttribute, 12000, 0, cuKernelGetAttribute)                    \
     X(cuKernelSetAttribute, 12000, 0, cuKernelSetAttribute)                    \
@@ -4685,15 +5844,19 @@ SIMGPU_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const void *
     X(cuLaunchKernelEx, 11060, 1, cuLaunchKernelEx_ptsz)                       \
     X(cuLaunchCooperativeKernel, 9000, 0, cuLaunchCooperativeKernel)           \
     X(cuLaunchCooperativeKernel, 9000, 1, cuLaunchCooperativeKernel_ptsz)      \
+    X(cuTensorMapEncodeTiled, 12000, 0, cuTensorMapEncodeTiled)                \
     X(cuGraphCreate, 10000, 0, cuGraphCreate)                                  \
     X(cuGraphDestroy, 10000, 0, cuGraphDestroy)                                \
     X(cuGraphAddKernelNode, 12000, 0, cuGraphAddKernelNode_v2)                 \
+    X(cuGraphInstantiate, 10000, 0, cuGraphInstantiate)                        \
     X(cuGraphInstantiate, 11000, 0, cuGraphInstantiate_v2)                     \
     X(cuGraphInstantiateWithFlags, 11040, 0, cuGraphInstantiateWithFlags)      \
     X(cuGraphInstantiateWithParams, 12000, 0, cuGraphInstantiateWithParams)    \
     X(cuGraphInstantiateWithParams, 12000, 1, cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphGetNodes, 10000, 0, cuGraphGetNodes)                              \
     X(cuGraphNodeGetType, 10000, 0, cuGraphNodeGetType)                        \
+    X(cuGraphKernelNodeGetParams, 10000, 0, cuGraphKernelNodeGetParams)        \
+    X(cuGraphKernelNodeGetParams, 12000, 0, cuGraphKernelNodeGetParams_v2)     \
     X(cuGraphExecDestroy, 10000, 0, cuGraphExecDestroy)                        \
     X(cuGraphUpload, 11010, 0, cuGraphUpload)                                  \
     X(cuGraphUpload, 11010, 1, cuGraphUpload_ptsz)                             \

@@ -7,7 +7,11 @@
  *     records {u8 format, u8 attribute, u16 size or value}: format 4 (SVAL) is followed by
  *     `size` bytes; EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11) carry {u32 symbol,
  *     u32 value}; .nv.info.<kernel> carries EIATTR_MAX_THREADS (0x05) / EIATTR_REQNTID
- *     (0x10) as {u32 x, y, z}; .nv.shared.<kernel> is the kernel's static shared memory.
+ *     (0x10) as {u32 x, y, z} and one EIATTR_KPARAM_INFO (0x17) per parameter as {u32
+ *     index, u16 ordinal, u16 offset, u32 flags: the size in bits 18 and up};
+ *     .nv.shared.<kernel> is the kernel's static shared memory.  Variables are OBJECT
+ *     symbols (st_value: offset in their section, st_size: bytes) of .nv.global (NOBITS:
+ *     zeros), .nv.global.init and .nv.constant<N> (initial bytes in the section).
  *   fatbin: {u32 magic 0xBA55ED50, u16 version, u16 header size, u64 size of the entries},
  *     each entry {u16 kind (1 PTX, 2 ELF), u16, u32 header size, u64 payload size, ...,
  *     u32 arch at 0x1c, u64 flags at 0x28 (0x2000 or 0x8000: payload compressed)}.
@@ -36,12 +40,16 @@ enum { R_SUCCESS = 0, R_INVALID_VALUE = 1, R_OUT_OF_MEMORY = 2, R_INVALID_IMAGE 
 #define STO_CUDA_ENTRY 0x10
 #define SHT_SYMTAB 2
 #define SHT_NOBITS 8
+#define STT_OBJECT 1
 #define STT_FUNC 2
 #define EIFMT_SVAL 4
 #define EIATTR_MAX_THREADS 0x05
 #define EIATTR_REQNTID 0x10
 #define EIATTR_FRAME_SIZE 0x11
 #define EIATTR_REGCOUNT 0x2f
+#define EIATTR_KPARAM_INFO 0x17
+#define KPARAM_SIZE_SHIFT 18
+#define KPARAM_CBANK (0x1fu << 12)   /* "Parameter Space: CBANK", as ptxas writes it */
 #define FATBIN_MAGIC 0xBA55ED50u
 #define FATBIN_WRAPPER_MAGIC 0x466243B1u
 #define FATBIN_COMPRESSED (0x2000ull | 0x8000ull)
@@ -81,10 +89,41 @@ static struct simgpu_kernel *add_kernel(struct simgpu_image *img, const char *na
 
 void simgpu_image_free(struct simgpu_image *img)
 {
-    for (size_t i = 0; i < img->count; i++)
+    for (size_t i = 0; i < img->count; i++) {
         free(img->kernels[i].name);
+        free(img->kernels[i].params);
+    }
     free(img->kernels);
+    for (size_t i = 0; i < img->nglobals; i++) {
+        free(img->globals[i].name);
+        free(img->globals[i].init);
+    }
+    free(img->globals);
     memset(img, 0, sizeof *img);
+}
+
+const struct simgpu_global *simgpu_image_global(const struct simgpu_image *img, const char *name)
+{
+    for (size_t i = 0; i < img->nglobals; i++)
+        if (!strcmp(img->globals[i].name, name))
+            return &img->globals[i];
+    return NULL;
+}
+
+/* Parameter `ordinal` of k (the array grows to hold it); NULL when out of memory. */
+static struct simgpu_param *kernel_param(struct simgpu_kernel *k, unsigned ordinal)
+{
+    if (ordinal >= 4096)
+        return NULL;   /* CUDA's parameter space holds 32 KiB: no kernel has this many */
+    if ((int)ordinal >= k->nparams) {
+        struct simgpu_param *p = realloc(k->params, (ordinal + 1) * sizeof *p);
+        if (!p)
+            return NULL;
+        memset(p + k->nparams, 0, (ordinal + 1 - (unsigned)k->nparams) * sizeof *p);
+        k->params = p;
+        k->nparams = (int)ordinal + 1;
+    }
+    return &k->params[ordinal];
 }
 
 const struct simgpu_kernel *simgpu_image_find(const struct simgpu_image *img, const char *name)
@@ -127,6 +166,86 @@ static int directive(const char *p, const char *end, const char *word)
     return (size_t)(end - p) >= n && !memcmp(p, word, n) && (p + n == end || !ident_char(p[n]));
 }
 
+/* Bytes of a PTX fundamental type (.u32, .f16x2, .b8, ...); 0 if it is none. */
+static unsigned ptx_type_size(const char *t, size_t n)
+{
+    static const struct { const char *name; unsigned size; } types[] = {
+        {".b8", 1}, {".u8", 1}, {".s8", 1}, {".b16", 2}, {".u16", 2}, {".s16", 2}, {".f16", 2},
+        {".bf16", 2}, {".b32", 4}, {".u32", 4}, {".s32", 4}, {".f32", 4}, {".f16x2", 4},
+        {".bf16x2", 4}, {".b64", 8}, {".u64", 8}, {".s64", 8}, {".f64", 8}, {".b128", 16},
+        {".texref", 8}, {".samplerref", 8}, {".surfref", 8}};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (strlen(types[i].name) == n && !memcmp(types[i].name, t, n))
+            return types[i].size;
+    return 0;
+}
+
+/* The parameter list of the .entry whose name ends at p: "( .param [.align A] .type name[N],
+ * ... )", each parameter at the next offset aligned to A (else to its type's size).  Sets
+ * k->params_known when every parameter's size is understood; returns where the list ends
+ * (p when the kernel takes none). */
+static const char *read_ptx_params(const char *p, const char *end, struct simgpu_kernel *k)
+{
+    p = skip_space_and_comments(p, end);
+    if (p >= end || *p != '(') {
+        k->params_known = 1;
+        return p;
+    }
+    p++;
+    unsigned offset = 0, ordinal = 0;
+    int ok = 1;
+    while (p < end) {
+        unsigned type = 0, align = 0, count = 1;
+        int is_param = 0, pointer = 0;
+        while ((p = skip_space_and_comments(p, end)) < end && *p != ',' && *p != ')') {
+            if (*p == '[') {   /* an array: name[N] */
+                char *e;
+                unsigned long n = strtoul(p + 1, &e, 10);
+                count = n && n < (1ul << 20) ? count * (unsigned)n : 0;
+                p = memchr(p, ']', (size_t)(end - p));
+                p = p ? p + 1 : end;
+                continue;
+            }
+            const char *t = p;
+            while (p < end && ident_char(*p))
+                p++;
+            if (p == t) {
+                p++;   /* a character no parameter needs */
+                continue;
+            }
+            size_t n = (size_t)(p - t);
+            if (n == 6 && !memcmp(t, ".param", 6))
+                is_param = 1;
+            else if (n == 4 && !memcmp(t, ".ptr", 4))
+                pointer = 1;   /* an .align after .ptr is the pointee's */
+            else if (n == 6 && !memcmp(t, ".align", 6)) {
+                char *e;
+                unsigned long a = strtoul(p, &e, 10);
+                if (!pointer)
+                    align = (unsigned)a;
+                p = e;
+            } else if (ptx_type_size(t, n))
+                type = ptx_type_size(t, n);
+        }
+        if (is_param) {
+            struct simgpu_param *q = type && count ? kernel_param(k, ordinal++) : NULL;
+            if (!q) {
+                ok = 0;
+            } else {
+                unsigned a = align ? align : type;
+                offset = (offset + a - 1) / a * a;
+                q->offset = offset;
+                q->size = type * count;
+                offset += q->size;
+            }
+        }
+        if (p >= end || *p++ == ')')
+            break;
+    }
+    k->params_known = ok;
+    return p;
+}
+
 static int read_ptx(const char *text, size_t size, int cc, struct simgpu_image *img, char *log, size_t loglen)
 {
     const char *p = text, *end = text + size;
@@ -164,7 +283,7 @@ static int read_ptx(const char *text, size_t size, int cc, struct simgpu_image *
                 return fail(log, loglen, R_INVALID_PTX, "ptx: .entry without a name");
             if (!(last = add_kernel(img, n, (size_t)(e - n))))
                 return R_OUT_OF_MEMORY;
-            p = e;
+            p = read_ptx_params(e, end, last);
             continue;
         } else if (depth == 0 && last && (directive(p, end, ".maxntid") || directive(p, end, ".reqntid"))) {
             unsigned x = 1, y = 1, z = 1;
@@ -230,6 +349,42 @@ static size_t elf_extent(const unsigned char *d)
     return (size_t)end;
 }
 
+/* The variable `sym` (an OBJECT symbol named n) if it lives in global or constant memory:
+ * its size, its section's alignment and its initial bytes.  0, or R_OUT_OF_MEMORY. */
+static int add_global(const struct elf *e, struct simgpu_image *img, const unsigned char *sym, const char *n)
+{
+    uint32_t type, link;
+    uint64_t off, sz;
+    const char *sec;
+    unsigned shndx = u16(sym + 6);
+    if (shndx >= 0xff00 || elf_section(e, shndx, &type, &off, &sz, &link, &sec) ||
+        (strncmp(sec, ".nv.global", 10) && strncmp(sec, ".nv.constant", 12)) || simgpu_image_global(img, n))
+        return R_SUCCESS;   /* not a variable a module hands out (shared, local, ...) */
+    uint64_t value = u64(sym + 8), bytes = u64(sym + 16);
+    if (value > sz || bytes > sz - value)
+        return R_SUCCESS;   /* outside its section: not one to hand out */
+    struct simgpu_global *g = realloc(img->globals, (img->nglobals + 1) * sizeof *g);
+    if (!g)
+        return R_OUT_OF_MEMORY;
+    img->globals = g;
+    g = &img->globals[img->nglobals];
+    memset(g, 0, sizeof *g);
+    uint64_t align = u64(e->d + e->shoff + (uint64_t)shndx * e->shentsize + 48);
+    g->align = align ? align : 1;
+    g->size = bytes;
+    if (!(g->name = strdup(n)))
+        return R_OUT_OF_MEMORY;
+    if (type != SHT_NOBITS && bytes) {
+        if (!(g->init = malloc(bytes))) {
+            free(g->name);
+            return R_OUT_OF_MEMORY;
+        }
+        memcpy(g->init, e->d + off + value, bytes);
+    }
+    img->nglobals++;
+    return R_SUCCESS;
+}
+
 static int read_elf(const unsigned char *d, size_t size, int cc, int check_arch, struct simgpu_image *img, char *log,
                     size_t loglen)
 {
@@ -267,15 +422,24 @@ static int read_elf(const unsigned char *d, size_t size, int cc, int check_arch,
         for (size_t s = 1; s < nsyms; s++) {
             const unsigned char *sym = d + off + s * 24;
             uint32_t at = u32(sym);
-            if ((sym[4] & 0xf) != STT_FUNC || !(sym[5] & STO_CUDA_ENTRY) || !u16(sym + 6) || at >= strsz ||
-                !memchr(d + stroff + at, 0, strsz - at))
+            if (!u16(sym + 6) || at >= strsz || !memchr(d + stroff + at, 0, strsz - at))
                 continue;
             const char *n = (const char *)d + stroff + at;
+            if ((sym[4] & 0xf) == STT_OBJECT) {
+                if (add_global(&e, img, sym, n)) {
+                    free(by_sym);
+                    return R_OUT_OF_MEMORY;
+                }
+                continue;
+            }
+            if ((sym[4] & 0xf) != STT_FUNC || !(sym[5] & STO_CUDA_ENTRY))
+                continue;
             struct simgpu_kernel *k = add_kernel(img, n, strlen(n));
             if (!k) {
                 free(by_sym);
                 return R_OUT_OF_MEMORY;
             }
+            k->params_known = 1;   /* a cubin lists every parameter (EIATTR_KPARAM_INFO) */
             by_sym[s] = (size_t)(k - img->kernels) + 1;
         }
     }
@@ -309,6 +473,14 @@ static int read_elf(const unsigned char *d, size_t size, int cc, int check_arch,
                 uint64_t t = (uint64_t)u32(r + 4) * u32(r + 8) * u32(r + 12);
                 if (t && t <= 1024)
                     owner->max_threads = (int)t;
+            } else if (fmt == EIFMT_SVAL && owner && len >= 12 && attr == EIATTR_KPARAM_INFO) {
+                struct simgpu_param *q = kernel_param(owner, u16(r + 8));
+                if (!q) {
+                    free(by_sym);
+                    return R_OUT_OF_MEMORY;
+                }
+                q->offset = u16(r + 10);
+                q->size = u32(r + 12) >> KPARAM_SIZE_SHIFT;
             }
             p += 4 + len;
         }
@@ -467,6 +639,12 @@ int simgpu_image_merge(struct simgpu_image *into, const struct simgpu_image *fro
         char *name = n->name;
         *n = *k;
         n->name = name;
+        n->params = NULL;
+        if (k->nparams) {   /* the image owns its copy */
+            if (!(n->params = malloc((size_t)k->nparams * sizeof *n->params)))
+                return R_OUT_OF_MEMORY;
+            memcpy(n->params, k->params, (size_t)k->nparams * sizeof *n->params);
+        }
     }
     if (from->arch > into->arch)
         into->arch = from->arch;
@@ -476,8 +654,9 @@ int simgpu_image_merge(struct simgpu_image *into, const struct simgpu_image *fro
 /* === writing a cubin ===
  * Sections: null, .shstrtab, .strtab, .symtab, .nv.info (register and frame sizes of
  * every kernel), then per kernel .text.<name> (16 bytes: simgpu runs no code),
- * .nv.info.<name> (its thread limit) and .nv.shared.<name> (NOBITS, its static shared
- * memory).  A stand-in result (some input's names unknown) is the stand-in image itself. */
+ * .nv.info.<name> (its thread limit and parameters) and .nv.shared.<name> (NOBITS, its static shared
+ * memory).  A stand-in result (some input's names unknown) is the stand-in image itself.
+ * Variables are not written: a linked image hands out no globals (cuModuleGetGlobal). */
 
 struct buf { unsigned char *d; size_t len, cap; int oom; };
 
@@ -584,6 +763,11 @@ void *simgpu_image_write(const struct simgpu_image *img, int cc, size_t *size)
         if (k->max_threads) {
             unsigned char h[4] = {EIFMT_SVAL, EIATTR_MAX_THREADS, 12, 0};
             put(&out, h, 4), put32(&out, (uint32_t)k->max_threads), put32(&out, 1), put32(&out, 1);
+        }
+        for (int j = 0; j < k->nparams; j++) {
+            unsigned char h[4] = {EIFMT_SVAL, EIATTR_KPARAM_INFO, 12, 0};
+            put(&out, h, 4), put32(&out, 0), put16(&out, (uint16_t)j), put16(&out, (uint16_t)k->params[j].offset);
+            put32(&out, k->params[j].size << KPARAM_SIZE_SHIFT | KPARAM_CBANK);
         }
         sh[s + 1] = (struct shdr){sh[s + 1].name, 0x70000000, 0x40, at, out.len - at, 3, (uint32_t)s, 4, 0};
         sh[s + 2] = (struct shdr){sh[s + 2].name, SHT_NOBITS, 0x43, out.len, (uint64_t)k->shared_bytes, 0,

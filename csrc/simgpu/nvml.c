@@ -31,6 +31,8 @@ _Static_assert(sizeof(nvmlProcessDetail_v1_t) == 32, "nvmlProcessDetail_v1_t");
 _Static_assert(sizeof(nvmlPciInfo_t) == 68 && sizeof(nvmlPciInfo_v2_t) == 52, "nvmlPciInfo_t");
 _Static_assert(sizeof(nvmlPciInfoExt_v1_t) == 64 && nvmlPciInfoExt_v1 == 0x01000040u, "nvmlPciInfoExt_v1_t");
 _Static_assert(sizeof(nvmlTemperature_v1_t) == 12 && nvmlTemperature_v1 == 0x0100000Cu, "nvmlTemperature_v1_t");
+_Static_assert(sizeof(nvmlGpuFabricInfo_v2_t) == 36 && nvmlGpuFabricInfo_v2 == 0x02000024u, "nvmlGpuFabricInfo_v2_t");
+_Static_assert(sizeof(nvmlGpuFabricInfo_v3_t) == 40 && nvmlGpuFabricInfo_v3 == 0x03000028u, "nvmlGpuFabricInfo_v3_t");
 
 #define DRIVER_VERSION "580.65.06"           /* an R580 driver: the one that ships CUDA 13.0 */
 #define NVML_VERSION "13." DRIVER_VERSION
@@ -993,6 +995,61 @@ SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetPcieSpeed(nvmlDevice_t device, unsigned 
     OUT_OR_RETURN(pcieSpeed);
     static const unsigned int mts[] = {0, 2500, 5000, 8000, 16000, 32000};   /* per lane, by generation */
     *pcieSpeed = mts[P()->pcie_gen];
+    return NVML_SUCCESS;
+}
+
+/* --- NvLink and the NVLink fabric ---
+ * These boards stand alone: no NvLink link is up and no NVSwitch fabric is attached. */
+
+/* nvml.h, nvmlDeviceGetNvLinkRemoteDeviceType and nvmlDeviceGetNvLinkRemotePciInfo_v2:
+ * NVML_ERROR_INVALID_ARGUMENT "if device or link is invalid" or the output is NULL,
+ * NVML_ERROR_NOT_SUPPORTED "if NVLink is not supported" / "if the device doesn't support
+ * this feature": simgpu simulates no NvLink, so every valid link index
+ * (< NVML_NVLINK_MAX_LINKS) answers that. */
+static nvmlReturn_t no_nvlink(nvmlDevice_t device, unsigned int link, const void *out)
+{
+    DEVICE_OR_RETURN(device, d);
+    (void)d;
+    OUT_OR_RETURN(out && link < NVML_NVLINK_MAX_LINKS);
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link,
+                                                               nvmlIntNvLinkDeviceType_t *pNvLinkDeviceType)
+{
+    return no_nvlink(device, link, pNvLinkDeviceType);
+}
+
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link,
+                                                               nvmlPciInfo_t *pci)
+{
+    return no_nvlink(device, link, pci);
+}
+
+/* nvml.h, nvmlDeviceGetGpuFabricInfoV: "For Hopper or newer fully supported devices",
+ * NVML_ERROR_NOT_SUPPORTED "If device doesn't support gpu fabric" (the A10 and A100: what
+ * a pre-Hopper board answers, pytorch/pytorch#186375); the caller sets the version,
+ * nvmlGpuFabricInfo_v2 or _v3 (another: NVML_ERROR_ARGUMENT_VERSION_MISMATCH).  A Hopper
+ * board outside an NVSwitch system reports the probe state
+ * NVML_GPU_FABRIC_STATE_NOT_SUPPORTED (observed on H100 PCIe: leptonai/gpud#1147), with no
+ * cluster, clique or health to report (the health fields' NOT_SUPPORTED values are 0). */
+SIMGPU_EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfoV_t *gpuFabricInfo)
+{
+    DEVICE_OR_RETURN(device, d);
+    (void)d;
+    OUT_OR_RETURN(gpuFabricInfo);
+    unsigned int version = gpuFabricInfo->version;
+    if (version != nvmlGpuFabricInfo_v2 && version != nvmlGpuFabricInfo_v3)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (P()->cc_major < 9)
+        return NVML_ERROR_NOT_SUPPORTED;
+    memset(gpuFabricInfo, 0, version == nvmlGpuFabricInfo_v2 ? sizeof(nvmlGpuFabricInfo_v2_t)
+                                                             : sizeof(nvmlGpuFabricInfo_v3_t));
+    gpuFabricInfo->version = version;
+    gpuFabricInfo->status = NVML_SUCCESS;
+    gpuFabricInfo->state = NVML_GPU_FABRIC_STATE_NOT_SUPPORTED;
+    if (version == nvmlGpuFabricInfo_v3)
+        gpuFabricInfo->healthSummary = NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED;
     return NVML_SUCCESS;
 }
 
