@@ -26,7 +26,9 @@
     /* === lifecycle: tearing a context down frees its allocations === */                        \
     X(cuInit, cuInit, 2000, 0, CUresult, (unsigned int Flags))                                     \
     X(cuCtxDestroy_v2, cuCtxDestroy, 4000, 0, CUresult, (CUcontext ctx))                           \
+    X(cuDevicePrimaryCtxReset, cuDevicePrimaryCtxReset, 7000, 0, CUresult, (CUdevice dev))          \
     X(cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset, 11000, 0, CUresult, (CUdevice dev))     \
+    X(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease, 7000, 0, CUresult, (CUdevice dev))      \
     X(cuDevicePrimaryCtxRelease_v2, cuDevicePrimaryCtxRelease, 11000, 0, CUresult, (CUdevice dev)) \
     /* === allocate === */                                                                        \
     X(cuMemAlloc_v2, cuMemAlloc, 3020, 0, CUresult, (CUdeviceptr *dptr, size_t bytesize))          \

@@ -678,28 +678,52 @@ SHIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
     return r;
 }
 
-SHIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+/* The v1 ABIs (a program that looks the unversioned names up) behave as the _v2 ones
+ * (cuda.h documents one behaviour for both): either way the context's memory goes. */
+static CUresult primary_reset(CUresult (*real)(CUdevice), CUdevice dev)
 {
-    ENTER(cuDevicePrimaryCtxReset_v2, dev);
     CUcontext c = primary_context(dev);
-    CUresult r = real_cuDevicePrimaryCtxReset_v2(dev);
+    CUresult r = real(dev);
     if (r == CUDA_SUCCESS && c)
         refund_context(known_context(c));
     return r;
 }
 
 /* Releasing the last reference resets the primary context. */
-SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+static CUresult primary_release(CUresult (*real)(CUdevice), CUdevice dev)
 {
-    ENTER(cuDevicePrimaryCtxRelease_v2, dev);
     CUcontext c = primary_context(dev);
-    CUresult r = real_cuDevicePrimaryCtxRelease_v2(dev);
+    CUresult r = real(dev);
     unsigned flags;
     int active = 1;
     if (r == CUDA_SUCCESS && c && real_cuDevicePrimaryCtxGetState &&
         real_cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
         refund_context(known_context(c));
     return r;
+}
+
+SHIM_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxReset, dev);
+    return primary_reset(real_cuDevicePrimaryCtxReset, dev);
+}
+
+SHIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxReset_v2, dev);
+    return primary_reset(real_cuDevicePrimaryCtxReset_v2, dev);
+}
+
+SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxRelease, dev);
+    return primary_release(real_cuDevicePrimaryCtxRelease, dev);
+}
+
+SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxRelease_v2, dev);
+    return primary_release(real_cuDevicePrimaryCtxRelease_v2, dev);
 }
 
 /* Lock-free open-addressing table: what each live allocation was charged, and where. */

@@ -277,3 +277,61 @@ def test_kube_scheduler_filters_only_part_of_a_large_cluster_from_where_it_stopp
     got = where(run)
     assert int(got["a"][0][1:]) < 120 <= int(got["b"][0][1:]) < 240      # nodes 0-119, then 120-239
     assert run.cluster.next_start == 240
+
+
+def test_nodes_from_vgpus_resource_slices_and_pods_from_resource_claims(tmp_path):
+    """The cluster's own objects: each node's GPUs as vgpu's DRA driver publishes them (the
+    driver's own code makes the slices here), claims of its device class as pods."""
+    from vgpu.k8s.resourceslice import Gpu, resource_slices
+    a10 = [Gpu(i, "NVIDIA A10", f"GPU-a{i}", 24 << 30) for i in range(2)]
+    h100 = [Gpu(0, "NVIDIA H100 80GB HBM3", "GPU-h0", 80 << 30)]
+    items = resource_slices("node-a", "vgpu.dev", a10, 1) + resource_slices("node-h", "vgpu.dev", h100, 1)
+    items.append({"kind": "ResourceSlice", "spec": {"driver": "gpu.nvidia.com", "nodeName": "node-x",
+                                                     "devices": [{"name": "gpu-0", "attributes": {"type": {"string": "gpu"}}}]}})
+    (tmp_path / "slices.json").write_text(json.dumps({"kind": "List", "items": items}))
+
+    def claim(name, created, *requests):
+        return {"kind": "ResourceClaim", "metadata": {"name": name, "namespace": "team", "creationTimestamp": created},
+                "spec": {"devices": {"requests": [{"name": f"r{i}", "exactly": r} for i, r in enumerate(requests)]}}}
+    claims = [claim("big", "2026-12-02T10:00:02Z", {"deviceClassName": "gpu.vgpu.dev",
+                                                   "capacity": {"requests": {"memory": "40Gi", "sm": "50"}}}),
+              claim("half", "2026-12-02T10:00:01Z", {"deviceClassName": "gpu.vgpu.dev",
+                                                    "capacity": {"requests": {"memory": "12Gi", "sm": "50"}}}),
+              claim("two", "2026-12-02T10:00:03Z", {"deviceClassName": "gpu.vgpu.dev", "count": 2}),
+              claim("other", "2026-12-02T10:00:00Z", {"deviceClassName": "gpu.nvidia.com"})]
+    (tmp_path / "claims.json").write_text(json.dumps({"kind": "List", "items": claims}))
+    memory = {}
+    nodes = plan.read_nodes(tmp_path / "slices.json", memory)
+    assert [(n.name, n.gpus, n.model) for n in nodes] == [("node-a", 2, "NVIDIA A10"), ("node-h", 1, "NVIDIA H100 80GB HBM3")]
+    assert memory == {"NVIDIA A10": 24 * 1024, "NVIDIA H100 80GB HBM3": 80 * 1024}
+    pods = plan.read_pods(tmp_path / "claims.json")
+    assert [(p.name, p.num_gpu, p.gpu_milli, p.gpu_memory_mib) for p in pods] == [
+        ("team/half", 1, 500, 12 * 1024), ("team/big", 1, 500, 40 * 1024), ("team/two", 2, 1000, None)]
+    out = _ctl("--pods", str(tmp_path / "claims.json"), "--nodes", str(tmp_path / "slices.json"),
+               "--policy", "first-fit", "--json")
+    assert out.returncode == 0, out.stderr
+    [r] = json.loads(out.stdout)["policies"]
+    # half on an A10; big (40Gi) only fits the H100; two wants 2 idle GPUs: node-a has 1 left
+    assert r["pods_placed"] == 2 and r["unplaced"] == ["team/two"]
+    assert r["models"]["NVIDIA H100 80GB HBM3"]["memory_occupancy_pct"] == 50.0
+
+
+def test_paper_curves_follow_the_arrived_load_and_plot_where_matplotlib_is(tmp_path):
+    nodes = [node(f"n{i}", gpus=1, cpu=64000) for i in range(4)]
+    pods = [pod(f"p{i}", 500) for i in range(12)]
+    curves = plan.paper_curves(pods, nodes, "first-fit", seeds=range(2), points=(50.0, 100.0))
+    # first fit packs two halves a GPU: whatever has arrived is allocated, the rest is not
+    assert curves == {50.0: [50.0, 50.0], 100.0: [0.0, 0.0]}
+    (tmp_path / "n.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,96000,393216,8,G2\n")
+    (tmp_path / "p.csv").write_text(PODS_CSV)
+    png = tmp_path / "curve.png"
+    out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--paper", "--seeds", "2",
+               "--policy", "random", "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+        assert out.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out.stderr
+    except ImportError:
+        assert out.returncode == 2 and out.stderr == ("Error: --plot needs matplotlib, which is not installed; "
+                                                      "hint: pip install matplotlib\n")
+    out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--plot", str(png))
+    assert out.returncode == 2 and "--plot draws the --paper protocol's curve; hint: add --paper" in out.stderr

@@ -22,7 +22,9 @@ CUDA_INCLUDE = Path("/usr/local/cuda/include")
 HOOKED = {
     ("cuInit", 2000, 0): "cuInit",
     ("cuCtxDestroy", 4000, 0): "cuCtxDestroy_v2",
+    ("cuDevicePrimaryCtxReset", 7000, 0): "cuDevicePrimaryCtxReset",
     ("cuDevicePrimaryCtxReset", 11000, 0): "cuDevicePrimaryCtxReset_v2",
+    ("cuDevicePrimaryCtxRelease", 7000, 0): "cuDevicePrimaryCtxRelease",
     ("cuDevicePrimaryCtxRelease", 11000, 0): "cuDevicePrimaryCtxRelease_v2",
     ("cuGetProcAddress", 11030, 0): "cuGetProcAddress",
     ("cuGetProcAddress", 12000, 0): "cuGetProcAddress_v2",
@@ -199,7 +201,7 @@ def test_recorded_cudart_sequence_gets_hooks_exactly_for_hooked_abis(tmp_path):
             assert (lib, sym) == ("libvgpu.so", want), (name, version, flags)
         else:
             assert lib == "libcuda.so.1", (name, version, flags, lib, sym)
-    assert hooked_seen == 49   # every hooked entry point cudart asks for
+    assert hooked_seen == 51   # every hooked entry point cudart asks for (the primary context v1 ABIs at 7000 too)
 
 
 def test_hooks_only_for_their_own_abi_and_unknown_names_untouched(tmp_path):
@@ -239,7 +241,7 @@ def test_real_libcudart_is_handed_the_right_hook_for_every_hooked_entry_point(tm
             assert h == HOOKED[(n, int(v), int(f))]
         else:
             assert not h or n not in bases
-    assert len(hooked) == 49
+    assert len(hooked) == 51
 
 
 @pytest.mark.skipif(not (CUDA_INCLUDE / "cudaTypedefs.h").exists(), reason="CUDA toolkit headers absent")

@@ -324,13 +324,17 @@ if how == "destroy":
     ok(cu.cuCtxDestroy(ctx))
 elif how == "reset":
     ok(cu.cuDevicePrimaryCtxReset(dev))
-else:
+elif how == "release":
     ok(cu.cuDevicePrimaryCtxRelease(dev))        # the last reference: the context is reset
+else:                                            # the v1 ABIs, as a program that dlsyms the names finds them
+    import ctypes
+    v1 = getattr(ctypes.CDLL("libcuda.so.1"), "cuDevicePrimaryCtx" + how.split("_")[0].capitalize())
+    assert v1(int(dev)) == 0
 step({"torn_down": True})
 """
 
 
-@pytest.mark.parametrize("how", ["destroy", "reset", "release"])
+@pytest.mark.parametrize("how", ["destroy", "reset", "release", "reset_v1", "release_v1"])
 def test_tearing_a_context_down_gives_its_memory_back(node, spawn, how):
     """cuCtxDestroy, cuDevicePrimaryCtxReset and the last cuDevicePrimaryCtxRelease free
     every allocation of the context (the driver API documentation): so does the charge."""

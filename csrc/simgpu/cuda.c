@@ -2890,7 +2890,7 @@ static void memq_unlink_locked(struct memq *q)
 {
     for (struct memq **p = &memqs; *p; p = &(*p)->next)
         if (*p == q) {
-            *p = q->next;
+            __atomic_store_n(p, q->next, __ATOMIC_RELEASE);   /* (memops_pending reads memqs unlocked) */
             break;
         }
     free(q->ops);
@@ -2932,7 +2932,7 @@ static int memq_push_locked(struct vgpu_stream *s, const struct memop *op)
         q->stream = s;
         q->ctx = s->ctx;
         q->next = memqs;
-        memqs = q;
+        __atomic_store_n(&memqs, q, __ATOMIC_RELEASE);
         s->memq = q;
     }
     if (q->count == q->cap) {
@@ -2992,6 +2992,8 @@ static CUresult memops_enqueue(struct vgpu_stream *s, const struct memop *ops, u
 /* Does s still have memory operations to complete? */
 static int memops_pending(struct vgpu_stream *s)
 {
+    if (!__atomic_load_n(&memqs, __ATOMIC_ACQUIRE))
+        return 0;   /* no stream ever queued one: every sync call of every other program */
     pthread_mutex_lock(&memop_lock);
     int pending = s->memq && !memq_run_locked(s->memq);
     pthread_mutex_unlock(&memop_lock);
@@ -3000,6 +3002,8 @@ static int memops_pending(struct vgpu_stream *s)
 
 static int ctx_memops_pending(struct vgpu_ctx *c)
 {
+    if (!__atomic_load_n(&memqs, __ATOMIC_ACQUIRE))
+        return 0;
     int pending = 0;
     pthread_mutex_lock(&memop_lock);
     for (struct memq *q = memqs; q && !pending; q = q->next)

@@ -123,8 +123,74 @@ def _time(path, row, column):
                       hint="times are seconds from the trace's start") from None
 
 
-def read_nodes(path):
-    """The openb node CSV: sn, cpu_milli, memory_mib, gpu, model."""
+def _json_items(path, hint):
+    """The items of a `kubectl get ... -o json` file (a list, or one object); None when the
+    file is not JSON at all (a CSV)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise BadFile(f"{path}: {e.strerror}", hint=hint) from None
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise BadFile(f"{path}: not JSON ({e})", hint=hint) from None
+    items = doc.get("items", [doc]) if isinstance(doc, dict) else None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise BadFile(f"{path}: no list of objects", hint=hint)
+    return items
+
+
+# CPU and memory of a node whose GPUs come from ResourceSlices (which say nothing of them):
+# never the limit, so only GPUs decide.
+UNBOUNDED = 1 << 40
+VGPU_DRIVER = "vgpu.dev"
+
+
+def read_resource_slices(path, items):
+    """`kubectl get resourceslices -o json`: each node's whole GPUs as vgpu's DRA driver
+    publishes them (a device of type gpu: its model, its memory capacity).  Returns the
+    nodes and {model: MiB}."""
+    gpus, memory = {}, {}
+    for s in items:
+        spec = s.get("spec") or {}
+        if spec.get("driver") != VGPU_DRIVER or not spec.get("nodeName"):
+            continue
+        for d in spec.get("devices") or []:
+            attrs = {k: next(iter(v.values()), None) for k, v in (d.get("attributes") or {}).items() if isinstance(v, dict)}
+            if attrs.get("type") != "gpu":
+                continue
+            model = str(attrs.get("model") or "")
+            gpus.setdefault(spec["nodeName"], []).append(model)
+            cap = ((d.get("capacity") or {}).get("memory") or {}).get("value")
+            if cap is not None:
+                try:
+                    memory[model] = parse_memory(str(cap)) >> 20
+                except ValueError:
+                    raise BadFile(f"{path}: device {d.get('name')} has memory {cap!r}",
+                                  hint="capacities are Kubernetes quantities") from None
+    if not gpus:
+        raise BadFile(f"{path}: no GPU of driver {VGPU_DRIVER} in these ResourceSlices",
+                      hint="kubectl get resourceslices -o json > slices.json")
+    nodes = []
+    for name in sorted(gpus):
+        for model in sorted(set(gpus[name])):     # a node of two models: one Node per model
+            n = gpus[name].count(model)
+            nodes.append(Node(name if len(set(gpus[name])) == 1 else f"{name}/{model}", UNBOUNDED, UNBOUNDED, n, model))
+    return nodes, memory
+
+
+def read_nodes(path, memory_out=None):
+    """The openb node CSV (sn, cpu_milli, memory_mib, gpu, model), or vgpu's ResourceSlices as
+    `kubectl get resourceslices -o json` prints them (their GPU memory into memory_out)."""
+    items = _json_items(path, "give an openb node CSV or kubectl get resourceslices -o json")
+    if items is not None:
+        nodes, memory = read_resource_slices(path, items)
+        if memory_out is not None:
+            memory_out.update(memory)
+        return nodes
     rows = _rows(path, ("sn", "cpu_milli", "memory_mib", "gpu", "model"))
     return [Node(r["sn"], _int(path, r, "cpu_milli"), _int(path, r, "memory_mib"), _int(path, r, "gpu"),
                  r["model"] or "") for r in rows]
@@ -139,6 +205,9 @@ def read_pods(path):
     except OSError as e:
         raise BadFile(f"{path}: {e.strerror}", hint="give the path of an openb pod CSV or kubectl JSON") from None
     if head == "{" or str(path).endswith(".json"):
+        items = _json_items(path, "kubectl get pods -A -o json > pods.json")
+        if items and all(i.get("kind") == "ResourceClaim" for i in items):
+            return read_claims(path, items)
         return read_k8s_pods(path)
     rows = _rows(path, ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"))
     pods = []
@@ -203,6 +272,43 @@ def read_k8s_pods(path):
                         meta.get("creationTimestamp") or ""))
     order = sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))
     pods = [pods[i] for i in order]
+    for i, p in enumerate(pods):
+        p.creation_time = float(i)
+    return pods
+
+
+def read_claims(path, items):
+    """`kubectl get resourceclaims -A -o json`: each claim of a vgpu device class as a pod
+    asking what its requests ask -- per request `count` GPUs (ExactCount; 1 by default) of
+    `capacity.requests` memory and SM share (`sm` percent; the whole GPU when absent), in
+    creationTimestamp order.  resource.k8s.io/v1 puts a request's fields under `exactly`;
+    v1beta1 beside its name: both are read.  A claim of another driver's class is left out."""
+    pods = []
+    for n, c in enumerate(items):
+        meta = c.get("metadata") or {}
+        name = f"{meta.get('namespace', 'default')}/{meta.get('name') or f'claim-{n}'}"
+        num_gpu, milli, gmem = 0, 0, None
+        for r in ((c.get("spec") or {}).get("devices") or {}).get("requests") or []:
+            req = r.get("exactly") or r
+            if not str(req.get("deviceClassName", "")).endswith(VGPU_DRIVER):
+                continue
+            wants = (req.get("capacity") or {}).get("requests") or {}
+            try:
+                count = int(req.get("count", 1)) if req.get("allocationMode", "ExactCount") == "ExactCount" else 1
+                share = int(math.ceil(float(str(wants["sm"])) * 10)) if "sm" in wants else MILLI
+                if "memory" in wants:
+                    gmem = max(gmem or 0, -(-parse_memory(str(wants["memory"])) // MIB))
+            except (TypeError, ValueError) as e:
+                raise BadFile(f"{path}: claim {name}: {e}", hint="capacity requests are Kubernetes quantities") from None
+            num_gpu += count
+            milli = max(milli, min(MILLI, share))
+        if not num_gpu:
+            continue
+        if num_gpu > 1:
+            milli = MILLI
+        pods.append(Pod(name, 0, 0, num_gpu, milli, gmem, (), meta.get("creationTimestamp") or ""))
+    order_ = sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))
+    pods = [pods[i] for i in order_]
     for i, p in enumerate(pods):
         p.creation_time = float(i)
     return pods
@@ -630,21 +736,29 @@ def order(pods, how, seed):
     raise InvalidRequest(f"unknown order {how!r}", hint="arrival or shuffle")
 
 
-def paper_protocol(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle", at=100.0, gpu_memory=None,
-                   metric="unallocated"):
-    """Unallocated GPU share (percent of capacity) at `at`% arrived load, one per seed; with
-    metric="unplaced", the GPU asked by pods that did not fit by then (percent of capacity):
-    the two agree when pods take what they ask, not under whole-gpu, which rounds up."""
+def paper_curves(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle", points=(100.0,), gpu_memory=None,
+                 metric="unallocated"):
+    """{arrived load %: [per seed]} for each of `points`: the unallocated GPU share (percent
+    of capacity) when the pods that have arrived ask that much; with metric="unplaced", the
+    GPU asked by pods that did not fit by then (percent of capacity): the two agree when
+    pods take what they ask, not under whole-gpu, which rounds up."""
     capacity = sum(n.gpus for n in nodes) * MILLI
-    out = []
+    out = {at: [] for at in points}
     for seed in seeds:
         workload = order(tune(pods, ratio, capacity, seed), how, seed)
-        run = simulate(workload, nodes, policy, seed, gpu_memory, checkpoints=(at,), stop_after=at)
-        if at not in run.checkpoints:
-            raise InvalidRequest(f"the workload never reaches {at}% of the cluster's GPUs",
-                                 hint="scale it with a larger ratio")
-        out.append(run.checkpoints[at] if metric == "unallocated" else run.unplaced_at[at])
+        run = simulate(workload, nodes, policy, seed, gpu_memory, checkpoints=points, stop_after=max(points))
+        for at in points:
+            if at not in run.checkpoints:
+                raise InvalidRequest(f"the workload never reaches {at}% of the cluster's GPUs",
+                                     hint="scale it with a larger ratio")
+            out[at].append(run.checkpoints[at] if metric == "unallocated" else run.unplaced_at[at])
     return out
+
+
+def paper_protocol(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle", at=100.0, gpu_memory=None,
+                   metric="unallocated"):
+    """paper_curves at one point: one figure per seed."""
+    return paper_curves(pods, nodes, policy, seeds, ratio, how, (at,), gpu_memory, metric)[at]
 
 
 # === the report ===
@@ -699,6 +813,31 @@ def report(run):
         **summary(total),
         "models": {name: summary(m) for name, m in sorted(models.items())},
     }
+
+
+def plot_curves(curves, path, title):
+    """The paper's kind of figure: unallocated GPU share against arrived load, a line per
+    policy (mean over seeds).  `curves`: {policy: {arrived %: [per seed]}}.  Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidRequest("--plot needs matplotlib, which is not installed",
+                             hint="pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for policy, points in curves.items():
+        xs = sorted(points)
+        ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", markersize=3, label=policy)
+    ax.set_xlabel("arrived load (% of the cluster's GPUs asked)")
+    ax.set_ylabel("unallocated GPU share (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def mean_std(values):

@@ -27,9 +27,10 @@ def _pct(v):
 
 @main.command("plan")
 @click.option("--pods", "pods_path", required=True, type=click.Path(dir_okay=False),
-              help="Pods: an openb pod CSV, or `kubectl get pods -o json` output.")
+              help="Pods: an openb pod CSV, `kubectl get pods -A -o json` or `kubectl get resourceclaims -A -o json`.")
 @click.option("--nodes", "nodes_path", required=True, type=click.Path(dir_okay=False),
-              help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model).")
+              help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model), or `kubectl get "
+              "resourceslices -o json` (each node's GPUs as vgpu's DRA driver publishes them).")
 @click.option("--policy", "policies", multiple=True, help="Placement policy, repeatable "
               "[default: whole-gpu, k8s-default, first-fit, best-fit, random; also mig, k8s-tightest, best-fit-exact].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random choices.")
@@ -41,10 +42,12 @@ def _pct(v):
 @click.option("--departures", is_flag=True, help="Pods arrive at creation_time and leave at deletion_time: "
               "prints the GPUs each policy needs (the most in use at once) and uses on average over time.")
 @click.option("--seeds", default=10, show_default=True, type=click.IntRange(1, 1000), help="Seeds for --paper.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="--paper: also draw the unallocated "
+              "share against arrived load (50% to 100%), a line per policy, into this PNG (needs matplotlib).")
 @click.option("--order", "how", type=click.Choice(["shuffle", "arrival"]), default="shuffle", show_default=True,
               help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time order).")
 @json_option
-def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departures, seeds, how, as_json):
+def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departures, seeds, plot_path, how, as_json):
     """Place pods on nodes under each policy; report GPUs used, unallocated GPU capacity,
     SM and memory occupancy and the pods that did not fit, per GPU model.
 
@@ -64,8 +67,9 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departure
     for p in policies:
         if p not in plan.POLICIES:
             raise InvalidRequest(f"unknown policy {p!r}", hint=f"one of: {', '.join(plan.POLICIES)}")
-    memory = _gpu_memory(gpu_memory)
-    nodes = plan.read_nodes(nodes_path)
+    published = {}                       # GPU memory per model, from ResourceSlices
+    nodes = plan.read_nodes(nodes_path, published)
+    memory = {**published, **_gpu_memory(gpu_memory)}
     pods = plan.read_pods(pods_path)
     if paper and departures:
         raise InvalidRequest("--paper and --departures are two protocols", hint="choose one")
@@ -81,22 +85,31 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departure
             click.echo(f"{r['policy']:<16}{r['gpus']:>6}{r['gpus_needed_peak']:>8}{r['gpus_in_use_mean']:>13.1f}"
                        f"{r['pods_unplaced']:>13}")
         return
+    if plot_path and not paper:
+        raise InvalidRequest("--plot draws the --paper protocol's curve", hint="add --paper")
     if paper:
-        rows = []
+        rows, curves = [], {}
+        points = tuple(float(x) for x in range(50, 101, 5)) if plot_path else (100.0,)
         for p in policies:
-            values = plan.paper_protocol(pods, nodes, p, seeds=range(seeds), how=how, gpu_memory=memory)
+            curves[p] = plan.paper_curves(pods, nodes, p, seeds=range(seeds), how=how, points=points,
+                                          gpu_memory=memory)
+            values = curves[p][100.0]
             mean, std = plan.mean_std(values)
             rows.append({"policy": p, "unallocated_pct_mean": round(mean, 2), "unallocated_pct_std": round(std, 2),
                          "per_seed": [round(v, 2) for v in values], "paper_pct": plan.PAPER_UNALLOCATED_PCT.get(p)})
+        if plot_path:
+            plan.plot_curves(curves, plot_path, f"scaled to 130%, order {how}, mean of {seeds} seeds")
         if as_json:
             emit_json({"protocol": {"scale": 1.3, "order": how, "at_arrived_pct": 100, "seeds": seeds},
-                       "policies": rows})
+                       "policies": rows, **({"plot": plot_path} if plot_path else {})})
             return
         click.echo(f"unallocated GPU capacity at 100% arrived load (scaled to 130%, order {how}, {seeds} seeds)")
         click.echo(f"{'policy':<16}{'measured':>16}{'paper':>8}")
         for r in rows:
             paper_pct = "-" if r["paper_pct"] is None else f"{r['paper_pct']:.1f}%"
             click.echo(f"{r['policy']:<16}{r['unallocated_pct_mean']:>9.2f}±{r['unallocated_pct_std']:.2f}%{paper_pct:>8}")
+        if plot_path:
+            click.echo(f"plot: {plot_path}")
         return
     reports = [plan.report(plan.simulate(pods, nodes, p, seed, memory)) for p in policies]
     if as_json:
