@@ -6,7 +6,8 @@ shim in front of simgpu, or simgpu alone) and takes one JSON command per line on
   {"hide": BYTES, "usage": PATH}   rewrite this process's own slot charge on device 0 in its
                                    slice's usage file (as a tenant can: the file is writable
                                    in its container); prints the old charge.  With "pid": PID,
-                                   the slot of that process (a neighbour in the container)
+                                   the slot of that process (a neighbour in the container); with
+                                   "alloc": BYTES, cuMemAlloc at once after (its CUresult as "alloc")
   {"forge": BYTES, "usage": PATH} take the last slot's lock (free, as a cheater finds it) and
                                    write BYTES (mod 2^64: -3 GiB is 2^64 - 3 GiB) as its
                                    charge on device 0; prints 0
@@ -83,7 +84,7 @@ def relay(proc):
 
 for line in sys.stdin:
     cmd = json.loads(line)
-    if "alloc" in cmd:
+    if "alloc" in cmd and "hide" not in cmd:
         ptr = ctypes.c_uint64()
         rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cmd["alloc"]))
         if rc == 0:
@@ -104,7 +105,15 @@ for line in sys.stdin:
         old = struct.unpack("<Q", os.pread(fd, 8, usage.charge_offset(0, slot)))[0]
         os.pwrite(fd, struct.pack("<Q", cmd["hide"]), usage.charge_offset(0, slot))
         os.close(fd)
-        say({"old": old, "time": time.time()})
+        hid = time.time()
+        if "alloc" in cmd:       # at once: no look of the agent's falls between the two
+            ptr = ctypes.c_uint64()
+            rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cmd["alloc"]))
+            if rc == 0:
+                held.append(ptr)
+            say({"old": old, "time": hid, "alloc": rc})
+        else:
+            say({"old": old, "time": hid})
     elif "forge" in cmd:
         sys.path.insert(0, os.environ.get("TENANT_SRC", ""))
         import fcntl
