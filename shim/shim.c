@@ -762,9 +762,10 @@ static int slice_file(char name[VGPU_NAME_MAX])
  * with other limits gets them, not the first run's (and a killed last process leaves it
  * to the node agent's orphan removal).  Making, joining and removing all hold the node
  * directory's flock, the lock vgpu-ctl's create and delete take (src/vgpu/slices/files.py
- * _node_lock): a process joining the slice holds it from finding the quota until its
- * slot is claimed, so a last process ending meanwhile either removes the slice before
- * (the joiner makes it again) or sees the joiner's slot and leaves it. */
+ * _node_lock): a process joining the slice holds it (shared) from finding the quota until
+ * its slot is claimed, the last one (exclusive) while it removes, so a last process ending
+ * meanwhile either removes the slice before (the joiner makes it again) or sees the
+ * joiner's slot and leaves it. */
 
 static int standalone_node_fd = -1;      /* the node directory, locked while configure joins */
 static char standalone_dir[4096];        /* set once this process is in a standalone slice */
@@ -774,12 +775,13 @@ static ino_t standalone_quota_ino;
 
 #define NODE_LOCK_TRIES 2000              /* a millisecond apart: vgpu-ctl holds it for a file write */
 
-/* The node directory's flock, or 0 after NODE_LOCK_TRIES (then the caller goes on without:
- * the race above reopens, nothing hangs). */
-static int node_lock(int fd)
+/* The node directory's flock (LOCK_SH to join: joiners never wait for each other, and the
+ * quota is made atomically whoever makes it; LOCK_EX to remove), or 0 after
+ * NODE_LOCK_TRIES (then the caller goes on without: the race above reopens, nothing hangs). */
+static int node_lock(int fd, int how)
 {
     for (int i = 0; i < NODE_LOCK_TRIES; i++) {
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+        if (flock(fd, how | LOCK_NB) == 0)
             return 1;
         if (errno != EWOULDBLOCK && errno != EINTR)
             return 0;
@@ -811,7 +813,7 @@ static void standalone_join(const char *dir, const char *cdir, const char *qpath
         made_dir = mkdir(dir, 0755) == 0;
         if ((fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
             continue;   /* removed between the two (or unusable: join_slice says why) */
-        if (!node_lock(fd)) {
+        if (!node_lock(fd, LOCK_SH)) {
             INFO("the node directory %s stayed locked: joining slice %s without its lock", dir, q->name);
             close(fd);
             fd = -1;
@@ -943,7 +945,7 @@ static int node_has_slices(int node_fd)
 
 static enum others remove_if_last(int fd, uint32_t flags)
 {
-    if (!node_lock(fd))
+    if (!node_lock(fd, LOCK_EX))
         return SOMEONE;
     enum others who = others_in_slice();
     int cfd = who == NOBODY ? openat(fd, standalone_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW) : -1;
