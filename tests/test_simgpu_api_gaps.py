@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_sim_env, run_python
+from test_simgpu_cuda import PRELUDE
 
 SUCCESS, INVALID_VALUE, NOT_INITIALIZED, INVALID_DEVICE, INVALID_CONTEXT = 0, 1, 3, 101, 201
 INVALID_HANDLE, NOT_FOUND, NOT_READY, NOT_SUPPORTED = 400, 500, 600, 801
@@ -71,25 +72,10 @@ def function(m, name):
     return f
 """
 
-# The same through NVIDIA's cuda-bindings (which resolve each call with cuGetProcAddress).
-BINDINGS = """
-import ctypes, json, sys, threading, time
-from cuda.bindings import driver as cu
-
-def ok(res):
-    res = res if isinstance(res, tuple) else (res,)
-    if res[0] != cu.CUresult.CUDA_SUCCESS:
-        raise SystemExit(f"CUDA call failed: {res[0]!r}")
-    return None if len(res) == 1 else res[1] if len(res) == 2 else res[1:]
-
-def rc(res):
-    return int((res if isinstance(res, tuple) else (res,))[0])
-
-def context(ordinal=0):
-    ok(cu.cuInit(0))
-    ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(ordinal))))
-    ok(cu.cuCtxSetCurrent(ctx))
-    return ctx
+# The same through NVIDIA's cuda-bindings (which resolve each call with cuGetProcAddress):
+# test_simgpu_cuda's child toolkit, and a kernel of the stand-in image.
+BINDINGS = PRELUDE + """
+import threading
 
 def kernel(name):
     return ok(cu.cuModuleGetFunction(ok(cu.cuModuleLoadData(b"stand-in image")), name.encode()))
