@@ -55,6 +55,7 @@ demo: venv
 	$(BIN)/python examples/demo.py
 
 bench: $(VENV)/.test
+	$(BIN)/python bench/figures.py --write
 	$(BIN)/python -m pytest bench -q -s -p no:cacheprovider --benchmark-json=bench/last-run.json --benchmark-columns=median
 
 # The node agent image's build steps (tools/image/, run by the Dockerfile and by
