@@ -777,22 +777,23 @@ def test_forked_child_keeps_its_parents_charge_until_it_exits(node, spawn, tmp_p
     either lives, and the slice's cap counts it."""
     release = tmp_path / "release"
     p = spawn(node.env(limit="2Gi"), FORKED, args=(release,))
-    r = p.read()
-    parent, child = r["parent"], r["child"]
-    assert r["child_calls"] == [NOT_INITIALIZED] * 3
-    assert (node.usage().procs, node.referee().procs) == ({parent: GiB}, {parent: GiB})
+    try:
+        r = p.read()
+        parent, child = r["parent"], r["child"]
+        assert r["child_calls"] == [NOT_INITIALIZED] * 3
+        assert (node.usage().procs, node.referee().procs) == ({parent: GiB}, {parent: GiB})
 
-    if parent_ends == "exit":
-        p.send()
-        assert p.proc.wait(10) == 0
-    else:
-        p.kill()
-    usage, referee = node.usage(), node.referee()        # (dead slots reaped first)
-    assert (usage.current, usage.procs) == (GiB, {parent: GiB})
-    assert (referee.used, referee.procs) == (GiB, {parent: GiB})
-    assert probe(node.env(limit="2Gi"), GiB + MiB, GiB)[0]["allocs"] == [OUT_OF_MEMORY, SUCCESS]
-
-    release.touch()
+        if parent_ends == "exit":
+            p.send()
+            assert p.proc.wait(10) == 0
+        else:
+            p.kill()
+        usage, referee = node.usage(), node.referee()        # (dead slots reaped first)
+        assert (usage.current, usage.procs) == (GiB, {parent: GiB})
+        assert (referee.used, referee.procs) == (GiB, {parent: GiB})
+        assert probe(node.env(limit="2Gi"), GiB + MiB, GiB)[0]["allocs"] == [OUT_OF_MEMORY, SUCCESS]
+    finally:
+        release.touch()         # a failed run leaves no child waiting for it
     wait_gone(child)
     assert (node.usage().current, node.usage().procs, node.referee().used) == (0, {}, 0)
 

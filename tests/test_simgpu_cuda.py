@@ -2115,21 +2115,22 @@ def test_a_forked_child_cannot_use_cuda_and_holds_its_parents_memory_until_it_ex
                                                                                       tmp_path, parent_ends):
     release = tmp_path / "release"
     p = steppers(FORKED, sim_env, args=(release,))
-    r = p.read()
-    parent, child = r["parent"], r["child"]
-    assert r["child_calls"] == [NOT_INITIALIZED] * 6   # forked after cuInit: CUDA_ERROR_NOT_INITIALIZED
-    assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
+    try:
+        r = p.read()
+        parent, child = r["parent"], r["child"]
+        assert r["child_calls"] == [NOT_INITIALIZED] * 6   # forked after cuInit: CUDA_ERROR_NOT_INITIALIZED
+        assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
 
-    if parent_ends == "exit":
-        p.proc.stdin.close()
-        assert p.proc.wait(timeout=30) == 0
-    else:
-        p.proc.kill()
-        p.proc.wait()
-    # the parent is gone; its memory is not: the child holds it, listed under the parent's pid
-    assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
-
-    release.touch()
+        if parent_ends == "exit":
+            p.proc.stdin.close()
+            assert p.proc.wait(timeout=30) == 0
+        else:
+            p.proc.kill()
+            p.proc.wait()
+        # the parent is gone; its memory is not: the child holds it, listed under the parent's pid
+        assert referee(sim_env) == [256 * MiB, [[parent, 256 * MiB]]]
+    finally:
+        release.touch()         # a failed run leaves no child waiting for it
     wait_gone(child)
     assert referee(sim_env) == [0, []]
 
