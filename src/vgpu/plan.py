@@ -5,7 +5,8 @@ One plain-Python model: pods (openb CSV or `kubectl get pods -o json`), nodes (o
 CSV), GPUs with an SM share (milli-GPU, 1000 = the whole GPU) and memory, the placement
 policies, the protocol of the FGD paper (Weng et al., "Beware of Fragmentation", USENIX
 ATC '23: pods never leave, the workload scaled to 130% of the cluster's GPUs, seeds), a
-mode in which pods leave at their deletion time, and the metrics.  Nothing here talks to a GPU or a cluster.
+mode in which pods leave at their deletion time, and the metrics.  Nothing here talks to
+a GPU or a cluster.
 
 Memory of openb pods: the trace has none, so a pod asking `gpu_milli` of a GPU is given
 the same fraction of that GPU model's memory (floor, in MiB).  Memory then never binds
@@ -197,18 +198,13 @@ def read_nodes(path, memory_out=None):
 
 
 def read_pods(path):
-    """Pods from an openb pod CSV, or from `kubectl get pods -o json` (a .json file or one
-    that starts with `{`)."""
-    try:
-        with open(path) as f:
-            head = f.read(1)
-    except OSError as e:
-        raise BadFile(f"{path}: {e.strerror}", hint="give the path of an openb pod CSV or kubectl JSON") from None
-    if head == "{" or str(path).endswith(".json"):
-        items = _json_items(path, "kubectl get pods -A -o json > pods.json")
+    """Pods from an openb pod CSV, or from `kubectl get pods -o json` or `kubectl get
+    resourceclaims -o json` (a file that starts with `{`)."""
+    items = _json_items(path, "give an openb pod CSV, or kubectl get pods -A -o json > pods.json")
+    if items is not None:
         if items and all(i.get("kind") == "ResourceClaim" for i in items):
             return read_claims(path, items)
-        return read_k8s_pods(path)
+        return read_k8s_pods(path, items)
     rows = _rows(path, ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"))
     pods = []
     for r in rows:
@@ -227,19 +223,20 @@ def _cpu_milli(text):
     return int(math.ceil(float(text[:-1]))) if text.endswith("m") else int(math.ceil(float(text) * MILLI))
 
 
-def read_k8s_pods(path):
-    """`kubectl get pods -o json`: vgpu's resources (vgpu.dev/gpu-memory bytes,
+def _in_arrival_order(pods):
+    """Pods sorted by their creationTimestamp (kept in creation_time, then replaced by the
+    arrival rank): Kubernetes objects arrive in that order."""
+    pods = [pods[i] for i in sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))]
+    for i, p in enumerate(pods):
+        p.creation_time = float(i)
+    return pods
+
+
+def read_k8s_pods(path, items):
+    """`kubectl get pods -o json` (its items): vgpu's resources (vgpu.dev/gpu-memory bytes,
     vgpu.dev/gpu-utilization percent) or HAMi's (nvidia.com/gpu count, nvidia.com/gpumem
     MiB, nvidia.com/gpucores percent); limits win over requests, as the device plugins read
     them.  Pods in arrival order by metadata.creationTimestamp."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise BadFile(f"{path}: not JSON ({e})", hint="kubectl get pods -A -o json > pods.json") from None
-    items = doc.get("items", [doc]) if isinstance(doc, dict) else None
-    if not isinstance(items, list):
-        raise BadFile(f"{path}: no pod list", hint="kubectl get pods -A -o json > pods.json")
     pods = []
     for n, item in enumerate(items):
         meta, spec = item.get("metadata", {}), item.get("spec", {})
@@ -270,11 +267,7 @@ def read_k8s_pods(path):
             milli = MILLI   # a multi-GPU pod takes whole GPUs
         pods.append(Pod(name, cpu, mem, num_gpu, milli if num_gpu else 0, gmem, (),
                         meta.get("creationTimestamp") or ""))
-    order = sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))
-    pods = [pods[i] for i in order]
-    for i, p in enumerate(pods):
-        p.creation_time = float(i)
-    return pods
+    return _in_arrival_order(pods)
 
 
 def read_claims(path, items):
@@ -307,11 +300,7 @@ def read_claims(path, items):
         if num_gpu > 1:
             milli = MILLI
         pods.append(Pod(name, 0, 0, num_gpu, milli, gmem, (), meta.get("creationTimestamp") or ""))
-    order_ = sorted(range(len(pods)), key=lambda i: (pods[i].creation_time, i))
-    pods = [pods[i] for i in order_]
-    for i, p in enumerate(pods):
-        p.creation_time = float(i)
-    return pods
+    return _in_arrival_order(pods)
 
 
 # === the cluster ===
@@ -561,7 +550,7 @@ def k8s_tightest(cluster, pod, found, rng):
     return i, _tightest_gpus(cluster, pod, i)
 
 
-_PICK = {"whole-gpu": first_fit, "mig": None, "first-fit": first_fit, "best-fit": best_fit,
+_PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit,
          "best-fit-exact": best_fit_exact, "random": random_fit,
          "k8s-default": k8s_default, "k8s-tightest": k8s_tightest}
 
@@ -616,7 +605,7 @@ def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_
     arrived loads (percent of the cluster's GPU capacity, counting what the pods ask for)
     at which the unallocated share is recorded; `stop_after` ends the run at that load
     (placements after it cannot change a figure recorded before it)."""
-    if policy not in _PICK:
+    if policy not in POLICIES:
         raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
     cluster = Cluster(nodes, gpu_memory)
     if not cluster.capacity:
@@ -664,7 +653,7 @@ def simulate_over_time(pods, nodes, policy, seed=0, gpu_memory=None):
     """Pods arrive at creation_time and leave at deletion_time (at one instant, departures
     first); a pod that does not fit when it arrives is not tried again (the scheduler
     would keep it pending: it is counted, not placed later).  GPUs in use after each event."""
-    if policy not in _PICK:
+    if policy not in POLICIES:
         raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
     cluster = Cluster(nodes, gpu_memory)
     run = OverTime(policy, cluster)

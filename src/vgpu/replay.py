@@ -132,21 +132,23 @@ def _sm_short(series, gpus, samples):
 
 # === the configurations ===
 
-def whole(series, gpu_bytes, interval):
-    n, samples = len(series), len(series[0].memory)
-    used = sum(sum(s.memory) for s in series) / samples
-    return {"config": "whole", "gpus": n, "memory_occupancy_pct": round(100.0 * used / (n * gpu_bytes), 1),
+def _mean_used(series):
+    """Bytes the pods use together, on average over the samples."""
+    return sum(sum(s.memory) for s in series) / len(series[0].memory)
+
+
+def whole(series, gpu_bytes):
+    n = len(series)
+    return {"config": "whole", "gpus": n, "memory_occupancy_pct": round(100.0 * _mean_used(series) / (n * gpu_bytes), 1),
             "oom_samples": 0, "oom_pct": 0.0, "held_below_demand_s": 0, "sm_short_samples": 0}
 
 
-def peak(series, gpu_bytes, interval):
-    samples = len(series[0].memory)
+def peak(series, gpu_bytes):
     gpus = _pack(series, [(i, _align(s.peak), math.ceil(max(s.duty))) for i, s in enumerate(series)], gpu_bytes)
-    used = sum(sum(s.memory) for s in series) / samples
     return {"config": "peak", "gpus": len(gpus),
-            "memory_occupancy_pct": round(100.0 * used / (len(gpus) * gpu_bytes), 1),
+            "memory_occupancy_pct": round(100.0 * _mean_used(series) / (len(gpus) * gpu_bytes), 1),
             "oom_samples": 0, "oom_pct": 0.0, "held_below_demand_s": 0,
-            "sm_short_samples": _sm_short(series, gpus, samples)}
+            "sm_short_samples": _sm_short(series, gpus, len(series[0].memory))}
 
 
 def autoscaled(series, gpu_bytes, interval, times, request_quantile=0.5, policy=None):
@@ -154,8 +156,7 @@ def autoscaled(series, gpu_bytes, interval, times, request_quantile=0.5, policy=
     samples = len(series[0].memory)
     requests = [_align(s.quantile(request_quantile)) for s in series]
     gpus = _pack(series, [(i, requests[i], 0) for i in range(len(series))], gpu_bytes)
-    oom = held = 0
-    served = 0
+    oom = served = 0       # OOM samples (each holds its pod below its demand for an interval); bytes served
     for members in gpus:
         names = {i: series[i].name for i in members}
         sim = pol.Simulation(policy, {pol.MEMORY: gpu_bytes},
@@ -168,14 +169,13 @@ def autoscaled(series, gpu_bytes, interval, times, request_quantile=0.5, policy=
                 cap, want = sim.quotas[key], series[i].memory[k]
                 refused = want > cap
                 oom += refused
-                held += refused
                 served += min(want, cap)
                 batch[key] = pol.Sample(t, min(want, cap), cap, 1 if refused else 0)
             sim.step(t, batch)
     return {"config": "autoscaled", "request_quantile": request_quantile, "gpus": len(gpus),
             "memory_occupancy_pct": round(100.0 * served / samples / (len(gpus) * gpu_bytes), 1),
             "oom_samples": oom, "oom_pct": round(100.0 * oom / (samples * len(series)), 2),
-            "held_below_demand_s": round(held * interval),
+            "held_below_demand_s": round(oom * interval),
             "sm_short_samples": _sm_short(series, gpus, samples)}
 
 
@@ -189,7 +189,7 @@ def replay(times, series, gpu_bytes, request_quantiles=(0.5,), policy=None):
     if len(times) < 2:
         raise InvalidRequest("the series need at least two samples", hint="give the whole trace")
     interval = (times[-1] - times[0]) / (len(times) - 1)
-    out = [whole(series, gpu_bytes, interval), peak(series, gpu_bytes, interval)]
+    out = [whole(series, gpu_bytes), peak(series, gpu_bytes)]
     out += [autoscaled(series, gpu_bytes, interval, times, q, policy) for q in request_quantiles]
     return {"pods": len(series), "samples": len(times), "interval_s": round(interval, 1),
             "hours": round((times[-1] - times[0]) / 3600, 1), "gpu_memory": gpu_bytes, "configs": out}

@@ -63,6 +63,15 @@ say({"pid": os.getpid(), "host_pid": host, "time": time.time()})
 held, maps = [], []
 
 
+def alloc(size):
+    """cuMemAlloc; the pointer kept (for "free") when it succeeds.  Returns the CUresult."""
+    ptr = ctypes.c_uint64()
+    rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size))
+    if rc == 0:
+        held.append(ptr)
+    return rc
+
+
 def hog(us):
     module, func = ctypes.c_void_p(), ctypes.c_void_p()
     check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
@@ -85,11 +94,7 @@ def relay(proc):
 for line in sys.stdin:
     cmd = json.loads(line)
     if "alloc" in cmd and "hide" not in cmd:
-        ptr = ctypes.c_uint64()
-        rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cmd["alloc"]))
-        if rc == 0:
-            held.append(ptr)
-        say(rc)
+        say(alloc(cmd["alloc"]))
     elif "free" in cmd:
         ptr = next(h for h in reversed(held) if isinstance(h, ctypes.c_uint64))
         held.remove(ptr)
@@ -107,11 +112,7 @@ for line in sys.stdin:
         os.close(fd)
         hid = time.time()
         if "alloc" in cmd:       # at once: no look of the agent's falls between the two
-            ptr = ctypes.c_uint64()
-            rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cmd["alloc"]))
-            if rc == 0:
-                held.append(ptr)
-            say({"old": old, "time": hid, "alloc": rc})
+            say({"old": old, "time": hid, "alloc": alloc(cmd["alloc"])})
         else:
             say({"old": old, "time": hid})
     elif "forge" in cmd:

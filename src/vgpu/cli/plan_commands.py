@@ -67,12 +67,14 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departure
     for p in policies:
         if p not in plan.POLICIES:
             raise InvalidRequest(f"unknown policy {p!r}", hint=f"one of: {', '.join(plan.POLICIES)}")
+    if paper and departures:
+        raise InvalidRequest("--paper and --departures are two protocols", hint="choose one")
+    if plot_path and not paper:
+        raise InvalidRequest("--plot draws the --paper protocol's curve", hint="add --paper")
     published = {}                       # GPU memory per model, from ResourceSlices
     nodes = plan.read_nodes(nodes_path, published)
     memory = {**published, **_gpu_memory(gpu_memory)}
     pods = plan.read_pods(pods_path)
-    if paper and departures:
-        raise InvalidRequest("--paper and --departures are two protocols", hint="choose one")
     if departures:
         rows = [plan.simulate_over_time(pods, nodes, p, seed, memory).summary() for p in policies]
         if as_json:
@@ -85,8 +87,6 @@ def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departure
             click.echo(f"{r['policy']:<16}{r['gpus']:>6}{r['gpus_needed_peak']:>8}{r['gpus_in_use_mean']:>13.1f}"
                        f"{r['pods_unplaced']:>13}")
         return
-    if plot_path and not paper:
-        raise InvalidRequest("--plot draws the --paper protocol's curve", hint="add --paper")
     if paper:
         rows, curves = [], {}
         points = tuple(float(x) for x in range(50, 101, 5)) if plot_path else (100.0,)

@@ -55,10 +55,10 @@ def reap_slice(directory, name) -> list:
 def _driver_holds(proc, pid) -> bool:
     """Does NVML still list memory under the slot's gone process (`pid`, as NVML names it)
     on a device it charges?  (The kernel can finish a process before the last of its
-    device files is let go: its memory is still the device's.  NVML's pids are the root namespace's, as ours are here; NVML
-    not there: the kernel's word alone, as shim/shim.c slot_owner_gone.  A MIG slice's device
-    0 is its MIG device, on whichever GPU: GPU 0's list may not name it, and then the
-    kernel's word decides too.)"""
+    device files is let go: its memory is still the device's.  NVML's pids are the root
+    namespace's, as ours are here; NVML not there: the kernel's word alone, as
+    shim/shim.c slot_owner_gone.  A MIG slice's device 0 is its MIG device, on whichever
+    GPU: GPU 0's list may not name it, and then the kernel's word decides too.)"""
     try:
         return any((nvml.running_processes(d).get(pid) or 0) > 0 for d in proc.memory)
     except Exception:      # NVML unavailable, a device not answering
