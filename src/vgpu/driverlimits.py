@@ -131,11 +131,10 @@ def _why(e) -> str:
     return f"NVML: {e}"
 
 
-def _limits_api():
-    n = nvml._nvml()
-    if not hasattr(n, "nvmlDeviceSetMemoryLimits_v1"):
+def _check_api():
+    """NvmlUnavailable without NVML; Unavailable when pynvml has no per-cgroup limits."""
+    if not nvml.has_memory_limits():
         raise Unavailable("the installed nvidia-ml-py has no per-cgroup memory limits")
-    return n
 
 
 def apply(path, devices: dict, mig=False):
@@ -144,15 +143,14 @@ def apply(path, devices: dict, mig=False):
     if mig:
         raise Unavailable("a MIG slice: MIG handles take no driver limits")
     try:
-        n = _limits_api()
+        _check_api()
     except nvml.NvmlUnavailable as e:
         raise NoDriver(f"NVML unavailable ({e})") from None
     done = []
     for index, (soft, hard) in sorted(devices.items()):
         try:
-            n.nvmlDeviceSetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(index),
-                                           n.c_nvmlSetMemoryLimits_v1_t(str(path).encode(), min(soft, hard), hard))
-        except n.NVMLError as e:
+            nvml.set_memory_limits(index, path, min(soft, hard), hard)
+        except nvml.DeviceError as e:
             clear(path, done)
             raise Unavailable(_why(e)) from None
         done.append(index)
@@ -161,27 +159,20 @@ def apply(path, devices: dict, mig=False):
 def clear(path, indexes):
     """Take the limits of cgroup `path` off these devices (soft 0, hard LIMIT_MAX), quietly."""
     try:
-        n = _limits_api()
+        _check_api()
     except (nvml.NvmlUnavailable, Unavailable):
         return
     for index in indexes:
         try:
-            n.nvmlDeviceSetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(index),
-                                           n.c_nvmlSetMemoryLimits_v1_t(str(path).encode(), 0, LIMIT_MAX))
-        except n.NVMLError:
+            nvml.set_memory_limits(index, path, 0, LIMIT_MAX)
+        except nvml.DeviceError:
             pass
 
 
 def read(path, index):
     """(soft, hard, used) of cgroup `path` on device `index`; None when it has no limit there
     or the driver cannot say."""
-    try:
-        n = _limits_api()
-        limits = n.c_nvmlGetMemoryLimits_v1_t(str(path).encode(), 0, 0, 0)
-        n.nvmlDeviceGetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(index), limits)
-    except (nvml.NvmlUnavailable, Unavailable, Exception):
-        return None
-    return limits.softLimit, limits.hardLimit, limits.currentUsed
+    return nvml.memory_limits(index, path)
 
 
 def for_quota(quota) -> dict:
@@ -198,7 +189,7 @@ def hold(directory, name, quota, mig=False):
     if not devices:
         raise NoDriver("no memory cap to hold")
     try:
-        _limits_api()     # before any cgroup is made: is there a driver to ask at all?
+        _check_api()      # before any cgroup is made: is there a driver to ask at all?
     except nvml.NvmlUnavailable as e:
         raise NoDriver(f"NVML unavailable ({e})") from None
     path = make_slice_cgroup(directory, name)

@@ -28,7 +28,6 @@ group; ../shared/reference/nvml-mig.md):
   - utilization is NOT_SUPPORTED on a MIG-enabled GPU: a MIG slice's use is its MIG
     device's memory and processes.
 """
-import ctypes
 import json
 import time
 
@@ -41,7 +40,6 @@ MiB = 1 << 20
 RECORD_VERSION = 1
 # the compute instance profile (enum index) over a whole GPU instance of n compute slices
 FULL_CI_PROFILE = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}
-_PROFILE_SCAN = 64    # enumeration ends at INVALID_ARGUMENT; a bound in case a driver never says it
 NO_MIG_HINT = ("MIG needs an A30, A100, H100, H200 or a later data-center GPU; a software slice "
                "(--memory/--sm, no --mig) works on any GPU")
 
@@ -54,147 +52,76 @@ class NoRoom(VgpuError):
     """No placement of the profile is free on the GPU."""
 
 
-def _n():
+def _nvml_here():
+    """NVML is there to manage MIG with, or VgpuError with a hint."""
     try:
-        return nvml._nvml()
+        nvml.device_count()
     except nvml.NvmlUnavailable as e:
         raise VgpuError(f"MIG needs NVML: {e}", "run on a node with NVIDIA's driver (or on simgpu: "
                         "eval \"$(vgpu-ctl sim env --profile h100-80g)\")") from None
 
 
-def _code(e) -> int:
-    return getattr(e, "value", None)
-
-
-def _text(v):
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def short_name(name) -> str:
     """`MIG 3g.40gb` -> `3g.40gb` (the name nvidia-smi and --mig use)."""
-    name = _text(name).strip()
+    name = name.strip()
     return name[4:] if name.lower().startswith("mig ") else name
 
 
-def _device(n, index):
-    count = n.nvmlDeviceGetCount()
+def _check_device(index):
+    count = nvml.device_count()
     if not 0 <= index < count:
         raise InvalidRequest(f"device {index} does not exist (this node has {count})", "pass a --device the node has")
-    return n.nvmlDeviceGetHandleByIndex(index)
 
 
-def _gpu_name(n, h):
+def _gpu_name(index):
     try:
-        return _text(n.nvmlDeviceGetName(h))
-    except n.NVMLError:
+        return nvml.gpu_identity(index)[0]
+    except nvml.DeviceError:
         return "?"
 
 
-def mig_mode(n, h, index):
+def mig_mode(index):
     """[current, pending]; NoMig on a GPU without MIG."""
     try:
-        return list(n.nvmlDeviceGetMigMode(h))
-    except n.NVMLError as e:
-        if _code(e) == n.NVML_ERROR_NOT_SUPPORTED:
-            raise NoMig(f"device {index} ({_gpu_name(n, h)}) does not support MIG", NO_MIG_HINT) from None
+        return nvml.mig_modes(index)
+    except nvml.DeviceError as e:
+        if e.reason == "not_supported":
+            raise NoMig(f"device {index} ({_gpu_name(index)}) does not support MIG", NO_MIG_HINT) from None
         raise VgpuError(f"device {index}: cannot read its MIG mode: {e}", "check the driver (nvidia-smi -q)") from None
 
 
 # === profiles ===
 
-def _placements(n, h, profile_id):
-    """[[start, size]] (nvml.h marks the call privileged: None where it is refused)."""
-    try:
-        return _possible_placements(n, h, profile_id)
-    except n.NVMLError:
-        return None
-
-
-def _possible_placements(n, h, profile_id):
-    count = ctypes.c_uint()
-    n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, ctypes.byref(count))
-    arr = (n.c_nvmlGpuInstancePlacement_t * count.value)()
-    if count.value:
-        n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, ctypes.byref(count))
-    return [[arr[i].start, arr[i].size] for i in range(count.value)]
-
-
-def _profiles(n, h, enabled):
-    out = []
-    for index in range(_PROFILE_SCAN):
-        try:
-            info = n.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-        except n.NVMLError as e:
-            if _code(e) == n.NVML_ERROR_NOT_SUPPORTED:
-                continue
-            if _code(e) == n.NVML_ERROR_INVALID_ARGUMENT:
-                break
-            raise
-        free = None
-        if enabled:
-            try:
-                free = n.nvmlDeviceGetGpuInstanceRemainingCapacity(h, info.id)
-            except n.NVMLError:
-                free = None
-        out.append({"name": short_name(info.name), "index": index, "id": info.id, "slices": info.sliceCount,
-                    "instances": info.instanceCount, "free": free, "memory_mib": info.memorySizeMB,
-                    "multiprocessors": info.multiprocessorCount, "copy_engines": info.copyEngineCount,
-                    "decoders": info.decoderCount, "encoders": info.encoderCount, "jpeg": info.jpegCount,
-                    "ofa": info.ofaCount, "p2p": bool(info.isP2pSupported),
-                    "placements": _placements(n, h, info.id)})
-    out.sort(key=lambda p: (p["slices"], p["memory_mib"], p["name"]))
-    return out
-
-
 def profiles(index=0) -> dict:
     """Device `index`'s GPU instance profiles, as `nvidia-smi mig -lgip` and -lgipp list
     them (free: remaining capacity, None while MIG mode is off)."""
-    n = _n()
-    h = _device(n, index)
-    mode = mig_mode(n, h, index)
+    _nvml_here()
+    _check_device(index)
+    mode = mig_mode(index)
     try:
-        return _table(n, h, index, mode)
-    except n.NVMLError as e:
+        name, uuid = nvml.gpu_identity(index)
+        table = [p | {"name": short_name(p["name"])} for p in nvml.gpu_instance_profiles(index, mode[0] == 1)]
+        return {"device": index, "name": name, "uuid": uuid, "mig_mode": mode,
+                "profiles": sorted(table, key=lambda p: (p["slices"], p["memory_mib"], p["name"])),
+                "instances": _instances(index=index) if mode[0] == 1 else []}
+    except nvml.DeviceError as e:
         raise VgpuError(f"device {index}: cannot read its MIG profiles: {e}",
-                        "run as root" if _code(e) == n.NVML_ERROR_NO_PERMISSION else "check the driver "
+                        "run as root" if e.reason == "no_permission" else "check the driver "
                         "(nvidia-smi mig -lgip)") from None
 
 
-def _table(n, h, index, mode):
-    return {"device": index, "name": _gpu_name(n, h), "uuid": _text(n.nvmlDeviceGetUUID(h)), "mig_mode": mode,
-            "profiles": _profiles(n, h, mode[0] == 1), "instances": _instances(n, h) if mode[0] == 1 else []}
-
-
-def _instances(n, h):
-    """The GPU instances on a MIG-enabled GPU: [{id, profile_id, start, size}]."""
-    out = []
-    for index in range(_PROFILE_SCAN):
-        try:
-            info = n.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-        except n.NVMLError as e:
-            if _code(e) == n.NVML_ERROR_INVALID_ARGUMENT:
-                break
-            continue
-        arr = (n.c_nvmlGpuInstance_t * max(info.instanceCount, 1))()
-        count = ctypes.c_uint()
-        try:
-            n.nvmlDeviceGetGpuInstances(h, info.id, arr, ctypes.byref(count))
-        except n.NVMLError:
-            continue
-        for i in range(count.value):
-            gi = n.nvmlGpuInstanceGetInfo(arr[i])
-            out.append({"id": gi.id, "profile_id": gi.profileId, "profile": short_name(info.name),
-                        "start": gi.placement.start, "size": gi.placement.size})
-    return sorted(out, key=lambda g: (g["start"], g["id"]))
+def _instances(index=None, uuid=None):
+    """The GPU instances on a MIG-enabled GPU: [{id, profile_id, profile, start, size}]."""
+    return [g | {"profile": short_name(g["profile"])} for g in nvml.gpu_instances(index, uuid)]
 
 
 def instances_on(gpu_uuid: str):
     """The GPU instances on the GPU with this UUID (as _instances), or None when it cannot
     be read."""
-    n = _n()
+    _nvml_here()
     try:
-        return _instances(n, n.nvmlDeviceGetHandleByUUID(gpu_uuid))
-    except n.NVMLError:
+        return _instances(uuid=gpu_uuid)
+    except nvml.DeviceError:
         return None
 
 
@@ -223,10 +150,8 @@ def _taken_text(instances) -> str:
 
 # === create ===
 
-def _enable(n, h, index):
-    """Turn MIG mode on, or say why not (and leave no request pending).  Returns the
-    GPU's handle, asked again: "this API may unbind or reset the device" (nvml.h)."""
-    uuid = _text(n.nvmlDeviceGetUUID(h))
+def _enable(index):
+    """Turn MIG mode on, or say why not (and leave no request pending)."""
     try:
         pids = sorted(nvml.running_processes(index))
     except nvml.DeviceError:
@@ -237,48 +162,45 @@ def _enable(n, h, index):
         raise Busy(f"device {index} has {len(pids)} process(es) on it (pid {', '.join(map(str, pids))}): MIG mode "
                    "can only be turned on while the GPU is idle", busy_hint)
     try:
-        status = n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_ENABLE)
-    except n.NVMLError as e:
-        hint = "run as root" if _code(e) == n.NVML_ERROR_NO_PERMISSION else "check the driver (nvidia-smi -q)"
+        refused = nvml.set_mig_mode(index, True)
+    except nvml.DeviceError as e:
+        hint = "run as root" if e.reason == "no_permission" else "check the driver (nvidia-smi -q)"
         raise VgpuError(f"cannot turn MIG mode on on device {index}: {e}", hint) from None
-    if status != n.NVML_SUCCESS:
-        _withdraw(n, h)
-        if status == n.NVML_ERROR_IN_USE:
+    if refused is not None:
+        _withdraw(index)
+        if refused.reason == "in_use":
             raise Busy(f"device {index} is in use: MIG mode can only be turned on while the GPU is idle", busy_hint)
-        raise VgpuError(f"device {index} did not turn MIG mode on (activation status {status}: "
-                        f"{n.nvmlErrorString(status)})", "check the driver (nvidia-smi -q); a GPU passed through "
-                                                         "to a VM may need a reset")
-    h = n.nvmlDeviceGetHandleByUUID(uuid)
-    current, pending = n.nvmlDeviceGetMigMode(h)
+        raise VgpuError(f"device {index} did not turn MIG mode on (activation status {refused.code}: {refused})",
+                        "check the driver (nvidia-smi -q); a GPU passed through to a VM may need a reset")
+    current, pending = nvml.mig_modes(index)
     if current != 1:
         raise VgpuError(f"MIG mode is pending on device {index}: this GPU enters it after a reset",
                         f"reset the GPU while it is idle (nvidia-smi -r -i {index}), then create the slice again")
-    return h
 
 
-def _withdraw(n, h):
+def _withdraw(index):
     """A refused SetMigMode(ENABLE) leaves the request pending: ask for the mode it has."""
     try:
-        if n.nvmlDeviceGetMigMode(h)[0] == 0:
-            n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_DISABLE)
-    except n.NVMLError:
+        if nvml.mig_modes(index)[0] == 0:
+            nvml.set_mig_mode(index, False)
+    except nvml.DeviceError:
         pass
 
 
-def _disable(n, h, index):
+def _disable(index):
     """Turn MIG mode off; returns a warning, or None when it is off."""
     try:
-        status = n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_DISABLE)
-        current, pending = n.nvmlDeviceGetMigMode(h)
-    except n.NVMLError as e:
+        refused = nvml.set_mig_mode(index, False)
+        current, pending = nvml.mig_modes(index)
+    except nvml.DeviceError as e:
         return f"MIG mode left on on device {index}: {e}"
-    if status != n.NVML_SUCCESS:
+    if refused is not None:
         if current == 1 and pending == 0:   # withdraw the refused request: a later reset must not drop the mode
             try:
-                n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_ENABLE)
-            except n.NVMLError:
+                nvml.set_mig_mode(index, True)
+            except nvml.DeviceError:
                 pass
-        return f"MIG mode left on on device {index} ({n.nvmlErrorString(status)}: processes still on the GPU?)"
+        return f"MIG mode left on on device {index} ({refused}: processes still on the GPU?)"
     if current != 0:
         return f"MIG mode on device {index} turns off at the GPU's next reset (nvidia-smi -r -i {index})"
     return None
@@ -305,104 +227,82 @@ def create_instance(index, profile, placement=None, checked=None) -> dict:
     Returns the record that mig.json holds.  Everything made is undone on failure."""
     checked = checked or check_profile(index, profile, placement)
     p = checked["profile"]
-    n = _n()
-    h = _device(n, index)
+    _nvml_here()
+    _check_device(index)
     enabled_here = False
-    if mig_mode(n, h, index)[0] != 1:
-        h = _enable(n, h, index)
+    if mig_mode(index)[0] != 1:
+        _enable(index)
         enabled_here = True
     gi = ci = None
     try:
         try:
-            if placement is None:
-                gi = n.nvmlDeviceCreateGpuInstance(h, p["id"])
-            else:
-                size = dict(p["placements"])[placement]
-                gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(
-                    h, p["id"], ctypes.byref(n.c_nvmlGpuInstancePlacement_t(placement, size)))
-        except n.NVMLError as e:
-            if _code(e) != n.NVML_ERROR_INSUFFICIENT_RESOURCES:
+            where = None if placement is None else [placement, dict(p["placements"])[placement]]
+            gi = nvml.create_gpu_instance(index, p["id"], where)
+        except nvml.DeviceError as e:
+            if e.reason != "insufficient_resources":
                 raise VgpuError(f"cannot create a {p['name']} GPU instance on device {index}: {e}",
                                 "check the driver (nvidia-smi mig -lgi)") from None
-            taken = _taken_text(_instances(n, h))
+            taken = _taken_text(_instances(index=index))
             where = f"at placement {placement}" if placement is not None else "at any placement"
             raise NoRoom(f"no room for {p['name']} on device {index} {where} (placements "
                          f"{_placements_text(p['placements'])}; taken: {taken})",
                          "delete a MIG slice there (vgpu-ctl list), pick another placement or --device, or a "
                          "smaller profile (vgpu-ctl mig profiles)") from None
-        gi_info = n.nvmlGpuInstanceGetInfo(gi)
         try:
-            ci_profile = n.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                gi, FULL_CI_PROFILE[p["slices"]], n.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-            ci = n.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile.id)
-        except (n.NVMLError, KeyError) as e:
+            ci = nvml.create_compute_instance(gi, FULL_CI_PROFILE[p["slices"]])
+        except (nvml.DeviceError, KeyError) as e:
             raise VgpuError(f"cannot create the compute instance of {p['name']} on device {index}: {e}",
                             "check the driver (nvidia-smi mig -lcip)") from None
-        ci_info = n.nvmlComputeInstanceGetInfo(ci)
         try:
             listed = nvml.mig_devices(index)
         except nvml.DeviceError:
             listed = []
-        m = next((x for x in listed if (x.gpu_instance, x.compute_instance) == (gi_info.id, ci_info.id)), None)
+        m = next((x for x in listed if (x.gpu_instance, x.compute_instance) == (gi.id, ci.id)), None)
         if m is None:
-            raise VgpuError(f"device {index}: the new MIG device (GPU instance {gi_info.id}, compute instance "
-                            f"{ci_info.id}) is not listed by NVML", "check the driver (nvidia-smi -L)")
-        mem = n.nvmlDeviceGetMemoryInfo(m.handle)
-        return {"version": RECORD_VERSION, "device": index, "gpu_uuid": _text(n.nvmlDeviceGetUUID(h)),
-                "gpu_name": _gpu_name(n, h), "profile": p["name"], "profile_id": gi_info.profileId,
-                "placement": {"start": gi_info.placement.start, "size": gi_info.placement.size},
-                "gpu_instance": gi_info.id, "compute_instance": ci_info.id,
-                "compute_profile_id": ci_info.profileId, "uuid": m.uuid,
-                "name": m.name, "memory_total": mem.total,
-                "multiprocessors": ci_profile.multiprocessorCount, "enabled_mig_mode": enabled_here,
+            raise VgpuError(f"device {index}: the new MIG device (GPU instance {gi.id}, compute instance "
+                            f"{ci.id}) is not listed by NVML", "check the driver (nvidia-smi -L)")
+        memory = nvml.mig_memory(m)
+        if memory is None:
+            raise nvml.DeviceError("its memory cannot be read")
+        gpu_name, gpu_uuid = nvml.gpu_identity(index)
+        return {"version": RECORD_VERSION, "device": index, "gpu_uuid": gpu_uuid,
+                "gpu_name": gpu_name, "profile": p["name"], "profile_id": gi.profile_id,
+                "placement": {"start": gi.start, "size": gi.size},
+                "gpu_instance": gi.id, "compute_instance": ci.id,
+                "compute_profile_id": ci.profile_id, "uuid": m.uuid,
+                "name": m.name, "memory_total": memory[0],
+                "multiprocessors": ci.multiprocessors, "enabled_mig_mode": enabled_here,
                 "created": time.time()}
-    except n.NVMLError as e:
-        _undo(n, h, index, ci, gi, enabled_here)
+    except nvml.DeviceError as e:
+        _undo(index, ci, gi, enabled_here)
         raise VgpuError(f"device {index}: making the {p['name']} instance failed: {e}",
                         "check the driver (nvidia-smi mig -lgi)") from None
     except BaseException:
-        _undo(n, h, index, ci, gi, enabled_here)
+        _undo(index, ci, gi, enabled_here)
         raise
 
 
-def _undo(n, h, index, ci, gi, enabled_here):
-    for obj, destroy in ((ci, n.nvmlComputeInstanceDestroy), (gi, n.nvmlGpuInstanceDestroy)):
-        if obj is not None:
+def _undo(index, ci, gi, enabled_here):
+    for instance in (ci, gi):
+        if instance is not None:
             try:
-                destroy(obj)
-            except n.NVMLError:
+                nvml.destroy(instance)
+            except nvml.DeviceError:
                 pass
     if enabled_here:
-        _disable(n, h, index)
+        _disable(index)
 
 
 # === look-up and destroy ===
 
-def _parent(n, record):
-    """The record's GPU: by UUID (indices may change across boots), else by index."""
-    try:
-        return n.nvmlDeviceGetHandleByUUID(record["gpu_uuid"])
-    except (n.NVMLError, KeyError):
-        try:
-            return n.nvmlDeviceGetHandleByIndex(record["device"])
-        except n.NVMLError:
-            return None
-
-
-def _ours(n, h, record):
-    """(GPU instance, compute instance) handles when they are still the record's, else None
-    (MIG off, or the IDs now name other instances)."""
-    try:
-        gi = n.nvmlDeviceGetGpuInstanceById(h, record["gpu_instance"])
-        info = n.nvmlGpuInstanceGetInfo(gi)
-    except n.NVMLError:
+def _ours(record):
+    """(GPU instance, compute instance) when they are still the record's, else (None, None)
+    (MIG off, or the IDs now name other instances).  DeviceError when the record's GPU is
+    not on this node (by UUID: indices may change across boots; else by index)."""
+    gi, ci = nvml.instances_by_id(record["gpu_instance"], record["compute_instance"], uuid=record.get("gpu_uuid"),
+                                  index=record.get("device"))
+    if gi is None or (gi.profile_id, gi.start) != (record["profile_id"], record["placement"]["start"]):
         return None, None
-    if (info.profileId, info.placement.start) != (record["profile_id"], record["placement"]["start"]):
-        return None, None
-    try:
-        ci = n.nvmlGpuInstanceGetComputeInstanceById(gi, record["compute_instance"])
-    except n.NVMLError:
-        ci = None
     return gi, ci
 
 
@@ -411,25 +311,22 @@ def view(record) -> dict:
     its processes {host pid: bytes or None}."""
     out = {"present": False, "memory_total": None, "memory_used": None, "processes": {}}
     try:
-        n = nvml._nvml()
+        nvml.device_count()
     except nvml.NvmlUnavailable as e:
         return out | {"note": str(e)}
     try:
-        m = n.nvmlDeviceGetHandleByUUID(record["uuid"])
-        if (n.nvmlDeviceGetGpuInstanceId(m), n.nvmlDeviceGetComputeInstanceId(m)) != \
-                (record["gpu_instance"], record["compute_instance"]):
-            return out | {"note": "its UUID names another instance now"}
-    except n.NVMLError as e:
+        m = nvml.mig_device(record["uuid"])
+    except nvml.DeviceError as e:
         return out | {"note": f"not found ({e})"}
+    if (m.gpu_instance, m.compute_instance) != (record["gpu_instance"], record["compute_instance"]):
+        return out | {"note": "its UUID names another instance now"}
     out["present"] = True
+    memory = nvml.mig_memory(m)
+    if memory is not None:
+        out["memory_total"], out["memory_used"] = memory
     try:
-        mem = n.nvmlDeviceGetMemoryInfo(m)
-        out["memory_total"], out["memory_used"] = mem.total, mem.used
-    except n.NVMLError:
-        pass
-    try:
-        out["processes"] = {p.pid: p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningProcesses(m)}
-    except n.NVMLError:
+        out["processes"] = nvml.mig_processes(m)
+    except nvml.DeviceError:
         pass
     return out
 
@@ -437,40 +334,39 @@ def view(record) -> dict:
 def destroy_instance(record, disable_mig=False) -> dict:
     """Destroy the record's compute and GPU instance.  Busy while a process is on it.
     Returns {"destroyed": bool, "warnings": [...]} (not destroyed: it was gone already)."""
-    n = _n()
+    _nvml_here()
     index = record.get("device")
-    h = _parent(n, record)
     warnings = []
-    if h is None:
+    try:
+        gi, ci = _ours(record)
+    except nvml.DeviceError:
         return {"destroyed": False, "warnings": [f"device {index} ({record.get('gpu_uuid')}) is not on this node: "
                                                  "nothing to destroy"]}
-    gi, ci = _ours(n, h, record)
     where = (f"GPU instance {record['gpu_instance']} ({record['profile']} at {record['placement']['start']}:"
              f"{record['placement']['size']}) on device {index}")
     if gi is None:
         warnings.append(f"{where} is gone already")
     else:
-        for obj, destroy, what in ((ci, n.nvmlComputeInstanceDestroy, "compute instance"),
-                                   (gi, n.nvmlGpuInstanceDestroy, "GPU instance")):
-            if obj is None:
+        for instance, what in ((ci, "compute instance"), (gi, "GPU instance")):
+            if instance is None:
                 continue
             try:
-                destroy(obj)
-            except n.NVMLError as e:
-                if _code(e) == n.NVML_ERROR_IN_USE:
+                nvml.destroy(instance)
+            except nvml.DeviceError as e:
+                if e.reason == "in_use":
                     pids = sorted(view(record)["processes"])
                     raise Busy(f"{where} is in use" + (f" (pid {', '.join(map(str, pids))})" if pids else ""),
                                "stop its processes first") from None
                 raise VgpuError(f"cannot destroy the {what} of {where}: {e}", "check the driver "
                                 "(nvidia-smi mig -lgi)") from None
     turned_off = False
-    if disable_mig and mig_mode(n, h, index)[0] == 1:
-        left = _instances(n, h)
+    if disable_mig and mig_mode(index)[0] == 1:
+        left = _instances(index=index)
         if left:
             warnings.append(f"MIG mode left on on device {index}: {len(left)} other GPU instance(s) remain "
                             f"({_taken_text(left)})")
         else:
-            w = _disable(n, h, index)
+            w = _disable(index)
             warnings += [w] if w else []
             turned_off = w is None
     return {"destroyed": gi is not None, "mig_mode_off": turned_off, "warnings": warnings}

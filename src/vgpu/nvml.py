@@ -5,6 +5,7 @@ no NVML library, no driver, or a call a device does not support gives a note or 
 never a traceback; callers decide what they can do without it.  On simgpu (LD_LIBRARY_PATH
 at simgpu's libraries) the same calls answer from the simulated node.
 """
+import ctypes
 import struct
 import threading
 import time
@@ -133,17 +134,39 @@ _fns = {}
 _sizes = {}              # (call, handle) -> entries its last answer had (the next call asks for a few more)
 
 
-def _fn(n, name):
-    f = _fns.get(name)
+# Versioned entry points, newest first: a call named without its suffix resolves to the
+# first version the driver has (an older driver lacks the newer names).  nvml.h keeps each
+# version's arguments: the _v3 and _v2 process lists both fill nvmlProcessInfo_v2_t, both
+# event waits an nvmlEventData_t.  The one place a version is chosen.
+VERSIONS = {
+    "nvmlDeviceGetComputeRunningProcesses": ("_v3", "_v2"),
+    "nvmlDeviceGetGraphicsRunningProcesses": ("_v3", "_v2"),
+    "nvmlDeviceGetMPSComputeRunningProcesses": ("_v3", "_v2"),
+    "nvmlDeviceGetProcessUtilization": ("",),
+    "nvmlEventSetWait": ("_v2", ""),
+}
+
+
+def _fn(n, call):
+    """The driver's entry point for `call` (a VERSIONS key); NVMLError FUNCTION_NOT_FOUND
+    when it has none of its versions."""
+    f = _fns.get(call)
     if f is None:
-        f = _fns[name] = n._nvmlGetFunctionPointer(name)
+        for suffix in VERSIONS[call]:
+            try:
+                f = n._nvmlGetFunctionPointer(call + suffix)
+                break
+            except n.NVMLError:
+                continue
+        else:
+            raise n.NVMLError(n.NVML_ERROR_FUNCTION_NOT_FOUND)
+        _fns[call] = f
     return f
 
 
 def _samples(n, handle, since) -> list:
     """[(pid, timeStamp, smUtil)] from nvmlDeviceGetProcessUtilization, in one call where
     the array is large enough (pynvml's wrapper always makes two and builds objects)."""
-    import ctypes
     assert ctypes.sizeof(n.c_nvmlProcessUtilizationSample_t) == _SAMPLE.size
     fn = _fn(n, "nvmlDeviceGetProcessUtilization")
     key = ("util", ctypes.cast(handle, ctypes.c_void_p).value)
@@ -162,7 +185,24 @@ def _samples(n, handle, since) -> list:
 
 
 class DeviceError(Exception):
-    """A device answered a call with an error (str: NVML's reason)."""
+    """A device answered a call with an error (str: NVML's reason).  `reason`: which of
+    REASONS it was ("not_supported", "in_use", ...), None for another; `code`: NVML's value."""
+
+    def __init__(self, text, reason=None, code=None):
+        super().__init__(text)
+        self.reason, self.code = reason, code
+
+
+# the NVML return values callers tell apart: nvml.h's nvmlReturn_t values (an ABI: fixed)
+REASONS = {2: "invalid_argument", 3: "not_supported", 4: "no_permission", 6: "not_found", 19: "in_use",
+           23: "insufficient_resources"}
+
+
+def _error(n, e, prefix=""):
+    """DeviceError of a pynvml error (or of a non-SUCCESS return value)."""
+    code = e if isinstance(e, int) else getattr(e, "value", None)
+    text = _call(lambda: n.nvmlErrorString(code), default=f"NVML error {code}") if isinstance(e, int) else str(e)
+    return DeviceError(prefix + text, REASONS.get(code), code)
 
 
 def running_processes(index: int) -> dict:
@@ -173,10 +213,10 @@ def running_processes(index: int) -> dict:
     n = _nvml()
     try:
         h = n.nvmlDeviceGetHandleByIndex(index)
-        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", h)]
+        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses", h)]
     except Exception as e:
         raise DeviceError(f"device {index}: {_describe(e)}") from None
-    for extra in ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v3"):
+    for extra in ("nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
         try:
             lists.append(_processes(n, extra, h))
         except Exception:   # NOT_SUPPORTED on compute-only boards, absent in an old driver
@@ -204,7 +244,7 @@ def _per_pid(lists) -> dict:
 
 
 def _processes(n, name, handle) -> list:
-    """[(pid, bytes or None)] from one of the *RunningProcesses_v3 calls, read straight
+    """[(pid, bytes or None)] from one of the *RunningProcesses calls, read straight
     from the ctypes array (the node agent asks every second: no per-entry objects), in
     one call where the array is large enough."""
     return [(pid, used) for pid, used, _, _ in _process_infos(n, name, handle)]
@@ -213,7 +253,6 @@ def _processes(n, name, handle) -> list:
 def _process_infos(n, name, handle) -> list:
     """[(pid, bytes or None, GPU instance ID, compute instance ID)] (the IDs: NOT_AVAILABLE
     but on a MIG-enabled GPU)."""
-    import ctypes
     assert ctypes.sizeof(n.c_nvmlProcessInfo_v3_t) == _PROC.size
     fn = _fn(n, name)
     na = n.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
@@ -292,11 +331,11 @@ def mig_processes(device: MigDevice) -> dict:
     handle no longer answers (the instance destroyed)."""
     n = _nvml()
     try:
-        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses_v3", device.handle)]
+        lists = [_processes(n, "nvmlDeviceGetComputeRunningProcesses", device.handle)]
     except Exception as e:
         raise DeviceError(f"MIG device {device.uuid}: {_describe(e)}") from None
     try:
-        lists.append(_processes(n, "nvmlDeviceGetGraphicsRunningProcesses_v3", device.handle))
+        lists.append(_processes(n, "nvmlDeviceGetGraphicsRunningProcesses", device.handle))
     except Exception:
         pass
     return _per_pid(lists)
@@ -338,15 +377,257 @@ def mig_mode(index: int):
         return None
 
 
+# === MIG management: GPU and compute instances (vgpu-ctl mig, MIG slices) ===
+# Calls that fail raise DeviceError with NVML's text and its reason; mig.py words them for
+# the operator.  Handles are asked again by index or UUID on every call: "this API may
+# unbind or reset the device" (nvml.h, nvmlDeviceSetMigMode), so a kept handle can go stale.
+
+_PROFILE_SCAN = 64    # profile enumeration ends at INVALID_ARGUMENT; a bound in case a driver never says it
+
+
+def _gpu(n, index=None, uuid=None):
+    try:
+        return n.nvmlDeviceGetHandleByUUID(uuid) if uuid is not None else n.nvmlDeviceGetHandleByIndex(index)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def gpu_identity(index) -> tuple:
+    """(name, UUID) of GPU `index`; the name "?" where the GPU does not say it."""
+    n = _nvml()
+    h = _gpu(n, index)
+    try:
+        uuid = _text(n.nvmlDeviceGetUUID(h))
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+    return _text(_call(n.nvmlDeviceGetName, h, default="?")), uuid
+
+
+def mig_modes(index) -> list:
+    """[current, pending] MIG mode of GPU `index` (1: on).  DeviceError("not_supported") on a
+    GPU without MIG."""
+    n = _nvml()
+    h = _gpu(n, index)
+    try:
+        return list(n.nvmlDeviceGetMigMode(h))
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def set_mig_mode(index, on: bool):
+    """Ask for MIG mode on or off: None when the driver took the request, else the refused
+    activation's DeviceError (e.g. "in_use": processes on the GPU).  Raises DeviceError
+    when the call itself fails (e.g. "no_permission")."""
+    n = _nvml()
+    h = _gpu(n, index)
+    try:
+        status = n.nvmlDeviceSetMigMode(h, n.NVML_DEVICE_MIG_ENABLE if on else n.NVML_DEVICE_MIG_DISABLE)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+    return None if status == n.NVML_SUCCESS else _error(n, status)
+
+
+def _placements(n, h, profile_id):
+    """[[start, size]] where a GPU instance of the profile can go (nvml.h marks the call
+    privileged: None where it is refused)."""
+    count = ctypes.c_uint()
+    try:
+        n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, ctypes.byref(count))
+        arr = (n.c_nvmlGpuInstancePlacement_t * count.value)()
+        if count.value:
+            n.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, ctypes.byref(count))
+    except n.NVMLError:
+        return None
+    return [[arr[i].start, arr[i].size] for i in range(count.value)]
+
+
+def _profile_infos(n, h):
+    """[(profile index, nvmlGpuInstanceProfileInfo)] of the GPU's profiles (a profile the
+    GPU does not support is skipped)."""
+    out = []
+    for index in range(_PROFILE_SCAN):
+        try:
+            out.append((index, n.nvmlDeviceGetGpuInstanceProfileInfo(h, index)))
+        except n.NVMLError as e:
+            if getattr(e, "value", None) == n.NVML_ERROR_INVALID_ARGUMENT:
+                break
+            if getattr(e, "value", None) != n.NVML_ERROR_NOT_SUPPORTED:
+                raise _error(n, e) from None
+    return out
+
+
+def gpu_instance_profiles(index, with_free: bool) -> list:
+    """GPU `index`'s GPU instance profiles, as nvidia-smi mig -lgip/-lgipp list them: name
+    (NVML's, e.g. "MIG 3g.40gb"), index, id, slices, instances, free (remaining capacity:
+    only `with_free`, None where not said), memory_mib, engines, p2p, placements."""
+    n = _nvml()
+    h = _gpu(n, index)
+    out = []
+    for i, info in _profile_infos(n, h):
+        free = _call(n.nvmlDeviceGetGpuInstanceRemainingCapacity, h, info.id) if with_free else None
+        out.append({"name": _text(info.name), "index": i, "id": info.id, "slices": info.sliceCount,
+                    "instances": info.instanceCount, "free": free, "memory_mib": info.memorySizeMB,
+                    "multiprocessors": info.multiprocessorCount, "copy_engines": info.copyEngineCount,
+                    "decoders": info.decoderCount, "encoders": info.encoderCount, "jpeg": info.jpegCount,
+                    "ofa": info.ofaCount, "p2p": bool(info.isP2pSupported),
+                    "placements": _placements(n, h, info.id)})
+    return out
+
+
+def gpu_instances(index=None, uuid=None) -> list:
+    """The GPU instances on a MIG-enabled GPU (by index or UUID): [{id, profile_id, profile
+    (NVML's name), start, size}], in placement order."""
+    n = _nvml()
+    h = _gpu(n, index, uuid)
+    out = []
+    for _, info in _profile_infos(n, h):
+        arr = (n.c_nvmlGpuInstance_t * max(info.instanceCount, 1))()
+        count = ctypes.c_uint()
+        try:
+            n.nvmlDeviceGetGpuInstances(h, info.id, arr, ctypes.byref(count))
+            for i in range(count.value):
+                gi = n.nvmlGpuInstanceGetInfo(arr[i])
+                out.append({"id": gi.id, "profile_id": gi.profileId, "profile": _text(info.name),
+                            "start": gi.placement.start, "size": gi.placement.size})
+        except n.NVMLError:
+            continue
+    return sorted(out, key=lambda g: (g["start"], g["id"]))
+
+
+class GpuInstance:
+    """A GPU instance: its ID, profile ID, placement, and handle (valid until destroyed)."""
+    __slots__ = ("id", "profile_id", "start", "size", "handle")
+
+    def __init__(self, n, handle):
+        info = n.nvmlGpuInstanceGetInfo(handle)
+        self.id, self.profile_id, self.handle = info.id, info.profileId, handle
+        self.start, self.size = info.placement.start, info.placement.size
+
+
+class ComputeInstance:
+    """A compute instance: its ID, profile ID, multiprocessors, and handle."""
+    __slots__ = ("id", "profile_id", "multiprocessors", "handle")
+
+    def __init__(self, n, handle, multiprocessors):
+        info = n.nvmlComputeInstanceGetInfo(handle)
+        self.id, self.profile_id, self.handle = info.id, info.profileId, handle
+        self.multiprocessors = multiprocessors
+
+
+def create_gpu_instance(index, profile_id, placement=None) -> GpuInstance:
+    """A GPU instance of the profile on GPU `index`: at `placement` ([start, size]), else
+    where the driver chooses.  DeviceError("insufficient_resources") when there is no room."""
+    n = _nvml()
+    h = _gpu(n, index)
+    try:
+        if placement is None:
+            gi = n.nvmlDeviceCreateGpuInstance(h, profile_id)
+        else:
+            gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(
+                h, profile_id, ctypes.byref(n.c_nvmlGpuInstancePlacement_t(*placement)))
+        return GpuInstance(n, gi)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def create_compute_instance(gi: GpuInstance, ci_profile) -> ComputeInstance:
+    """A compute instance of profile index `ci_profile` (engines shared) over GPU instance `gi`."""
+    n = _nvml()
+    try:
+        info = n.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi.handle, ci_profile,
+                                                              n.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        return ComputeInstance(n, n.nvmlGpuInstanceCreateComputeInstance(gi.handle, info.id),
+                               info.multiprocessorCount)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def destroy(instance):
+    """Destroy a ComputeInstance or GpuInstance (DeviceError "in_use" while a process is on it)."""
+    n = _nvml()
+    try:
+        (n.nvmlComputeInstanceDestroy if isinstance(instance, ComputeInstance) else
+         n.nvmlGpuInstanceDestroy)(instance.handle)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def instances_by_id(gpu_instance, compute_instance, uuid=None, index=None):
+    """(GpuInstance or None, ComputeInstance or None) with these IDs on the GPU (by UUID,
+    else by index).  DeviceError when the GPU itself is not there."""
+    n = _nvml()
+    try:
+        h = _gpu(n, uuid=uuid)
+    except DeviceError:
+        h = _gpu(n, index)
+    try:
+        gi = GpuInstance(n, n.nvmlDeviceGetGpuInstanceById(h, gpu_instance))
+    except n.NVMLError:
+        return None, None
+    try:
+        ci = ComputeInstance(n, n.nvmlGpuInstanceGetComputeInstanceById(gi.handle, compute_instance), None)
+    except n.NVMLError:
+        ci = None
+    return gi, ci
+
+
+def mig_device(uuid) -> MigDevice:
+    """The MIG device with this UUID (gpu: None).  DeviceError when NVML does not know it."""
+    n = _nvml()
+    m = _gpu(n, uuid=uuid)
+    try:
+        return MigDevice(None, uuid, n.nvmlDeviceGetGpuInstanceId(m), n.nvmlDeviceGetComputeInstanceId(m),
+                         _text(_call(n.nvmlDeviceGetName, m, default="?")), m)
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def mig_memory(device: MigDevice):
+    """(total, used) bytes of a MIG device, or None where it does not say."""
+    n = _nvml()
+    mem = _call(n.nvmlDeviceGetMemoryInfo, device.handle)
+    return (mem.total, mem.used) if mem else None
+
+
+# === per-cgroup device memory limits (nvml.h of CUDA 13.5: nvmlDeviceSetMemoryLimits_v1) ===
+
+def has_memory_limits() -> bool:
+    """Whether the installed nvidia-ml-py has the per-cgroup limit calls (NvmlUnavailable
+    without NVML).  Whether the driver has them only a call tells (NOT_SUPPORTED)."""
+    return hasattr(_nvml(), "nvmlDeviceSetMemoryLimits_v1")
+
+
+def set_memory_limits(index, cgroup, soft, hard):
+    """Hold cgroup `cgroup` (its path) on GPU `index` to `hard` bytes, `soft` guaranteed
+    under pressure.  DeviceError with NVML's text when the driver refuses."""
+    n = _nvml()
+    try:
+        n.nvmlDeviceSetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(index),
+                                       n.c_nvmlSetMemoryLimits_v1_t(str(cgroup).encode(), soft, hard))
+    except n.NVMLError as e:
+        raise _error(n, e) from None
+
+
+def memory_limits(index, cgroup):
+    """(soft, hard, used) of cgroup `cgroup` on GPU `index`; None when it has no limit there
+    or the driver cannot say."""
+    try:
+        n = _nvml()
+        limits = n.c_nvmlGetMemoryLimits_v1_t(str(cgroup).encode(), 0, 0, 0)
+        n.nvmlDeviceGetMemoryLimits_v1(n.nvmlDeviceGetHandleByIndex(index), limits)
+    except Exception:    # NvmlUnavailable, no such call in pynvml, NVMLError
+        return None
+    return limits.softLimit, limits.hardLimit, limits.currentUsed
+
+
 class XidEvents:
     """NVML's event set over every GPU, for XID critical errors (nvmlDeviceRegisterEvents,
-    nvmlEventSetWait_v2).  `wait(timeout_s)`: ("xid", GPU index, XID), ("lost", None, None)
+    nvmlEventSetWait).  `wait(timeout_s)`: ("xid", GPU index, XID), ("lost", None, None)
     when a GPU it watches has fallen off the bus (NVML_ERROR_GPU_IS_LOST), or None when
     nothing came.  GPUs it could not watch (lost, events not supported): `unwatched`
     {index: why}.  Raises NvmlUnavailable without NVML or event sets."""
 
     def __init__(self):
-        import ctypes
         n = self.n = _nvml()
         self._address = lambda h: ctypes.cast(h, ctypes.c_void_p).value
         try:
@@ -364,12 +645,14 @@ class XidEvents:
 
     def wait(self, timeout_s):
         n = self.n
-        try:
-            data = n.nvmlEventSetWait_v2(self.set, max(1, int(timeout_s * 1000)))
-        except n.NVMLError_Timeout:
+        data = n.c_nvmlEventData_t()
+        ret = _fn(n, "nvmlEventSetWait")(self.set, ctypes.byref(data), ctypes.c_uint(max(1, int(timeout_s * 1000))))
+        if ret == n.NVML_ERROR_TIMEOUT:
             return None
-        except n.NVMLError_GpuIsLost:
+        if ret == n.NVML_ERROR_GPU_IS_LOST:
             return ("lost", None, None)
+        if ret != n.NVML_SUCCESS:
+            raise n.NVMLError(ret)
         return ("xid", self.index_of.get(self._address(data.device)), int(data.eventData))
 
     def close(self):
