@@ -54,11 +54,12 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import board, driverlimits, nvml, podlabels, procfs, slices
+from . import podlabels, slices
 from .slices.reader import NodeReader
 from .agent.model import record_place
 from .agent.observe import Observer
-from .quantities import SHARE_FULL, UNLIMITED
+from .quantities import UNLIMITED
+from .snapshot import SM_FULL, SmUse, Snapshot
 
 _CD = ["container", "device"]
 
@@ -77,7 +78,7 @@ class NodeCollector:
         self.agent = agent
         self._observer = None    # without an agent: the driver's view is taken on each scrape
         self.reader = NodeReader(self.directory)
-        self._prev = {}          # (container, device) -> (monotonic s, gpu_time_ns, sm_max)
+        self._sm_use = SmUse()   # SM use between two scrapes
         self._lock = threading.Lock()
 
     def describe(self):
@@ -168,15 +169,6 @@ class NodeCollector:
 
     def _collect(self):
         now = time.monotonic()
-        ok = False
-        nv_devices = None
-        if self.use_nvml:
-            ok, _ = nvml.available()
-            if ok:
-                try:
-                    nv_devices = nvml.devices()
-                except Exception:   # a driver going away mid-scrape: report what the files say
-                    ok = False
         views = self.reader.refresh(now)
 
         g = {name: GaugeMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
@@ -210,83 +202,59 @@ class NodeCollector:
         layers = GaugeMetricFamily("vgpu_memory_layer_info", "Who holds the container's memory cap: 1 for "
                                    "driver+shim (the driver's per-cgroup limit too) or shim.",
                                    labels=["container", "layer"])
-        on_board = board.read(self.directory)
-        per_dev = {}
-        util_cache = {}
         listed = None            # MIG devices as the agent last saw them: {UUID: Place}
         if self.agent is not None:
             listed = self.agent.observer.mig_places
         elif self._observer is not None:
             listed = self._observer.mig_places
-
+        entries, where = [], {}
         for name, v in sorted(views.items()):
             v.refresh_quota()
             record = v.mig       # a MIG slice's device 0 is its MIG device: counted there, never as GPU 0
-            where = None if record is None else record_place(record, listed).label
-            resizes.add_metric([name], max(0, (v.gen - 2) // 2))
-            usage = None
+            where[name] = None if record is None else record_place(record, listed).label
+            usage, problem = None, None
             try:
                 if self.agent is None:     # the node agent reaps (at once, as processes end)
                     slices.reap_quietly(self.directory, name)
                 usage = slices.read_usage(self.directory, name)
-            except (slices.VgpuError, OSError):
-                pass
-            alive = [p for p in usage.procs if p.alive] if usage else []
-            procs.add_metric([name], len(alive))
-            modes.add_metric([name, v.quota.sm_mode], 1)
-            caps = {d: hard for d, (_, hard) in driverlimits.for_quota(v.quota).items()}
-            mine = self.agent.cgroup_limits.applied.get(name) if self.agent is not None and \
-                self.agent.cgroup_limits is not None else None
-            layer = driverlimits.layer(self.directory, name, caps, record is not None,
-                                       cgroup=mine[0] if mine else None)[0] if ok else "shim"
-            layers.add_metric([name, layer], 1)
-            entries = on_board.get(board.slice_key(name), [])
-            hosts = None
-            for d, q in v.held:
-                if ok and nv_devices is not None and len(v.held) == slices.MAX_DEVICES and d >= len(nv_devices):
-                    continue     # a standalone quota holds every index: show the devices that exist
-                lab = [name, str(d)]
+            except (slices.VgpuError, OSError) as e:
+                problem = str(e)
+            entries.append((name, v.quota, usage, problem, record is not None))
+            resizes.add_metric([name], max(0, (v.gen - 2) // 2))
+        cgroups = {}
+        if self.agent is not None and self.agent.cgroup_limits is not None:
+            cgroups = {name: applied[0] for name, applied in self.agent.cgroup_limits.applied.items() if applied}
+        snap = Snapshot(self.directory, entries, self._sm_use, now, self.use_nvml, cgroups)
+        ok, nv_devices = snap.nvml_ok, snap.nv_devices
+        for s in snap.slices:
+            name = s.name
+            procs.add_metric([name], sum(1 for p in s.usage.procs if p.alive) if s.usage else 0)
+            modes.add_metric([name, s.quota.sm_mode], 1)
+            layers.add_metric([name, s.memory_layer[0]], 1)
+            for f in s.devices:
+                lab, q = [name, str(f.index)], f.quota
                 g["memory_quota_bytes"].add_metric(lab, _inf(q.memory_max))
                 g["memory_request_bytes"].add_metric(lab, _inf(q.memory_request))
                 g["memory_limit_bytes"].add_metric(lab, _inf(q.memory_limit))
-                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
-                g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
-                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
-                g["sm_guaranteed_ratio"].add_metric(lab, v.quota.guaranteed_sm(d) / SHARE_FULL)
-                allowed = board.allowance(entries, nv_devices, d, record is not None)
-                if allowed is not None:
-                    g["sm_allowance_ratio"].add_metric(lab, allowed / SHARE_FULL)
-                if usage is not None and d < len(usage.devices):
-                    c["sm_yielded_seconds"].add_metric(lab, usage.devices[d]["yielded_ns"] / 1e9)
-                acc = per_dev.setdefault(str(d) if where is None else where,
-                                         {"quota": 0, "guaranteed": 0, "sm": 0, "containers": 0})
-                acc["quota"] += 0 if q.memory_max == UNLIMITED else q.memory_max
-                acc["guaranteed"] += q.guaranteed_memory
-                acc["sm"] += q.sm_max
-                acc["containers"] += 1
-                k = v.read(d)
+                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SM_FULL)
+                g["sm_request_ratio"].add_metric(lab, q.sm_request / SM_FULL)
+                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SM_FULL)
+                g["sm_guaranteed_ratio"].add_metric(lab, f.sm_guaranteed / SM_FULL)
+                if f.sm_allowance is not None:
+                    g["sm_allowance_ratio"].add_metric(lab, f.sm_allowance / SM_FULL)
+                k = f.counters
                 if k is None:
-                    continue     # its usage file was cut short: no counters rather than wrong ones
+                    continue     # its usage file cannot be read: no counters rather than wrong ones
                 g["memory_used_bytes"].add_metric(lab, k["memory_current"])
                 g["memory_peak_bytes"].add_metric(lab, k["memory_peak"])
                 c["memory_oom_refusals"].add_metric(lab, k["oom_refusals"])
                 c["sm_gpu_time_seconds"].add_metric(lab, k["gpu_time_ns"] / 1e9)
                 c["sm_throttled_seconds"].add_metric(lab, k["throttled_ns"] / 1e9)
+                c["sm_yielded_seconds"].add_metric(lab, k["yielded_ns"] / 1e9)
                 c["launches"].add_metric(lab, k["launches"])
-                used = None
-                prev = self._prev.get((name, d))
-                if q.sm_max < SHARE_FULL and prev and prev[2] == q.sm_max and now > prev[0]:
-                    used = max(0, k["gpu_time_ns"] - prev[1]) / ((now - prev[0]) * 1e9)
-                elif ok and usage is not None and record is None:   # (none per process on a MIG device)
-                    if hosts is None:
-                        hosts = list(procfs.host_pids(usage).values())
-                    if d not in util_cache:
-                        util_cache[d] = nvml.process_utilization(d)
-                    used = sum(util_cache[d].get(h, 0) for h in hosts) / 100
-                self._prev[(name, d)] = (now, k["gpu_time_ns"], q.sm_max)
-                if used is not None:
-                    g["sm_used_ratio"].add_metric(lab, used)
-        self._prev = {k: p for k, p in self._prev.items() if k[0] in views}
+                if f.sm_used is not None:
+                    g["sm_used_ratio"].add_metric(lab, f.sm_used / SM_FULL)
+        per_dev = snap.totals(lambda s, f: str(f.index) if where[s.name] is None else where[s.name])
 
         out = [*g.values(), *c.values(), resizes, procs, modes, layers]
         dev = {name: GaugeMetricFamily(f"vgpu_device_{name}", doc, labels=["device"]) for name, doc in (
@@ -295,11 +263,11 @@ class NodeCollector:
             ("sm_quota_ratio", "Sum of the SM shares handed out on the device (1 = the whole GPU)."),
             ("containers", "Containers holding the device."),
         )}
-        for d, acc in sorted(per_dev.items()):
-            dev["memory_quota_bytes"].add_metric([d], acc["quota"])
-            dev["memory_guaranteed_bytes"].add_metric([d], acc["guaranteed"])
-            dev["sm_quota_ratio"].add_metric([d], acc["sm"] / SHARE_FULL)
-            dev["containers"].add_metric([d], acc["containers"])
+        for d, t in sorted(per_dev.items()):
+            dev["memory_quota_bytes"].add_metric([d], t.memory_allocated)
+            dev["memory_guaranteed_bytes"].add_metric([d], t.memory_guaranteed)
+            dev["sm_quota_ratio"].add_metric([d], t.sm_allocated / SM_FULL)
+            dev["containers"].add_metric([d], t.slices)
         out += dev.values()
         up = GaugeMetricFamily("vgpu_nvml_up", "1 when NVML answered this scrape.")
         up.add_metric([], 1 if ok else 0)

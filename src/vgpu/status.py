@@ -8,13 +8,12 @@ gives the pid inside the container.  No assumption that the two pid spaces agree
 """
 import time
 
-from . import board, driverlimits, mig, nvml, podlabels, procfs
+from . import mig, nvml, podlabels, procfs
 from .agent.state import annotate, describe_violation
-from .quantities import UNLIMITED, format_duration_ns, format_memory, format_share
-from .slices import CEILING, MAX_DEVICES, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
+from .quantities import format_duration_ns, format_memory, format_share
+from .slices import CEILING, NotFound, VgpuError, has_mig, list_names, node_dir, read_all, read_mig, read_quota
 from .slices.usage import COUNTERS
-
-SM_FULL = 10000      # 100% in the quota's unit
+from .snapshot import SmUse, Snapshot, Totals
 
 
 def _command(host_pid, comm):
@@ -30,80 +29,44 @@ def _command(host_pid, comm):
 
 # === collect ===
 
-def _shown_devices(quota, usage, nvml_count):
-    """The devices a container's rows cover: those it holds.  A quota made by a standalone
-    shim holds all 16 indices: then the ones that exist (or, without NVML to say, the
-    ones in use, or device 0)."""
-    held = quota.held()
-    if len(held) < MAX_DEVICES:
-        return held
-    if nvml_count is not None:
-        return held[:nvml_count]
-    return [d for d in held if usage and usage.devices[d]["memory_current"]] or [0]
-
-
 def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
-    """Everything status shows.  `previous`: the result of the last call (watch mode), so
-    SM use can come from the usage file's GPU-time counters over the interval."""
+    """Everything status shows: the node's Snapshot, with each slice's processes, MIG
+    instance and pod labels.  `previous`: the result of the last call (watch mode), so SM
+    use can come from the usage file's GPU-time counters over the interval."""
     directory = node_dir(directory)
     if name is not None and name not in list_names(directory):
         raise NotFound(f"container {name} not found in {directory}", "`vgpu-ctl list` shows the containers")
     now = time.monotonic()
-    ok, note = nvml.available() if use_nvml else (False, "NVML not used")
-    nv_devices = nvml.devices() if ok else None
-    nvml_count = len(nv_devices) if ok else None
-    util = {}   # device -> {host pid: percent}
-
-    def proc_util(d):
-        if d not in util:
-            util[d] = nvml.process_utilization(d) if ok else {}
-        return util[d]
-
-    prev = {(c["name"], cd["index"]): (previous["_t"], cd["gpu_time_ns"], cd["throttled_ns"])
-            for c in (previous or {}).get("containers", []) for cd in c["devices"]}
-    shares = board.read(directory)   # what each slice's shim paces at now (burst: guarantee..ceiling)
+    sm_use = (previous or {}).get("_sm_use") or SmUse()
+    entries = [(cname, quota, usage, problem, has_mig(directory, cname))
+               for cname, quota, usage, problem in read_all(directory)]
+    snap = Snapshot(directory, entries, sm_use, now, use_nvml)
+    ok, nv_devices = snap.nvml_ok, snap.nv_devices
     containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
-    for cname, quota, usage, problem in read_all(directory):
-        entry = {"name": cname, "problem": problem, "generation": quota.generation if quota else None,
-                 "labels": podlabels.read(directory, cname), "devices": [], "processes": []}
+    for s in snap.slices:
+        entry = {"name": s.name, "problem": s.problem, "generation": s.quota.generation if s.quota else None,
+                 "labels": podlabels.read(directory, s.name), "devices": [], "processes": []}
         containers.append(entry)
-        if quota is None:
+        if s.quota is None:
             continue
-        mig = _mig_entry(directory, cname) if has_mig(directory, cname) else None
+        mig = _mig_entry(directory, s.name) if s.mig else None
         if mig is not None:
             entry["mig"] = mig
-        entry["sm_mode"] = quota.sm_mode
-        caps = {d: hard for d, (_, hard) in driverlimits.for_quota(quota).items()}
-        layer, why = driverlimits.layer(directory, cname, caps, mig is not None) if ok else ("shim", "NVML unavailable")
+        entry["sm_mode"] = s.quota.sm_mode
+        layer, why = s.memory_layer
         entry["memory_layer"] = {"layer": layer, "why": why}   # who holds its memory cap (driverlimits.py)
-        on_board = shares.get(board.slice_key(cname), [])
-        hosts = procfs.host_pids(usage) if usage else {}
-        procs = usage.procs if usage else []
-        shown = _shown_devices(quota, usage, nvml_count)
-        for d in shown:
-            q = quota.devices[d]
-            counters = usage.devices[d] if usage else dict.fromkeys(COUNTERS, 0)
-            sm_used, source, throttled_rate = None, None, None
-            if (cname, d) in prev and now > prev[(cname, d)][0]:
-                t0, g0, w0 = prev[(cname, d)]
-                # waited per second of the interval (several processes can wait at once)
-                throttled_rate = round(max(counters["throttled_ns"] - w0, 0) / (now - t0))
-                if counters["gpu_time_ns"]:
-                    sm_used = round(max(counters["gpu_time_ns"] - g0, 0) / ((now - t0) * 1e9) * 10000)
-                    source = "usage"
-            if sm_used is None and ok and mig is None:   # NVML has no utilization on a MIG-enabled GPU
-                pids = [hosts.get(p.pid) for p in procs if p.alive]
-                sm_used = sum(proc_util(d).get(h, 0) for h in pids if h is not None) * 100
-                source = "nvml"
-            gpu = {"gpu": mig["device"]} if mig and mig.get("device") is not None else {}
-            entry["devices"].append({"index": d, **gpu, **q.to_json(), **counters,
-                                     "sm_used": sm_used, "sm_used_source": source,
-                                     "throttled_ns_per_s": throttled_rate,
-                                     "sm_guaranteed": quota.guaranteed_sm(d),
-                                     "sm_allowance": board.allowance(on_board, nv_devices, d, mig is not None)})
+        gpu = {"gpu": mig["device"]} if mig and mig.get("device") is not None else {}
+        for f in s.devices:
+            entry["devices"].append({"index": f.index, **gpu, **f.quota.to_json(),
+                                     **(f.counters or dict.fromkeys(COUNTERS, 0)),
+                                     "sm_used": f.sm_used, "sm_used_source": f.sm_used_source,
+                                     "throttled_ns_per_s": f.throttled_ns_per_s,
+                                     "sm_guaranteed": f.sm_guaranteed, "sm_allowance": f.sm_allowance})
+        hosts = s.host_pids()
         entry["shared"] = []    # memory shared between processes, in shared slots: no process of its own
         my_ns = procfs.pid_ns()
-        for p in procs:
+        shown = [f.index for f in s.devices]
+        for p in (s.usage.procs if s.usage else []):
             if p.shared:
                 entry["shared"].append(_shared_entry(p, hosts, my_ns))
                 continue
@@ -115,39 +78,35 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             entry["processes"].append({
                 **p.to_json(), "host_pid": host, "gone": gone,
                 "command": _command(host, p.comm) if p.alive and not gone else p.comm,
-                "sm_util": {str(d): proc_util(d).get(host, 0) * 100 for d in shown} if ok and host and mig is None
-                else None})
+                "sm_util": {str(d): snap.process_utilization(d).get(host, 0) * 100 for d in shown}
+                if ok and host and not s.mig else None})
 
     # per device: what is promised against what there is
     # (a MIG slice's device 0 is its instance: counted apart, on its GPU)
-    indices = sorted({cd["index"] for c in containers for cd in c["devices"] if "mig" not in c}
+    totals = snap.totals(lambda s, f: None if s.mig else f.index)
+    indices = sorted(set(totals)
                      | {c["mig"]["device"] for c in containers if c.get("mig", {}).get("device") is not None}
                      | ({d["index"] for d in nv_devices} if nv_devices else set()))
     devices = []
     for d in indices:
         nd = nv_devices[d] if nv_devices and d < len(nv_devices) else {}
-        rows = [cd for c in containers for cd in c["devices"] if cd["index"] == d and "mig" not in c]
+        t = totals.get(d) or Totals()
         devices.append({
             "index": d, "name": nd.get("name"), "uuid": nd.get("uuid"),
             "memory_total": nd.get("memory_total"), "memory_used": nd.get("memory_used"),
             "gpu_util": None if nd.get("gpu_util") is None else nd["gpu_util"] * 100,
-            "memory_allocated": sum(r["memory_max"] for r in rows if r["memory_max"] is not None),
-            "memory_unlimited": sum(1 for r in rows if r["memory_max"] is None),
-            "memory_guaranteed": sum(_guaranteed(r) for r in rows),
-            "memory_in_use": sum(r["memory_current"] for r in rows),
-            "sm_allocated": sum(r["sm_max"] for r in rows),
-            "sm_guaranteed": sum(r["sm_guaranteed"] for r in rows),
-            # guarantees adding up past the device: what each slice gets is then at most its share
-            "sm_ceilings": sum(r["sm_guaranteed"] for r in rows) > SM_FULL,
-            "containers": len(rows)})
+            "memory_allocated": t.memory_allocated, "memory_unlimited": t.memory_unlimited,
+            "memory_guaranteed": t.memory_guaranteed, "memory_in_use": t.memory_in_use,
+            "sm_allocated": t.sm_allocated, "sm_guaranteed": t.sm_guaranteed, "sm_ceilings": t.sm_ceilings,
+            "containers": t.slices})
         migs = sum(1 for c in containers if c.get("mig", {}).get("device") == d)
         if migs:   # MIG slices on the GPU (their instances, not in the figures above)
             devices[-1]["mig_slices"] = migs
     if name is not None:
         containers = [c for c in containers if c["name"] == name]
     driver = nvml.driver_version() if ok else None
-    data = {"dir": directory, "nvml": {"available": ok, "note": note, "driver": driver},
-            "containers": containers, "devices": devices, "_t": now}
+    data = {"dir": directory, "nvml": {"available": ok, "note": snap.nvml_note, "driver": driver},
+            "containers": containers, "devices": devices, "_t": now, "_sm_use": sm_use}
     # the driver's view: who holds what, slices or not, and the agent's verdicts (a MIG
     # slice's driver figure: its processes on its MIG device)
     data = annotate(data, use_nvml=ok)
@@ -201,12 +160,6 @@ def sm_shares(directory) -> dict:
         for d in quota.held():
             out.setdefault(d, {})[name] = quota.guaranteed_sm(d)
     return out
-
-
-def _guaranteed(row):
-    """As DeviceQuota.guaranteed_memory, from a JSON row (None = unlimited)."""
-    g = min(UNLIMITED if v is None else v for v in (row["memory_request"], row["memory_max"]))
-    return 0 if g == UNLIMITED else g
 
 
 def public(data: dict) -> dict:
