@@ -22,8 +22,8 @@ LIBRARIES = {
                              "csrc/simgpu/image.c", "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
     "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/limits.c",
                                   "csrc/simgpu/nvml.c", "csrc/simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
-    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so",
-                   []),
+    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/pools.c", "shim/vmm.c", "shim/shared_memory.c",
+                    "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so", []),
 }
 
 
