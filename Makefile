@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --disable-pip-version-check --progress-bar off --quiet
 BUILD_TOOLS := pip setuptools wheel cffi setuptools_scm
-C_SOURCES := $(shell find csrc shim -name '*.[ch]' 2>/dev/null)
+C_SOURCES := $(shell find csrc shim simgpu -name '*.[ch]' 2>/dev/null)
 INSTALL_INPUTS := pyproject.toml setup.py tools/build_c.py src/vgpu/_region_build.py $(C_SOURCES)
 # a line per step while it installs, and the seconds the step took
 STEP = @echo "vgpu set-up: $(1)"

@@ -1,9 +1,13 @@
 /* internal.h — what the shim's files share (never installed, never exported).
  *
- *   shim.c     configuration, files, process slots, init, NVML loading, interception
- *   memory.c   the memory cap: accounting, allocate/free hooks, the view (CUDA and NVML)
- *   compute.c  the compute share: cost estimates, pacing, launch hooks
- *   view.c     NVML's per-process answers with only the slice's processes
+ *   shim.c           configuration, files, process slots, init, NVML loading, interception
+ *   memory.c         the memory cap: accounting, contexts, allocate/free hooks, the CUDA view
+ *   pools.c          stream-ordered pools and graph memory
+ *   vmm.c            the VMM API's handles and mappings
+ *   shared_memory.c  memory shared between processes (IPC, shareable handles)
+ *   compute.c        the compute share: cost estimates, pacing, launch hooks
+ *   board.c          the share board (burst mode)
+ *   view.c           NVML's answers inside a slice: memory, processes (only the slice's)
  *
  * Every symbol here has hidden visibility (-fvisibility=hidden); only the hooks
  * (SHIM_EXPORT, listed once in hooks.h) leave the library.
@@ -179,31 +183,94 @@ void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
     if (S.mode == MODE_PASS || in_init)                          \
         return real_##sym(__VA_ARGS__)
 
-/* === memory.c === */
+/* === memory: memory.c, pools.c, vmm.c, shared_memory.c === */
 
+/* Variables one of these files defines and others use: hidden in the declaration too, so
+ * that they are reached directly (as a file's static is), not through the GOT. */
+#define HIDDEN __attribute__((visibility("hidden")))
+
+#define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
+#define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings), */
+#define KEY_GRAPH (1ull << 62)  /* and what an executable graph's allocation nodes need on a device */
+
+static inline uint64_t memory_cap(int dev)
+{
+    if (S.mode != MODE_ENFORCE || dev < 0 || (uint32_t)dev >= S.quota->device_count)
+        return 0;
+    return LOAD(&S.quota->devices[dev].memory_max);   /* a resize shows up on the next call */
+}
+
+/* memory.c */
 int memory_map_table(void);           /* 0, or -1 when the allocation table cannot be mapped */
 void memory_atfork_child(void);
 int current_device(void);
+int context_id(void);                 /* the context of the allocation being made (after current_device) */
 int stream_device(CUstream stream);
-int nvml_index(nvmlDevice_t device);  /* the CUDA device an NVML handle is; -1: none of them */
-int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 uint64_t memory_used(int dev);        /* the container's bytes on dev: sum of its slots */
+void note_peak(struct vgpu_usage_device *u, uint64_t now);
+CUresult admit(int dev, uint64_t bytes);   /* reserve bytes on dev, within the cap */
+void refund(int dev, uint64_t bytes);
+/* the allocation table: remember (in the current context) and forget an entry, or read it */
+int remember_in(uint64_t key, int dev, uint64_t bytes, int ctx);
+int remember(uint64_t key, int dev, uint64_t bytes);
+int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx);
+int forget(uint64_t key, int *dev, uint64_t *bytes);
+int recall(uint64_t key, uint64_t *bytes);
+/* the container's view of device dev: 0 when it is the device as it is */
+int slice(int dev, uint64_t dev_total, uint64_t dev_free, uint64_t *total, uint64_t *free, uint64_t *used);
+extern HIDDEN pthread_mutex_t vmm_lock;
+/* Where memory of a location lives: a device index (charged there), LOCATION_PASS (not
+ * device memory, or invalid: the driver answers), LOCATION_REFUSED (a location type
+ * newer than the shim: it might be device memory, so it is refused, fail closed). */
+#define LOCATION_PASS (-1)
+#define LOCATION_REFUSED (-3)
+int location_device(const CUmemLocation *loc);
 /* include/linux/proc_ns.h: PROC_PID_INIT_INO, the root pid namespace's inode (NVML's pids are its) */
 #define ROOT_PID_NS_INODE 0xEFFFFFFCull
 /* does NVML list memory under this process (of pid namespace pid_ns) on these devices? 1, 0, or -1:
  * it cannot say (NVML's pids are the root namespace's) */
 int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices);
 int shared_kept_by_driver(int i);   /* with S.lock held */
+
+/* pools.c */
 void pools_settle(int trim);          /* charge each pool of the process its reserve */
+CUresult after_release(CUresult r);   /* after a call that may release pool reserve: settle */
 void graph_memory_settle(int dev);    /* charge the device's graph memory reserve (dev < 0: every one seen) */
+void graph_memory_trim(void);         /* under the cap's pressure: unused graph reserve goes back */
 /* before a graph launch: admit what its allocation nodes need beyond the free part of the
  * graph reserve (`taken`: what was charged ahead, per device); after it: graph_memory_launched */
 CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES]);
 void graph_memory_launched(const uint64_t taken[VGPU_MAX_DEVICES]);
+extern HIDDEN size_t npools;
+extern HIDDEN uint64_t graph_charged[VGPU_MAX_DEVICES], graph_pending[VGPU_MAX_DEVICES];
+extern HIDDEN uint32_t graph_devices;
+extern HIDDEN int graph_needs;
+
+/* vmm.c */
+/* VMM handles and pools, kept under a lock (not hot paths): see "where memory comes from".
+ * refs: references the driver counts (cuMemCreate or an import, cuMemRetainAllocationHandle),
+ * each ended by a cuMemRelease.  shared: the shared slot its memory is charged to (-1: none,
+ * charged to this process); unpaid: imported from another slice, charged at its first map. */
+struct vmm { uint64_t handle, bytes; int dev, mappings, refs, shared, unpaid; };
+extern HIDDEN struct vmm *vmms;
+extern HIDDEN size_t nvmm, vmm_cap, nmappings;
+struct vmm *vmm_find(uint64_t handle, size_t *index);   /* with vmm_lock held */
+
+/* shared_memory.c */
+/* cuMemAlloc memory exported with cuIpcGetMemHandle, and IPC handles opened here (vmm_lock).
+ * An import's slot is the shared slot it holds, or -1: charged to this process (bytes). */
+struct shared_ptr { uint64_t ptr, bytes; int dev, slot, ctx, opens; };
+extern HIDDEN struct shared_ptr *exports, *imports;
+extern HIDDEN size_t nexports, nimports;
+void shared_release(int s);           /* let go of one hold of shared slot s (-1: none) */
+int export_freed(CUdeviceptr dptr, CUresult r);   /* after the driver's free of dptr */
+void shared_atfork_child(void);
 int memory_holds_slot(int i);         /* with S.lock held: does this process hold shared slot i? */
 
 /* === view.c === */
 
+int nvml_index(nvmlDevice_t device);  /* the CUDA device an NVML handle is; -1: none of them */
+int nvml_handle(int dev, nvmlDevice_t *handle);   /* and back; 0 or -1 */
 /* a device none of the slice's: the driver's compute list (of the caller's ABI: `real`,
  * records of `size` bytes) with only the slice's processes left */
 nvmlReturn_t view_compute_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, size_t size,

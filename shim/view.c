@@ -1,4 +1,5 @@
-/* view.c — inside a slice, NVML names no process but the slice's own.
+/* view.c — inside a slice, NVML shows the slice's memory and names no process but the
+ * slice's own.
  *
  * Every NVML answer that lists processes or carries a pid (process lists of each mode,
  * process utilization samples, encoder and frame-capture sessions, accounting) is the
@@ -7,8 +8,9 @@
  * is the caller (NVML reports pids of the namespace the tools see it in; as with the rest
  * of the shim's NVML view, a container whose pid namespace differs from the driver's sees
  * none of its own either).  The compute process lists of the slice's devices are made
- * from the usage file instead (memory.c).  Device-wide figures without pids (utilization
- * rates, samples) are not per-process and not here.
+ * from the usage file instead, as are the memory figures ("NVML view", at the end).
+ * Device-wide figures without pids (utilization rates, samples) are not per-process and
+ * not here.
  *
  * Fails closed: when the driver's list cannot be read whole (it grew four times between
  * two reads, or no memory for it), the caller gets the driver's error or
@@ -17,8 +19,10 @@
 #include "internal.h"
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 /* Is pid one of the slice's processes? */
@@ -156,7 +160,7 @@ OWN_PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_v2_
 OWN_PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
 
 /* A device that is none of the slice's: the driver's compute list, the slice's part of it
- * (memory.c makes the list of the slice's own devices from its usage file). */
+ * (own_processes, below, makes the list of the slice's own devices from its usage file). */
 nvmlReturn_t view_compute_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, size_t size,
                                     nvmlReturn_t (*real)(nvmlDevice_t, unsigned int *, void *))
 {
@@ -280,4 +284,177 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t device, unsig
     if (!own_pid(pid))
         return NVML_ERROR_NOT_FOUND;
     return real_nvmlDeviceGetAccountingStats(device, pid, stats);
+}
+
+/* === NVML view ===
+ * Which CUDA device an NVML handle is: the one with the same UUID.  CUDA numbers the
+ * devices it sees (CUDA_VISIBLE_DEVICES reorders and hides them; a MIG instance is a
+ * device of its own), NVML numbers the node's GPUs, and the slice's devices are CUDA's.
+ * Before the process has initialised CUDA (NVML-only tools: nvidia-smi, gpustat), or
+ * where a UUID cannot be read, NVML's index stands in (the two agree without
+ * CUDA_VISIBLE_DEVICES and MIG).  A handle no CUDA device matches (a GPU CUDA was not
+ * given, or the parent of a MIG instance) shows the driver's figures. */
+
+static pthread_mutex_t nvml_map_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { nvmlDevice_t handle; int dev; } nvml_map[4 * VGPU_MAX_DEVICES];
+static int nvml_mapped;
+
+static int cuda_uuid(int dev, char out[40])   /* "8-4-4-4-12" hex, as after NVML's prefix */
+{
+    CUuuid u;
+    if (!real_cuDeviceGetUuid_v2 || real_cuDeviceGetUuid_v2(&u, dev) != CUDA_SUCCESS)
+        return -1;
+    const unsigned char *b = (const unsigned char *)u.bytes;
+    snprintf(out, 40, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    return 0;
+}
+
+static int nvml_index_of(nvmlDevice_t device, int *cacheable)
+{
+    char s[96];
+    int count;
+    *cacheable = 1;
+    if (real_nvmlDeviceGetUUID && real_nvmlDeviceGetUUID(device, s, sizeof s) == NVML_SUCCESS && real_cuDeviceGetCount &&
+        real_cuDeviceGetCount(&count) == CUDA_SUCCESS) {
+        const char *hex = strchr(s, '-');
+        hex = hex ? hex + 1 : s;
+        char u[40];
+        for (int d = 0; d < count && d < VGPU_MAX_DEVICES; d++)
+            if (cuda_uuid(d, u) == 0 && !strcasecmp(u, hex))
+                return d;
+        if (cuda_uuid(0, u) == 0)
+            return -1;   /* CUDA's devices are known, and this is none of them */
+    }
+    *cacheable = 0;   /* CUDA not initialised yet: ask again once it is */
+    unsigned int i;
+    if (!real_nvmlDeviceGetIndex || real_nvmlDeviceGetIndex(device, &i) != NVML_SUCCESS || i >= VGPU_MAX_DEVICES)
+        return -1;
+    return (int)i;
+}
+
+int nvml_index(nvmlDevice_t device)
+{
+    pthread_mutex_lock(&nvml_map_lock);
+    for (int i = 0; i < nvml_mapped; i++)
+        if (nvml_map[i].handle == device) {
+            int dev = nvml_map[i].dev;
+            pthread_mutex_unlock(&nvml_map_lock);
+            return dev;
+        }
+    int cacheable, dev = nvml_index_of(device, &cacheable);
+    if (cacheable && nvml_mapped < (int)(sizeof nvml_map / sizeof nvml_map[0]))
+        nvml_map[nvml_mapped++] = (typeof(nvml_map[0])){device, dev};
+    pthread_mutex_unlock(&nvml_map_lock);
+    return dev;
+}
+
+/* The NVML handle of CUDA device dev (the reverse). */
+int nvml_handle(int dev, nvmlDevice_t *handle)
+{
+    char u[40], s[48];
+    if (real_nvmlDeviceGetHandleByUUID && cuda_uuid(dev, u) == 0)
+        for (int k = 0; k < 2; k++) {
+            snprintf(s, sizeof s, "%s-%s", k ? "MIG" : "GPU", u);
+            if (real_nvmlDeviceGetHandleByUUID(s, handle) == NVML_SUCCESS)
+                return 0;
+        }
+    return real_nvmlDeviceGetHandleByIndex_v2 && real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, handle) == NVML_SUCCESS
+               ? 0 : -1;
+}
+
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    NVML_ENTER(nvmlDeviceGetMemoryInfo, device, memory);
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo(device, memory);
+    int dev = nvml_index(device);
+    uint64_t t, f, u;
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->used = u;
+        memory->free = f;
+    }
+    return r;
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    NVML_ENTER(nvmlDeviceGetMemoryInfo_v2, device, memory);
+    nvmlReturn_t r = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
+    int dev = nvml_index(device);
+    uint64_t t, f, u;
+    if (r == NVML_SUCCESS && dev >= 0 && slice(dev, memory->total, memory->free, &t, &f, &u)) {
+        memory->total = t;
+        memory->reserved = 0;
+        memory->used = u;
+        memory->free = f;
+    }
+    return r;
+}
+
+/* The container's own processes on the device, from the usage file: pids as the
+ * container sees them, whatever pid namespace the driver reports in. */
+enum proc_abi { PROC_V1, PROC_V2 };
+
+static nvmlReturn_t own_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, enum proc_abi abi)
+{
+    int dev = nvml_index(device);
+    if (!infoCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (S.mode == MODE_ENFORCE)
+        maybe_reap();
+    unsigned int count = 0;
+    nvmlProcessInfo_v2_t found[VGPU_MAX_PROCS];
+    /* the figures never add up past the total shown (after a resize below use, they
+     * would): the shown total is the cap */
+    uint64_t left = memory_cap(dev);
+    for (int i = 0; S.mode == MODE_ENFORCE && i < VGPU_MAX_PROCS; i++) {
+        int32_t pid = LOAD(&S.usage->procs[i].pid);
+        if (!pid && (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED))
+            pid = (int32_t)LOAD(&S.usage->procs[i].state);   /* shared memory: under its exporter */
+        uint64_t mem = LOAD(&S.usage->charge[dev][i]);
+        mem = mem < left ? mem : left;
+        left -= mem;
+        unsigned int k = 0;
+        while (k < count && found[k].pid != (unsigned int)pid)
+            k++;
+        if (pid > 0 && mem && k < count)
+            found[k].usedGpuMemory += mem;
+        else if (pid > 0 && mem)
+            found[count++] = (nvmlProcessInfo_v2_t){.pid = (unsigned int)pid, .usedGpuMemory = mem,
+                                                    .gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT,
+                                                    .computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT};
+    }
+    return vgpu_nvml_put_processes(found, count, infoCount, infos, abi == PROC_V1);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_v1_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_v1_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses);
+    return own_processes(device, infoCount, infos, PROC_V1);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_v2_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v2, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_v2_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses_v2);
+    return own_processes(device, infoCount, infos, PROC_V2);
+}
+
+SHIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_t *infos)
+{
+    NVML_ENTER(nvmlDeviceGetComputeRunningProcesses_v3, device, infoCount, infos);
+    if (nvml_index(device) < 0)   /* none of the slice's devices: its processes in the driver's list */
+        return view_compute_processes(device, infoCount, infos, sizeof(nvmlProcessInfo_t),
+                                      (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, void *))real_nvmlDeviceGetComputeRunningProcesses_v3);
+    return own_processes(device, infoCount, infos, PROC_V2);
 }

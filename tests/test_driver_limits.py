@@ -1,6 +1,6 @@
 """The driver layer of a slice's memory cap (src/vgpu/driverlimits.py): `vgpu-ctl run` puts
 its command in a cgroup of the slice's own and has the driver (simgpu's model of NVML's
-per-cgroup limits, csrc/simgpu/limits.c) hold it to the slice's cap, so a process that
+per-cgroup limits, simgpu/limits.c) hold it to the slice's cap, so a process that
 bypasses the shim is held too.  Real processes, real cgroup v2 directories (as root),
 `vgpu-ctl` as a real command; simgpu's NVML read without the shim is the referee.
 """

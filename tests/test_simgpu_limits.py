@@ -1,5 +1,5 @@
 """simgpu's per-cgroup device memory limits, as nvml.h (CUDA 13.5) documents
-nvmlDeviceSetMemoryLimits_v1 and nvmlDeviceGetMemoryLimits_v1 (csrc/simgpu/limits.c):
+nvmlDeviceSetMemoryLimits_v1 and nvmlDeviceGetMemoryLimits_v1 (simgpu/limits.c):
 real processes in real cgroup v2 directories (made here as root), pynvml setting and
 reading the limits, cuda-bindings allocating without the shim.
 """

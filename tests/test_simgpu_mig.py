@@ -3,7 +3,7 @@ cuda-bindings for CUDA, each in child processes bound to a fresh simgpu node.
 
 What is checked comes from NVIDIA's published nvml.h (structs, constants, return codes of
 the nvmlMultiInstanceGPU group), the MIG user guide and the recorded nvidia-smi output
-collected in ../shared/reference/nvml-mig.md; csrc/simgpu/mig.c cites each source.
+collected in ../shared/reference/nvml-mig.md; simgpu/mig.c cites each source.
 """
 import ctypes
 import json

@@ -1,10 +1,10 @@
 """simgpu's NVML board queries (what nvidia-smi -q, nvitop and gpustat ask), per profile,
 through nvidia-ml-py in child processes.
 
-The static figures are each board's (csrc/simgpu/node.c says where they come from); what
+The static figures are each board's (simgpu/node.c says where they come from); what
 a real board of that kind does not support is NVML_ERROR_NOT_SUPPORTED; dynamic figures
 (temperature, power, clocks, P-state) follow the device's timeline as documented in
-csrc/simgpu/nvml.c.
+simgpu/nvml.c.
 """
 import json
 

@@ -3,6 +3,8 @@
 Used by setup.py (so `pip install` builds them into the package) and directly during
 development: `python tools/build_c.py src/vgpu/_lib`.  No CUDA headers and no Python
 headers are needed: the C parts define the ABI they use themselves (csrc/*_abi.h).
+Include paths: csrc/ (the shared ABI headers) and the repository root (simgpu's own
+headers, as "simgpu/node.h").
 """
 import os
 import shlex
@@ -11,19 +13,19 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Werror",
-          "-fvisibility=hidden", "-I" + os.path.join(ROOT, "csrc")]
+          "-fvisibility=hidden", "-I" + os.path.join(ROOT, "csrc"), "-I" + ROOT]
 # -Bsymbolic-functions: a library's calls to its own exported functions stay inside it
 # (as in the real driver), so a preloaded shim sees each program call exactly once.
 LDFLAGS = ["-shared", "-pthread", "-Wl,-z,defs", "-Wl,-z,now", "-Wl,-Bsymbolic-functions"]
 
 # output path (relative to the _lib dir) -> (sources, soname, extra link flags)
 LIBRARIES = {
-    "simgpu/libcuda.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/limits.c",
-                             "csrc/simgpu/image.c", "csrc/simgpu/cuda.c"], "libcuda.so.1", []),
-    "simgpu/libnvidia-ml.so.1": (["csrc/simgpu/node.c", "csrc/simgpu/mig.c", "csrc/simgpu/limits.c",
-                                  "csrc/simgpu/nvml.c", "csrc/simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
-    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so",
-                   []),
+    "simgpu/libcuda.so.1": (["simgpu/node.c", "simgpu/mig.c", "simgpu/limits.c",
+                             "simgpu/image.c", "simgpu/cuda.c"], "libcuda.so.1", []),
+    "simgpu/libnvidia-ml.so.1": (["simgpu/node.c", "simgpu/mig.c", "simgpu/limits.c",
+                                  "simgpu/nvml.c", "simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
+    "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/pools.c", "shim/vmm.c", "shim/shared_memory.c",
+                    "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so", []),
 }
 
 

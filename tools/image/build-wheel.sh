@@ -30,7 +30,7 @@ trap 'rm -rf "$stage"' EXIT
 (cd "$src" && tar -cf - \
     --exclude=__pycache__ --exclude='*.so' --exclude='*.so.1' --exclude='*.o' \
     --exclude='*.egg-info' --exclude='src/vgpu/_lib' --exclude='src/vgpu/_region*.c' \
-    pyproject.toml setup.py MANIFEST.in README.md src csrc shim tools) | tar -xf - -C "$stage"
+    pyproject.toml setup.py MANIFEST.in README.md src csrc simgpu shim tools) | tar -xf - -C "$stage"
 
 isolation=()
 if [ "${VGPU_BUILD_ISOLATION:-1}" = 0 ]; then

@@ -122,7 +122,7 @@ def mig_profiles(device, directory, as_json):
 
 
 def _simgpu_hook(name, *args):
-    """Call one of simgpu's test hooks (csrc/simgpu/node.c) on the node the environment names."""
+    """Call one of simgpu's test hooks (simgpu/node.c) on the node the environment names."""
     import ctypes
     from ..paths import simgpu_dir
     if not os.environ.get("SIMGPU_STATE_DIR"):
