@@ -16,6 +16,18 @@ from .usage import UsageReader
 from .watch import _Poller, _SliceFiles, _inotify
 
 
+class _Look:
+    """What one look knows as it goes: its time, the driver's view, and what reading the
+    slices found for the phases after it."""
+    __slots__ = ("now", "ok", "note", "per_device", "util", "errors", "state", "newly", "dead")
+
+    def __init__(self, now, ok, note, per_device, util, errors):
+        self.now, self.ok, self.note, self.per_device, self.util, self.errors = now, ok, note, per_device, util, errors
+        self.state = (ok, tuple(errors), tuple(per_device))   # changed: every slice is read again
+        self.newly = []     # slot processes of our pid namespace not watched yet
+        self.dead = []      # slices with dead slots (to reap)
+
+
 class Observer(DriverLook, Attributing, Evidence):
     """One look at the node: slices (through an reader.NodeReader, shared with the
     autoscaler and the metrics) and NVML."""
@@ -210,163 +222,193 @@ class Observer(DriverLook, Attributing, Evidence):
             return self._observe(time.monotonic() if now is None else now)
 
     def _observe(self, now):
-        st = self.settings
+        """One look, in phases: the driver's view; the slices' files (those that may have
+        changed); who each GPU process belongs to; the driver's figures per slice."""
         self.forget_ended()
         views = self.reader.refresh(now)
-        files, files_gone = self.files, self._table_keys
-
-        # the driver's view first: which slices have processes on the GPU
-        ok, note, per_device, util, errors = self._driver(now)
-
-        # the slices' own figures: quota, usage file, a row per device.  Every slice when the
-        # node changed; else those with processes on the GPU (by their maps, now or at the
-        # last look), those with slots no pidfd watches (their locks are asked), those a
-        # watched process of just ended, and every SWEEP_LOOKS-th look the rest
-        problems = dict(self.reader.problems)
-        alive, my_pid_ns, tracked, not_slots = self.alive, self.my_pid_ns, self.tracked, self._not_slots
-        newly, dead = [], []         # slot processes of our pid namespace not watched yet; slices to reap
-        state = (ok, tuple(errors), tuple(per_device))
+        look = _Look(now, *self._driver(now))      # the driver's view first: which slices have processes on it
         self.looks += 1
-        ptable, pslot_of, pslots = self._table, self._slot_of, self._slots
-        for name in [n for n in pslots if n not in views]:
-            for key in files_gone.pop(name, ()):
-                ptable.pop(key, None)
-            pslots.pop(name, None)
+        self._forget_slices(views)
+        for name in self._slices_to_read(views, look):
+            self._read_slice(name, views[name], look)
+        self._close_gone(views)
+        problems = dict(self.reader.problems)
+        for name in [n for n in self._read_problems if n not in views]:
+            del self._read_problems[name]
+        problems.update(self._read_problems)
+        slots, table = dict(self._slots), dict(self._table)
+        attribution, held_of, reused_of = self._attribution(look, slots)
+        rows, active = self._driver_rows(look, table, attribution, held_of, reused_of)
+        self._active = {r.attribution.slice for r in rows if r.attribution.slice}
+        snap = Snapshot(now, look.ok, look.note, {p.device: why for p, why in look.errors.items()}, table, rows,
+                        slots, problems)
+        snap.dead = look.dead
+        snap.places = list(look.per_device)
+        snap.active = active
+        return snap
+
+    # the phases of a look, in order
+
+    def _forget_slices(self, views):
+        """What the looks kept of slices that are gone."""
+        for name in [n for n in self._slots if n not in views]:
+            for key in self._table_keys.pop(name, ()):
+                self._table.pop(key, None)
+            self._slots.pop(name, None)
             self._shared_of.pop(name, None)
             self._note_held(name, ())
-        if state != self._state or len(pslots) != len(views) or self._dirty_all or self.inotify is None:
+
+    def _slices_to_read(self, views, look) -> list:
+        """The slices whose files this look reads.  Every slice when the node or the
+        driver's view changed; else those with processes on the GPU (by their maps, now or
+        at the last look), those with slots no pidfd watches (their locks are asked), those
+        a watched process of just ended, and every SWEEP_LOOKS-th look the rest."""
+        if look.state != self._state or len(self._slots) != len(views) or self._dirty_all or self.inotify is None:
+            self._state, self._dirty_all = look.state, False
             todo = list(views)
-            self._state, self._dirty_all = state, False
         else:
             todo = set(self._active) | self._attention | self._ended | self._buckets[self.looks % SWEEP_LOOKS]
-            for procs in per_device.values():
+            tracked = self.tracked
+            for procs in look.per_device.values():
                 for pid in procs:
                     t = tracked.get(pid)
                     if t is not None and t.usage:
                         todo |= t.usage
             todo = [n for n in todo if n in views]
         self._ended = set()
-        slot_alive = slices.slot_alive
-        for name in todo:
-            v = views[name]
-            f = files.get(name)
-            if f is None or f.view is not v:
-                if f is not None:
-                    self._buckets[f.index % SWEEP_LOOKS].discard(name)
-                    f.close()
-                f = files[name] = _SliceFiles(v, self.directory)
-                self._files_version += 1
-                self._buckets[f.index % SWEEP_LOOKS].add(name)
-                if self.inotify is not None and not self.inotify.watch(name, os.path.join(self.directory, name,
-                                                                                          slices.USAGE)):
-                    self._attention.add(name)   # no watch (the kernel's limit): looked at every time
-            elif (f.identity_inode is None or f.pod_uid is None) and \
-                    (f.checked is None or now - f.checked >= RECHECK_S):
-                if f.changed(self.directory):    # (a file is made in the slice's directory, never edited)
-                    before = (f.identity_inode, f.pod_uid)
-                    f.check_identity(self.directory, now)
-                    if (f.identity_inode, f.pod_uid) != before:
-                        self._files_version += 1
-                else:
-                    f.checked = now
-            v.refresh_quota()
-            if v.gen != f.gen:       # (the autoscaler, sharing the reader, may have read it first)
-                f.devices, f.gen = tuple(d for d, _ in v.held), v.gen
-                f.same = None
-            old_keys = f.keys
-            # as it was: one read to see that nothing changed, and a lock query for each
-            # slot whose process no pidfd watches
-            same = f.same
-            if same is not None and same[0] == state and not f.want_full and now - f.reader.full_at < RECHECK_S:
-                head = os.pread(v._ufd, len(f.reader.head), 0)
-                if head == f.reader.head:
-                    if same[4] == self._tracked_version:   # every slot watched, and no process came or went
-                        self._attention.discard(name)
-                        continue
-                    ss, rows_, watched = same[1], same[2], same[3]
-                    if all(tracked.get(pid) is t for pid, t in watched):
-                        stale, more, unwatched = False, None, False
-                        for sl in ss:
-                            t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == my_pid_ns else None
-                            if t is not None and (sl.pid, t) in watched:
-                                continue
-                            if t is not None and t.visible and t.start == sl.start_ticks:
-                                more = (more or set()) | {(sl.pid, t)}     # watched from now on
-                                continue
-                            unwatched = True
-                            if not slot_alive(v._ufd, sl.slot):
-                                stale = True
-                                break
-                        if more and not stale:
-                            watched = watched | more
-                            f.same = (same[0], ss, rows_, watched,
-                                      self._tracked_version if len(watched) == len(ss) else None)
-                        if not stale:
-                            (self._attention.add if unwatched else self._attention.discard)(name)
-                            continue
-            held = v.held
-            ss, current, counters = [], {}, {}
-            if v._ufd is not None:
-                try:
-                    ss, current, counters = f.reader.read(v._ufd, f.devices, alive, f.want_full, now)
-                    self._read_problems.pop(name, None)
-                except (slices.BadFile, OSError) as e:
-                    self._read_problems[name] = str(e)
-                f.want_full = False
-            for key in old_keys[1]:
-                pslot_of.pop(key, None)
-            pslots[name] = ss
-            slot_keys = []
-            unwatched = False
-            shared, held_pids = None, set()
-            for sl in ss:
-                if not sl.alive:
-                    if name not in dead:
-                        dead.append(name)     # reaped (a parked one, once the driver lets go)
-                    if not sl.parked:
-                        continue
-                if sl.pid_ns == my_pid_ns:
-                    held_pids.add(sl.exporter if sl.shared else sl.pid)
-                if sl.shared:
-                    shared = shared or {}
-                    shared.setdefault((sl.pid_ns, sl.exporter), []).append(sl)
-                elif sl.pid > 0:
-                    key = (name, sl.pid_ns, sl.pid)
-                    pslot_of[key] = sl
-                    slot_keys.append(key)
-                    if sl.pid_ns == my_pid_ns and sl.pid not in tracked and not_slots.get(sl.pid) != sl.start_ticks:
-                        newly.append(sl)
-                    if sl.pid_ns != my_pid_ns or sl.pid not in tracked:
-                        unwatched = True
-            (self._attention.add if unwatched else self._attention.discard)(name)
-            if shared:
-                self._shared_of[name] = shared
+        return todo
+
+    def _read_slice(self, name, v, look):
+        """One slice's own figures: its files (opened again when replaced), quota, slots
+        and a row per device; nothing read when one read shows its usage file as it was
+        and every slot's process is watched (or alive by its lock)."""
+        now, state, ok, per_device, errors = look.now, look.state, look.ok, look.per_device, look.errors
+        files, tracked, my_pid_ns, not_slots = self.files, self.tracked, self.my_pid_ns, self._not_slots
+        ptable, pslot_of, pslots, files_gone = self._table, self._slot_of, self._slots, self._table_keys
+        st, util, alive, slot_alive = self.settings, look.util, self.alive, slices.slot_alive
+        dead, newly = look.dead, look.newly
+        f = files.get(name)
+        if f is None or f.view is not v:
+            if f is not None:
+                self._buckets[f.index % SWEEP_LOOKS].discard(name)
+                f.close()
+            f = files[name] = _SliceFiles(v, self.directory)
+            self._files_version += 1
+            self._buckets[f.index % SWEEP_LOOKS].add(name)
+            if self.inotify is not None and not self.inotify.watch(name, os.path.join(self.directory, name,
+                                                                                      slices.USAGE)):
+                self._attention.add(name)   # no watch (the kernel's limit): looked at every time
+        elif (f.identity_inode is None or f.pod_uid is None) and \
+                (f.checked is None or now - f.checked >= RECHECK_S):
+            if f.changed(self.directory):    # (a file is made in the slice's directory, never edited)
+                before = (f.identity_inode, f.pod_uid)
+                f.check_identity(self.directory, now)
+                if (f.identity_inode, f.pod_uid) != before:
+                    self._files_version += 1
             else:
-                self._shared_of.pop(name, None)
-            self._note_held(name, held_pids)
-            standalone = ok and len(held) == slices.MAX_DEVICES
-            places = f.places = self.places_of(v)
-            f.by_place = {p: d for d, p in places.items()}
-            mine = {}
-            for d, q in held:
-                place = places.get(d)
-                if standalone and place not in per_device and place not in errors:
-                    continue     # a standalone quota holds every index: the devices that exist
-                known = 0 if ok and place in per_device else None
-                gpu_time = counters[d]["gpu_time_ns"] if d in counters else 0
-                mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max,
-                                              0 if ok and place in util else None, gpu_time, st,
-                                              shared=True, place=place)
-            for key in old_keys[0]:
-                if key not in mine:
-                    ptable.pop(key, None)
-            ptable.update(mine)
-            f.keys = (tuple(mine), tuple(slot_keys))
-            files_gone[name] = f.keys[0]
-            watched = frozenset((sl.pid, tracked[sl.pid]) for sl in ss if sl.alive and sl.pid > 0 and
-                                sl.pid_ns == my_pid_ns and sl.pid in tracked)
-            f.same = (state, ss, mine, watched, self._tracked_version if len(watched) == len(ss) else None) \
-                if v._ufd is not None and all(sl.alive for sl in ss) and f.reader.head is not None else None
+                f.checked = now
+        v.refresh_quota()
+        if v.gen != f.gen:       # (the autoscaler, sharing the reader, may have read it first)
+            f.devices, f.gen = tuple(d for d, _ in v.held), v.gen
+            f.same = None
+        old_keys = f.keys
+        # as it was: one read to see that nothing changed, and a lock query for each
+        # slot whose process no pidfd watches
+        same = f.same
+        if same is not None and same[0] == state and not f.want_full and now - f.reader.full_at < RECHECK_S:
+            head = os.pread(v._ufd, len(f.reader.head), 0)
+            if head == f.reader.head:
+                if same[4] == self._tracked_version:   # every slot watched, and no process came or went
+                    self._attention.discard(name)
+                    return
+                ss, rows_, watched = same[1], same[2], same[3]
+                if all(tracked.get(pid) is t for pid, t in watched):
+                    stale, more, unwatched = False, None, False
+                    for sl in ss:
+                        t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == my_pid_ns else None
+                        if t is not None and (sl.pid, t) in watched:
+                            continue
+                        if t is not None and t.visible and t.start == sl.start_ticks:
+                            more = (more or set()) | {(sl.pid, t)}     # watched from now on
+                            continue
+                        unwatched = True
+                        if not slot_alive(v._ufd, sl.slot):
+                            stale = True
+                            break
+                    if more and not stale:
+                        watched = watched | more
+                        f.same = (same[0], ss, rows_, watched,
+                                  self._tracked_version if len(watched) == len(ss) else None)
+                    if not stale:
+                        (self._attention.add if unwatched else self._attention.discard)(name)
+                        return
+        held = v.held
+        ss, current, counters = [], {}, {}
+        if v._ufd is not None:
+            try:
+                ss, current, counters = f.reader.read(v._ufd, f.devices, alive, f.want_full, now)
+                self._read_problems.pop(name, None)
+            except (slices.BadFile, OSError) as e:
+                self._read_problems[name] = str(e)
+            f.want_full = False
+        for key in old_keys[1]:
+            pslot_of.pop(key, None)
+        pslots[name] = ss
+        slot_keys = []
+        unwatched = False
+        shared, held_pids = None, set()
+        for sl in ss:
+            if not sl.alive:
+                if name not in dead:
+                    dead.append(name)     # reaped (a parked one, once the driver lets go)
+                if not sl.parked:
+                    continue
+            if sl.pid_ns == my_pid_ns:
+                held_pids.add(sl.exporter if sl.shared else sl.pid)
+            if sl.shared:
+                shared = shared or {}
+                shared.setdefault((sl.pid_ns, sl.exporter), []).append(sl)
+            elif sl.pid > 0:
+                key = (name, sl.pid_ns, sl.pid)
+                pslot_of[key] = sl
+                slot_keys.append(key)
+                if sl.pid_ns == my_pid_ns and sl.pid not in tracked and not_slots.get(sl.pid) != sl.start_ticks:
+                    newly.append(sl)
+                if sl.pid_ns != my_pid_ns or sl.pid not in tracked:
+                    unwatched = True
+        (self._attention.add if unwatched else self._attention.discard)(name)
+        if shared:
+            self._shared_of[name] = shared
+        else:
+            self._shared_of.pop(name, None)
+        self._note_held(name, held_pids)
+        standalone = ok and len(held) == slices.MAX_DEVICES
+        places = f.places = self.places_of(v)
+        f.by_place = {p: d for d, p in places.items()}
+        mine = {}
+        for d, q in held:
+            place = places.get(d)
+            if standalone and place not in per_device and place not in errors:
+                continue     # a standalone quota holds every index: the devices that exist
+            known = 0 if ok and place in per_device else None
+            gpu_time = counters[d]["gpu_time_ns"] if d in counters else 0
+            mine[(name, d)] = SliceDevice(name, d, q.memory_max, current.get(d, 0), known, q.sm_max,
+                                          0 if ok and place in util else None, gpu_time, st,
+                                          shared=True, place=place)
+        for key in old_keys[0]:
+            if key not in mine:
+                ptable.pop(key, None)
+        ptable.update(mine)
+        f.keys = (tuple(mine), tuple(slot_keys))
+        files_gone[name] = f.keys[0]
+        watched = frozenset((sl.pid, tracked[sl.pid]) for sl in ss if sl.alive and sl.pid > 0 and
+                            sl.pid_ns == my_pid_ns and sl.pid in tracked)
+        f.same = (state, ss, mine, watched, self._tracked_version if len(watched) == len(ss) else None) \
+            if v._ufd is not None and all(sl.alive for sl in ss) and f.reader.head is not None else None
+
+    def _close_gone(self, views):
+        """The kept files of slices that are gone."""
+        files = self.files
         for name in list(files):
             if name not in views:
                 f = files.pop(name)
@@ -376,16 +418,17 @@ class Observer(DriverLook, Attributing, Evidence):
                     self.inotify.unwatch(name)
                 self._buckets[f.index % SWEEP_LOOKS].discard(name)
                 for key in f.keys[1]:
-                    pslot_of.pop(key, None)
+                    self._slot_of.pop(key, None)
                 self._attention.discard(name)
                 self._shared_of.pop(name, None)
                 self._note_held(name, ())
-        for name in [n for n in self._read_problems if n not in views]:
-            del self._read_problems[name]
-        problems.update(self._read_problems)
-        slots, table, slot_of = dict(pslots), dict(ptable), pslot_of
 
-        # attribution
+    def _attribution(self, look, slots):
+        """{GPU pid: Attribution}, and the pids that are gone whose memory a held slot
+        records ({pid: its slots}) or reused by a live process while such a slot names it."""
+        now, per_device, tracked, files, not_slots = look.now, look.per_device, self.tracked, self.files, \
+            self._not_slots
+        my_pid_ns = self.my_pid_ns
         key = (len(files), self._files_version)
         if self._by_inode is None or self._by_inode[0] != key:
             self._by_inode = (key, {f.usage_inode: name for name, f in files.items() if f.usage_inode},
@@ -404,7 +447,7 @@ class Observer(DriverLook, Attributing, Evidence):
             t = tracked.get(pid) or self.track(pid)
             if t.visible and (t.usage is None or not t.usage and now - t.usage_at >= RECHECK_S):
                 self._usage_of(t, by_usage, now)
-        for sl in newly:             # found without NVML: their end is seen at once
+        for sl in look.newly:             # found without NVML: their end is seen at once
             if sl.pid not in tracked:
                 self._watch_slot(sl, by_usage, now)
         if len(not_slots) > 4096:
@@ -444,9 +487,14 @@ class Observer(DriverLook, Attributing, Evidence):
                     held_of[pid] = earlier
                 elif earlier:
                     reused_of[pid] = earlier
+        return attribution, held_of, reused_of
 
-        # the driver's figures per slice and device.  A process whose figures, attribution and
-        # slice files are as they were at the last look keeps its row from then
+    def _driver_rows(self, look, table, attribution, held_of, reused_of):
+        """The driver's figures per slice and device: a ProcRow per GPU process, added to
+        its slice's SliceDevice in `table`.  A process whose figures, attribution and slice
+        files are as they were at the last look keeps its row from then."""
+        st, per_device, util, tracked, files = self.settings, look.per_device, look.util, self.tracked, self.files
+        my_pid_ns, slot_of = self.my_pid_ns, self._slot_of
         rows, active = [], {}
         before, kept = self._rows, {}
         for place, procs in per_device.items():
@@ -527,12 +575,7 @@ class Observer(DriverLook, Attributing, Evidence):
                 if sd.sm_nvml is not None and uv is not None:
                     sd.sm_nvml += uv * 100
         self._rows = kept
-        self._active = {r.attribution.slice for r in rows if r.attribution.slice}
-        snap = Snapshot(now, ok, note, {p.device: why for p, why in errors.items()}, table, rows, slots, problems)
-        snap.dead = dead
-        snap.places = list(per_device)
-        snap.active = active
-        return snap
+        return rows, active
 
     def close(self):
         for t in list(self.tracked.values()):
