@@ -12,6 +12,7 @@ policies that give pods what they ask, the comparable one for whole-gpu (which r
 share up to a GPU, so it leaves few GPUs unallocated while turning more pods away).
 
 Run: .venv/bin/python bench/plan_openb.py [--seeds 10] [--policy P] [--node-list all_node] [--traces DIR]
+         [--pod-list gpushare40] [--orders shuffle]
 """
 import argparse
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 from vgpu import plan
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("random", "best-fit", "best-fit-exact", "first-fit", "whole-gpu")
+POLICIES = ("random", "best-fit", "best-fit-exact", "first-fit", "fgd", "whole-gpu")
 
 
 def main(argv=None):
@@ -31,10 +32,14 @@ def main(argv=None):
     ap.add_argument("--policy", action="append", help="policies to run [default: all]")
     ap.add_argument("--node-list", choices=("gpu_node", "all_node"), default="gpu_node",
                     help="all_node adds the trace's 310 CPU-only nodes")
+    ap.add_argument("--pod-list", default="default",
+                    help="which openb pod list: default, gpushare20 ... gpushare100, multigpu50, ...")
+    ap.add_argument("--orders", default="shuffle,arrival", help="pod orders to measure (shuffle, arrival)")
     args = ap.parse_args(argv)
     nodes = plan.read_nodes(Path(args.traces) / f"openb_node_list_{args.node_list}.csv")
-    pods = plan.read_pods(Path(args.traces) / "openb_pod_list_default.csv")
-    print(f"openb default trace: {len(pods)} pods, {len(nodes)} nodes, "
+    pods = plan.read_pods(Path(args.traces) / f"openb_pod_list_{args.pod_list}.csv")
+    orders = args.orders.split(",")
+    print(f"openb {args.pod_list} trace: {len(pods)} pods, {len(nodes)} nodes, "
           f"{sum(n.gpus for n in nodes)} GPUs; scaled to 130%, unallocated GPU % at 100% arrived, "
           f"{args.seeds} seeds")
     print(f"{'':<16}{'unallocated GPU %':^40}{'unplaced demand %':^20}")
@@ -43,13 +48,16 @@ def main(argv=None):
         cells = []
         t = time.perf_counter()
         for how in ("shuffle", "arrival"):
+            if how not in orders:
+                cells.append("-")
+                continue
             mean, std = plan.mean_std(plan.paper_protocol(pods, nodes, p, seeds=range(args.seeds), how=how))
             cells.append(f"{mean:.2f} ± {std:.2f}")
-        per_seed = (time.perf_counter() - t) / (2 * args.seeds)
+        per_seed = (time.perf_counter() - t) / (len(orders) * args.seeds)
         mean, std = plan.mean_std(plan.paper_protocol(pods, nodes, p, seeds=range(args.seeds), how="shuffle",
                                                       metric="unplaced"))
         cells.append(f"{mean:.2f} ± {std:.2f}")
-        paper = plan.PAPER_UNALLOCATED_PCT.get(p)
+        paper = plan.PAPER_UNALLOCATED_PCT.get(p) if args.pod_list == "default" else None
         print(f"{p:<16}{cells[0]:>16}{cells[1]:>16}{'-' if paper is None else paper:>8}{cells[2]:>20}{per_seed:>8.2f}", flush=True)
     return 0
 

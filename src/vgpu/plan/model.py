@@ -14,7 +14,8 @@ MODEL_MEMORY_MIB = {
     "A10": 24 * 1024, "A100-40G": 40 * 1024, "A100-80G": 80 * 1024, "H100-80G": 80 * 1024,
 }
 
-POLICIES = ("whole-gpu", "mig", "first-fit", "k8s-default", "k8s-tightest", "best-fit", "best-fit-exact", "random")
+POLICIES = ("whole-gpu", "mig", "first-fit", "k8s-default", "k8s-tightest", "best-fit", "best-fit-exact", "random",
+            "fgd")
 
 # MIG: every MIG-capable model has 7 compute slices and 8 memory slices; a profile takes
 # `compute` of the 7 and `memory` of the 8 memory slices, starting at one of `starts`
@@ -94,6 +95,9 @@ class Cluster:
             self.by_model.setdefault(n.model, []).append(i)
         self.all = list(range(len(nodes)))
         self.next_start = 0                            # kube-scheduler's next filtering start
+        self.fragmentation = None                      # the fgd policy's measure (set by a run)
+        self.touched = [0] * len(nodes)                # per node: how often take() changed it
+        self.name_order = {i: r for r, i in enumerate(sorted(range(len(nodes)), key=lambda i: nodes[i].name))}
         self.capacity = sum(n.gpus for n in nodes) * MILLI
         self.allocated = 0
 
@@ -135,6 +139,7 @@ class Cluster:
 
     def take(self, pod, i, gpus, sign=1):
         """Take what the pod asks on node i's `gpus` (sign -1: give it back)."""
+        self.touched[i] += 1
         self.cpu[i] -= sign * pod.cpu_milli
         self.mem[i] -= sign * pod.memory_mib
         need = self.gpu_memory_of(pod, i) or 0

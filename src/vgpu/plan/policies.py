@@ -1,5 +1,6 @@
 """Placement policies: each picks (node, GPUs) among the nodes a pod fits on."""
 
+from .fgd import fgd
 from .model import MIG_PROFILES, MILLI, Pod
 
 
@@ -177,7 +178,7 @@ def k8s_tightest(cluster, pod, found, rng):
 
 _PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit,
          "best-fit-exact": best_fit_exact, "random": random_fit,
-         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest}
+         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest, "fgd": fgd}
 
 
 def choose(cluster, pod, policy, rng):

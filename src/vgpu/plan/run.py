@@ -6,10 +6,18 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest
 from .model import MILLI, POLICIES, Cluster, Pod
+from .fgd import Fragmentation
 from .policies import choose, take
 
 
 # === a run ===
+
+def _cluster(pods, nodes, policy, gpu_memory):
+    cluster = Cluster(nodes, gpu_memory)
+    if policy == "fgd":      # its measure is of the workload's typical pods
+        cluster.fragmentation = Fragmentation(pods)
+    return cluster
+
 
 @dataclass
 class Run:
@@ -30,7 +38,7 @@ def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_
     (placements after it cannot change a figure recorded before it)."""
     if policy not in POLICIES:
         raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
-    cluster = Cluster(nodes, gpu_memory)
+    cluster = _cluster(pods, nodes, policy, gpu_memory)
     if not cluster.capacity:
         raise InvalidRequest("the nodes have no GPUs", hint="give the openb GPU node list")
     run = Run(policy, cluster)
@@ -78,7 +86,7 @@ def simulate_over_time(pods, nodes, policy, seed=0, gpu_memory=None):
     would keep it pending: it is counted, not placed later).  GPUs in use after each event."""
     if policy not in POLICIES:
         raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
-    cluster = Cluster(nodes, gpu_memory)
+    cluster = _cluster(pods, nodes, policy, gpu_memory)
     run = OverTime(policy, cluster)
     rng = random.Random(f"{seed}-policy")
     events = [(p.creation_time, 1, n) for n, p in enumerate(pods)]
