@@ -25,7 +25,8 @@ LIBRARIES = {
                              "simgpu/cuda_streams.c", "simgpu/cuda_copy.c", "simgpu/cuda_modules.c",
                              "simgpu/cuda_graphs.c"], "libcuda.so.1", []),
     "simgpu/libnvidia-ml.so.1": (["simgpu/node.c", "simgpu/mig.c", "simgpu/limits.c",
-                                  "simgpu/nvml.c", "simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
+                                  "simgpu/nvml.c", "simgpu/nvml_board.c",
+                                  "simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
     "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/pools.c", "shim/vmm.c", "shim/shared_memory.c",
                     "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so", []),
 }
