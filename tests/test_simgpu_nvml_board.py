@@ -4,7 +4,7 @@ through nvidia-ml-py in child processes.
 The static figures are each board's (simgpu/node.c says where they come from); what
 a real board of that kind does not support is NVML_ERROR_NOT_SUPPORTED; dynamic figures
 (temperature, power, clocks, P-state) follow the device's timeline as documented in
-simgpu/nvml.c.
+simgpu/nvml_board.c.
 """
 import json
 

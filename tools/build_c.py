@@ -21,9 +21,12 @@ LDFLAGS = ["-shared", "-pthread", "-Wl,-z,defs", "-Wl,-z,now", "-Wl,-Bsymbolic-f
 # output path (relative to the _lib dir) -> (sources, soname, extra link flags)
 LIBRARIES = {
     "simgpu/libcuda.so.1": (["simgpu/node.c", "simgpu/mig.c", "simgpu/limits.c",
-                             "simgpu/image.c", "simgpu/cuda.c"], "libcuda.so.1", []),
+                             "simgpu/image.c", "simgpu/cuda.c", "simgpu/cuda_memory.c",
+                             "simgpu/cuda_streams.c", "simgpu/cuda_copy.c", "simgpu/cuda_modules.c",
+                             "simgpu/cuda_graphs.c"], "libcuda.so.1", []),
     "simgpu/libnvidia-ml.so.1": (["simgpu/node.c", "simgpu/mig.c", "simgpu/limits.c",
-                                  "simgpu/nvml.c", "simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
+                                  "simgpu/nvml.c", "simgpu/nvml_board.c",
+                                  "simgpu/nvml_mig.c"], "libnvidia-ml.so.1", []),
     "libvgpu.so": (["shim/shim.c", "shim/memory.c", "shim/pools.c", "shim/vmm.c", "shim/shared_memory.c",
                     "shim/compute.c", "shim/board.c", "shim/view.c"], "libvgpu.so", []),
 }
