@@ -11,7 +11,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from conftest import write_usage_counters
+from helpers.simnode import write_usage_counters
 from vgpu import nvml, slices
 from vgpu.cli import main
 from vgpu.quantities import UNLIMITED

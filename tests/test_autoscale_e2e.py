@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JsonChild, make_sim_env, write_usage_counters
+from helpers.children import JsonChild
+from helpers.simnode import make_sim_env, write_usage_counters
 from vgpu import slices
 from vgpu.paths import SHIM
 

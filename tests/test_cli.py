@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from conftest import ROOT
+from helpers.paths import ROOT
 
 from vgpu import __version__
 from vgpu.cli import main

@@ -15,7 +15,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from vgpu.cli import main
 from vgpu._region import ffi
 from vgpu.paths import SHIM

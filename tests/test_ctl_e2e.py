@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JsonChild, make_sim_env
+from helpers.children import JsonChild
+from helpers.simnode import make_sim_env
 from vgpu.paths import SHIM
 from vgpu.slices import read_usage
 

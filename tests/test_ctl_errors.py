@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import make_sim_env, write_usage_counters
+from helpers.simnode import make_sim_env, write_usage_counters
 from vgpu import nvml, slices, status as status_mod
 from vgpu.cli import main
 

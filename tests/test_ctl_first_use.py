@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
+from helpers.simnode import make_sim_env
 from vgpu import slices
 
 GiB, MiB = 1 << 30, 1 << 20

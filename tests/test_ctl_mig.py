@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JsonChild, make_sim_env
+from helpers.children import JsonChild
+from helpers.simnode import make_sim_env
 from test_simgpu_mig import PLACEMENTS, PROFILES, holder, nvml, release
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -1,6 +1,6 @@
 """Kubernetes and docker artefacts: deploy/daemonset.yaml, `env --format k8s|docker` with
 an installed shim, and the runbook's examples (docs/containers.md), checked against each other
-and against the fields and types the API server accepts (tests/k8s_schema.py).
+and against the fields and types the API server accepts (tests/helpers/k8s/schema.py).
 """
 import json
 import re
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import k8s_schema
+from helpers.k8s import schema as k8s_schema
 from vgpu import cli
 from vgpu.runtime import CONTAINER_SHIM
 

@@ -1,5 +1,5 @@
 """deploy/dra/: the DRA driver's manifests, checked against the fields and types of the
-official kubernetes client's models (tests/k8s_models.py) and against vgpu-ctl itself:
+official kubernetes client's models (tests/helpers/k8s/models.py) and against vgpu-ctl itself:
 the containers' arguments are parsed by the same click commands the image runs.
 """
 import copy
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubernetes.utils import parse_quantity
 
-from k8s_models import roundtrip
+from helpers.k8s.models import roundtrip
 from vgpu import cli
 from vgpu.k8s.agent import default_plugin_dir
 
@@ -205,7 +205,7 @@ def test_every_host_path_the_plugin_needs_is_mounted_at_the_same_path():
 
 
 def test_the_plugins_cdi_specs_are_accepted_by_every_runtime_with_its_defaults(tmp_path):
-    from k8s_cdi import RUNTIMES, Registry
+    from helpers.k8s.cdi import RUNTIMES, Registry
     from vgpu import slices
     from vgpu.k8s import cdi
     _, p = parse(container("plugin"))
@@ -215,7 +215,7 @@ def test_the_plugins_cdi_specs_are_accepted_by_every_runtime_with_its_defaults(t
         spec = cdi.spec(p["driver_name"], name, slices.paths(p["directory"], name), p["shim_dir"] + "/libvgpu.so",
                         version=p["cdi_version"])
         cdi.write(str(tmp_path / f"{name}.json"), spec)
-    for runtime in RUNTIMES:   # containerd 1.7 and 2.x, CRI-O 1.30 on: see tests/k8s_cdi.py
+    for runtime in RUNTIMES:   # containerd 1.7 and 2.x, CRI-O 1.30 on: see tests/helpers/k8s/cdi.py
         Registry([tmp_path], runtime).inject([cdi.device_id(p["driver_name"], n) for n in names])
 
 

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import write_usage_counters
+from helpers.simnode import write_usage_counters
 from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 
 ROUNDS = int(os.environ.get("VGPU_CHURN_ROUNDS", "1"))

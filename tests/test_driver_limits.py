@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from test_node_agent import agents, boxes, cgroup, wait_until  # noqa: F401 (fixtures)
 from test_simgpu_limits import ROOT
 from vgpu import driverlimits

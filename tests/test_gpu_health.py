@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import run_python
+from helpers.simnode import run_python
 from test_node_agent import CTL, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from vgpu import health
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import start_python
+from helpers.simnode import start_python
 from vgpu import install
 from vgpu.cli import main
 from vgpu.paths import SHIM

@@ -1,5 +1,5 @@
 """CDI versions: the version the DRA driver writes (vgpu.k8s.cdi) against the runtime-side
-model of the CDI library (tests/k8s_cdi.py), and that model against the library's rules.
+model of the CDI library (tests/helpers/k8s/cdi.py), and that model against the library's rules.
 
 The two minimum-version computations are written separately from the library's rules; a
 spec the driver labels lower than the library computes would be refused by every runtime.
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from k8s_cdi import RUNTIMES, Registry, UnresolvableDevices, known_versions, required_version
+from helpers.k8s.cdi import RUNTIMES, Registry, UnresolvableDevices, known_versions, required_version
 from vgpu import slices
 from vgpu.k8s import cdi
 

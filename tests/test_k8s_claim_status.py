@@ -13,9 +13,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_sim_env
-from k8s_fake_api import FakeApiServer, allocated_claim
-from k8s_node import CTL, DRIVER, NODE, NS, Node
+from helpers.k8s.fake_api import FakeApiServer, allocated_claim
+from helpers.k8s.node import CTL, DRIVER, NODE, NS, Node
+from helpers.simnode import make_sim_env
 from vgpu import metrics, podlabels, slices
 from vgpu.k8s import claimstatus
 
@@ -112,7 +112,7 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     assert len(writes()) == n
     # memory in use changes the figures: written again, within the interval
     slice_dir = node.slice_dir
-    from conftest import write_usage_counters
+    from helpers.simnode import write_usage_counters
     write_usage_counters(slice_dir, share, 0, memory_current=GiB, oom_refusals=2)
     wait(lambda: our_entries(api, claim[2])[0]["data"].get("memory.current") == GiB, "memory.current 1Gi")
     assert our_entries(api, claim[2])[0]["data"]["oom.refusals"] == 2
@@ -151,7 +151,7 @@ def test_writes_are_rate_limited_to_one_per_interval_per_claim(tmp_path, api):
     claim, share = pod_claim(node, "busy")
     node.kubelet().prepare(claim)
     wait(lambda: our_entries(api, "busy"), "the first write")
-    from conftest import write_usage_counters
+    from helpers.simnode import write_usage_counters
     t0 = time.monotonic()
     for i in range(30):      # the figures change every 100 ms for 3 s
         write_usage_counters(node.slice_dir, share, 0, oom_refusals=i + 1)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
-from k8s_fake_api import FakeApiServer
-from k8s_node import Node
+from helpers.k8s.fake_api import FakeApiServer
+from helpers.k8s.node import Node
+from helpers.simnode import make_sim_env
 
 ROOT = Path(__file__).resolve().parent.parent
 LOWEST = "34.1.0"        # the first release of the floor's major version (there is no 34.0.x)

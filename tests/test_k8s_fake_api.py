@@ -1,4 +1,4 @@
-"""The fake API server (tests/k8s_fake_api.py) against the real `kubernetes` client.
+"""The fake API server (tests/helpers/k8s/fake_api.py) against the real `kubernetes` client.
 
 Real HTTP on loopback, the client configured from the kubeconfig the fake writes, into a
 fresh Configuration (the client's global default is left alone).
@@ -12,7 +12,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from k8s_fake_api import FakeApiServer, allocated_claim, check_model
+from helpers.k8s.fake_api import FakeApiServer, allocated_claim, check_model
 
 DRIVER = "vgpu.example.com"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -413,14 +413,14 @@ def test_black_hole_answers_nothing_until_started_again(api, kube):
     assert res.list_resource_slice(_request_timeout=5).items == []
 
 
-# === what the server writes into a stored resource.k8s.io object (k8s_defaults) ===
+# === what the server writes into a stored resource.k8s.io object (helpers.k8s.defaults) ===
 
 @pytest.mark.parametrize("sent, stored", [
     ("1000000000", "1G"), ("1000M", "1G"), ("1500", "1500"), ("0.5", "500m"), ("2000m", "2"), ("100", "100"),
     ("1024Mi", "1Gi"), ("1.5Gi", "1536Mi"), ("512Ki", "512Ki"), ("0.5Ki", "512"), ("1536", "1536"),
     ("1e3", "1e3"), ("0", "0"), ("25769803776", "25769803776")])
 def test_quantities_are_stored_canonically_as_apimachinery_writes_them(sent, stored):
-    from k8s_defaults import canonical
+    from helpers.k8s.defaults import canonical
     assert canonical(sent) == stored
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k8s_models import roundtrip
+from helpers.k8s.models import roundtrip
 from test_deploy_dra import NODE, host_path, parse, plugin_dir
 from vgpu import cli
 from vgpu.k8s import webhook as webhook_mod
@@ -341,7 +341,7 @@ def caps_verdict(obj, data):
     celpy = pytest.importorskip("celpy", reason="cel-python is not installed")
     from celpy import celtypes
     policy = next(d for _, d in QUOTA_DOCS if d["kind"] == "ValidatingAdmissionPolicy")["spec"]
-    from k8s_cel import functions as kubernetes_functions
+    from helpers.k8s.cel import functions as kubernetes_functions
     env = celpy.Environment()
     functions = kubernetes_functions()
     activation = {"object": celpy.json_to_cel(obj), "params": celpy.json_to_cel({"data": data}),

@@ -2,7 +2,7 @@
 (docs/kubernetes.md): a pod asking `vgpu.dev/gpu-memory: 4Gi` is admitted through the real
 webhook process (over HTTPS, with the webhook's shipped RBAC), its claim made by the
 resourceclaim controller's rules from the template and allocated by the scheduler's rules
-(tests/k8s_controllers.py) on the GPU the real agent published, prepared by the agent for
+(tests/helpers/k8s/controllers.py) on the GPU the real agent published, prepared by the agent for
 the kubelet stand-in, and its live figures written by the agent under the plugin's shipped
 RBAC.  Then `kubectl vgpu` -- the console script, and through the real kubectl as a plugin.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_usage_counters
-from k8s_controllers import allocate, instantiate_claims
-from k8s_fake_api import FakeApiServer
-from k8s_models import roundtrip
+from helpers.k8s.controllers import allocate, instantiate_claims
+from helpers.k8s.fake_api import FakeApiServer
+from helpers.k8s.models import roundtrip
+from helpers.simnode import write_usage_counters
 from test_k8s_claim_status import plugin_node, shipped_rules, wait
 from test_k8s_webhook import Webhook, patched
 

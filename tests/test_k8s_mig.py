@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, make_sim_env, run_python, start_python
-from k8s_controllers import allocate_by_class, instantiate_claims
-from k8s_fake_api import FakeApiServer, _validate_slice_spec
-from k8s_models import roundtrip
-from k8s_node import DRIVER, NODE, NS, Node
+from helpers.k8s.controllers import allocate_by_class, instantiate_claims
+from helpers.k8s.fake_api import FakeApiServer, _validate_slice_spec
+from helpers.k8s.models import roundtrip
+from helpers.k8s.node import DRIVER, NODE, NS, Node
+from helpers.paths import ROOT
+from helpers.simnode import make_sim_env, run_python, start_python
 from vgpu.k8s import resourceslice
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -1,6 +1,6 @@
 """The DRA node agent end to end: `vgpu-ctl k8s-plugin` as a real process on simgpu,
-the kubelet played by tests/kubelet_standin.py over unix sockets, the API server faked
-at its HTTP boundary (tests/k8s_fake_api.py) and talked to by the official client.
+the kubelet played by tests/helpers/k8s/kubelet.py over unix sockets, the API server faked
+at its HTTP boundary (tests/helpers/k8s/fake_api.py) and talked to by the official client.
 
 Judged from outside: what the stand-in gets back, the quota and CDI files on disk,
 `vgpu-ctl status`, the ResourceSlice the fake API server received.
@@ -15,13 +15,13 @@ import time
 import pytest
 from google.protobuf import unknown_fields
 
-from conftest import make_sim_env
-from containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
-from k8s_cdi import CONTAINERD_2_0, RUNTIMES, Registry, UnresolvableDevices
-from k8s_fake_api import FakeApiServer
-from k8s_models import roundtrip
-from k8s_node import DRIVER, NODE, NS, Agent, Node
-from kubelet_standin import CALL_TIMEOUT
+from helpers.containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
+from helpers.k8s.cdi import CONTAINERD_2_0, RUNTIMES, Registry, UnresolvableDevices
+from helpers.k8s.fake_api import FakeApiServer
+from helpers.k8s.kubelet import CALL_TIMEOUT
+from helpers.k8s.models import roundtrip
+from helpers.k8s.node import DRIVER, NODE, NS, Agent, Node
+from helpers.simnode import make_sim_env
 from test_node_agent import CTL, wait_until
 from vgpu.k8s import driver as dra_driver
 

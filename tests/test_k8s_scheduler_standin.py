@@ -1,10 +1,10 @@
-"""The scheduler stand-in (tests/k8s_controllers.py) against hand-made ResourceSlices in the
+"""The scheduler stand-in (tests/helpers/k8s/controllers.py) against hand-made ResourceSlices in the
 fake API server, per Kubernetes release where the real allocator differs: consumable
 capacity rounded to the device's requestPolicy and written as the allocator writes it; a
 pod's claims all on one node or none; CEL selectors with capacity as Quantity objects;
 the order slices are tried in; counters held by shared devices across scheduling cycles;
 and 1.34's capacity check against the slice's first device and counters read from the
-device's own slice only.  Each rule's source is named in k8s_controllers.py.
+device's own slice only.  Each rule's source is named in helpers/k8s/controllers.py.
 
 The slices mirror what the vgpu driver publishes (a whole GPU shared through consumable
 capacity, MIG devices consuming its counters, counter sets in a slice of their own), cut
@@ -16,12 +16,12 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import ROOT
-from k8s_controllers import (AllocationError, CelError, Quantity, Unschedulable, _consumed, _violates,
-                             instantiate_claims, release, schedule_pod)
-from k8s_defaults import stored
-from k8s_fake_api import FakeApiServer
-from k8s_models import roundtrip
+from helpers.k8s.controllers import (AllocationError, CelError, Quantity, Unschedulable, _consumed, _violates,
+                                     instantiate_claims, release, schedule_pod)
+from helpers.k8s.defaults import stored
+from helpers.k8s.fake_api import FakeApiServer
+from helpers.k8s.models import roundtrip
+from helpers.paths import ROOT
 
 DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
 CLASSES = {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "deploy/dra/deviceclass.yaml").read_text())

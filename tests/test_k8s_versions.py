@@ -1,7 +1,7 @@
 """The DRA driver by Kubernetes version: `vgpu-ctl k8s-plugin` (a real process on simgpu's
 MIG-capable H100s) against the fake API server answering /version as 1.34, 1.35, 1.36.x or
-1.37 and validating slices by that release's rules (tests/k8s_fake_api.py), and the
-scheduler stand-in at the same version (tests/k8s_controllers.py).
+1.37 and validating slices by that release's rules (tests/helpers/k8s/fake_api.py), and the
+scheduler stand-in at the same version (tests/helpers/k8s/controllers.py).
 
 What is checked: the layout each version reads (1.34: a slice per GPU, its counter set
 beside its devices; 1.35+: counter sets apart); where MIG beside software slices is unsafe
@@ -10,10 +10,10 @@ prepare never makes a MIG instance on a GPU that serves software slices.
 """
 import pytest
 
-from conftest import make_sim_env
-from k8s_controllers import Unschedulable, instantiate_claims, schedule_pod
-from k8s_fake_api import FakeApiServer, _validate_slice_spec
-from k8s_node import DRIVER, NODE, NS, Node
+from helpers.k8s.controllers import Unschedulable, instantiate_claims, schedule_pod
+from helpers.k8s.fake_api import FakeApiServer, _validate_slice_spec
+from helpers.k8s.node import DRIVER, NODE, NS, Node
+from helpers.simnode import make_sim_env
 from test_k8s_mig import CLASSES, EXAMPLE, devices_of, mig_claim, nvml_state, pod_with_template, pool
 from vgpu.k8s import resourceslice, versions
 
@@ -108,7 +108,7 @@ def test_the_layouts_are_refused_by_the_other_release(tmp_path):
 def _h100_profiles(tmp_path):
     import json
 
-    from conftest import run_python
+    from helpers.simnode import run_python
     out = run_python("from vgpu import mig; import json; print(json.dumps(mig.profiles(0)))",
                      make_sim_env(tmp_path / "simgpu-profiles", profile="h100-80g"))
     return tuple(resourceslice.MigProfile(p["name"], p["id"], p["slices"], p["memory_mib"] << 20,

@@ -20,8 +20,8 @@ import pytest
 import urllib3
 import yaml
 
-from k8s_fake_api import FakeApiServer
-from k8s_models import roundtrip
+from helpers.k8s.fake_api import FakeApiServer
+from helpers.k8s.models import roundtrip
 
 jsonpatch = pytest.importorskip("jsonpatch")
 GiB, MiB = 1 << 30, 1 << 20

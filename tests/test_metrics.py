@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_sim_env, write_usage_counters
+from helpers.simnode import make_sim_env, write_usage_counters
 from vgpu import metrics, slices
 from vgpu.paths import SHIM
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_sim_env
-from containers import mount_script, namespaces_work
+from helpers.containers import mount_script, namespaces_work
+from helpers.simnode import make_sim_env
 from vgpu import agent as node_agent, install, nvml, referee, runtime, slices
 from vgpu.quantities import UNLIMITED
 from vgpu.paths import SHIM, simgpu_dir
@@ -174,7 +174,7 @@ class Agent:
 
 class Box:
     """A container without a container engine: a mount namespace holding `mounts`
-    [(host, path, read_only)] (made as tests/containers.py does), optionally a cgroup (v2)
+    [(host, path, read_only)] (made as tests/helpers/containers.py does), optionally a cgroup (v2)
     and a pid namespace (sharing the host's /proc, as NVML sees host pids).  `run(env)`
     starts a tenant in it with exactly `env`."""
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import run_python
+from helpers.simnode import run_python
 from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
 from test_shim_memory import (FORKED, IPC_EXPORTER, IPC_IMPORTER, OUT_OF_MEMORY, PARKER, SUCCESS, VMM_PARKING, Child,
                               wait_gone)

@@ -2,7 +2,7 @@
 (deploy/prometheus) and their copies for Kubernetes, checked with the real tools.
 
 The rules pass `promtool check rules` and their unit tests (`promtool test rules`).  Then
-a real Prometheus (Debian's package: prom_server.py) scrapes a running node agent on
+a real Prometheus (Debian's package: helpers/prometheus.py) scrapes a running node agent on
 simgpu, with workloads under the shim in slices that carry a pod's labels as the DRA
 driver writes them: a training job and an inference service busy on the GPU, a notebook
 refused by its memory cap, a tenant that hides memory from the shim and goes over its cap
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_sim_env
-from prom_server import Prometheus, promtool, tools
+from helpers.prometheus import Prometheus, promtool, tools
+from helpers.simnode import make_sim_env
 from test_docs import _anchors
 from vgpu import podlabels
 from vgpu.paths import SHIM

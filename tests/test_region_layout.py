@@ -3,7 +3,7 @@ import subprocess
 
 from vgpu._region import ffi, lib
 
-from conftest import CSRC
+from helpers.paths import CSRC
 
 STRUCTS = ["struct vgpu_quota", "struct vgpu_quota_device", "struct vgpu_usage",
            "struct vgpu_usage_device", "struct vgpu_usage_proc"]

@@ -5,7 +5,7 @@ what `vgpu-ctl env NAME --format docker --shim-dir DIR` says: every `-v HOST:PAT
 becomes a bind mount (read-only where it says ro), every `-e` a variable, in an otherwise
 empty environment; `--gpus all` is played by simgpu's libraries on LD_LIBRARY_PATH.
 Paths that do not exist on this machine (/usr/local/lib/vgpu, /run/vgpu) are made inside
-the namespace on an overlay, so nothing outside it changes (tests/containers.py).  One container loads the shim
+the namespace on an overlay, so nothing outside it changes (tests/helpers/containers.py).  One container loads the shim
 through LD_PRELOAD, the other through /etc/ld.so.preload.  Judged from inside (what CUDA
 reports and refuses, what is writable) and from outside (`vgpu-ctl status`).
 Needs root and mount namespaces; skipped elsewhere.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
-from containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
+from helpers.containers import OUT_OF_MEMORY, SUCCESS, Container, namespaces_work
+from helpers.simnode import make_sim_env
 
 GiB, MiB = 1 << 30, 1 << 20
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")

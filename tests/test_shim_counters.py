@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env
+from helpers.simnode import make_sim_env
 from vgpu._region import ffi
 from vgpu.paths import SHIM
 

@@ -6,7 +6,7 @@ Real processes under the shim on simgpu, through cuda-bindings and pynvml.
 """
 import json
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from test_simgpu_mig import nvml
 from vgpu.paths import SHIM
 

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from vgpu import slices
 from vgpu._region import ffi, lib
 from vgpu.paths import SHIM

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CUDART13_REQUESTS as FIXTURE, ROOT, make_sim_env, run_python
+from helpers.paths import CUDART13_REQUESTS as FIXTURE, ROOT
+from helpers.simnode import make_sim_env, run_python
 from vgpu.paths import SHIM, SIMGPU_DIR
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from vgpu.paths import SHIM
 
 pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from vgpu.paths import SHIM
 
 MiB = 1 << 20

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 from test_simgpu_cuda import PRELUDE
 
 SUCCESS, INVALID_VALUE, NOT_INITIALIZED, INVALID_DEVICE, INVALID_CONTEXT = 0, 1, 3, 101, 201

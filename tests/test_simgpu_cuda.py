@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CUDART13_REQUESTS, make_sim_env, run_python, start_python
+from helpers.paths import CUDART13_REQUESTS
+from helpers.simnode import make_sim_env, run_python, start_python
 from vgpu.paths import SIMGPU_DIR
 from vgpu.sim import PROFILES
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 
 GiB, MiB = 1 << 30, 1 << 20
 LIMIT_MAX = 0xFFFFFFFFFFFFFFFF

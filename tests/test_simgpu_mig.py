@@ -15,7 +15,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from conftest import make_sim_env, run_python, start_python
+from helpers.simnode import make_sim_env, run_python, start_python
 
 MiB = 1 << 20
 SUCCESS, NOT_SUPPORTED, INVALID_ARGUMENT, NOT_FOUND = 0, 3, 2, 6

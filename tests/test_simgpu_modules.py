@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_sim_env, run_python
+from helpers.simnode import make_sim_env, run_python
 
 PTXAS_CANDIDATES = [Path("/usr/local/cuda/bin/ptxas")]
 _triton = importlib.util.find_spec("triton")   # found, not imported: only its bundled ptxas is used

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import conftest
-from conftest import make_sim_env, run_python, start_python
+from helpers import simnode
+from helpers.simnode import make_sim_env, run_python, start_python
 from vgpu.paths import SIMGPU_DIR
 
 GiB = 1 << 30
@@ -21,9 +21,9 @@ needs_libcuda = pytest.mark.skipif(not HAVE_LIBCUDA, reason="simgpu libcuda.so.1
 
 @pytest.fixture(autouse=True)
 def _nvml_without_libcuda(monkeypatch):
-    """conftest's simgpu_dir() insists on libcuda.so.1; NVML-only tests need just the dir."""
+    """make_sim_env's simgpu_dir() insists on libcuda.so.1; NVML-only tests need just the dir."""
     if not HAVE_LIBCUDA:
-        monkeypatch.setattr(conftest, "simgpu_dir", lambda: SIMGPU_DIR)
+        monkeypatch.setattr(simnode, "simgpu_dir", lambda: SIMGPU_DIR)
 
 
 def nvml(code, env, **kw):

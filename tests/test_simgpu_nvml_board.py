@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import make_sim_env, run_python, start_python
+from helpers.simnode import make_sim_env, run_python, start_python
 
 # profile: PCI device id, max power (W), max SM clock, max memory clock (MHz), bus width,
 #          PCIe generation, has NVENC, NVDEC count, HBM (a memory temperature threshold)

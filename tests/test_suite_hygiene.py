@@ -27,8 +27,14 @@ def test_after():
 '''
 
 
+def _copy_conftest(to):
+    """The suite's conftest.py, with the harness it imports (helpers/)."""
+    shutil.copy(HERE / "conftest.py", to / "conftest.py")
+    shutil.copytree(HERE / "helpers", to / "helpers", ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def test_a_process_left_running_fails_the_run_names_its_test_and_is_killed(tmp_path):
-    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    _copy_conftest(tmp_path)
     (tmp_path / "test_leaky.py").write_text(LEAKY)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -41,7 +47,7 @@ def test_a_process_left_running_fails_the_run_names_its_test_and_is_killed(tmp_p
 
 
 def test_a_tidy_run_passes(tmp_path):
-    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    _copy_conftest(tmp_path)
     (tmp_path / "test_tidy.py").write_text(LEAKY.split("def test_leaves")[0])
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_sim_env
+from helpers.simnode import make_sim_env
 from vgpu import slices
 
 ROOT = Path(__file__).resolve().parent.parent

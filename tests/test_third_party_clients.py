@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import make_sim_env, run_python, start_python
+from helpers.simnode import make_sim_env, run_python, start_python
 from vgpu.paths import SHIM
 
 GiB, MiB = 1 << 30, 1 << 20

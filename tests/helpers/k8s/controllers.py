@@ -32,8 +32,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from k8s_cel import CelError, Quantity, cel_device, matches
-from k8s_fake_api import RESOURCE_API
+from helpers.k8s.cel import CelError, Quantity, cel_device, matches
+from helpers.k8s.fake_api import RESOURCE_API
 
 GEN_CHARS = "bcdfghjklmnpqrstvwxz2456789"
 NEWEST = "1.37"
@@ -79,7 +79,7 @@ class Unschedulable(AssertionError):
 
 
 class AllocationError(Exception):
-    """The allocator returned an error, not "does not fit" (or a k8s_cel.CelError): the pod
+    """The allocator returned an error, not "does not fit" (or a helpers.k8s.cel.CelError): the pod
     stays unscheduled and nothing was written."""
 
 

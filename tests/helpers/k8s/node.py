@@ -13,8 +13,8 @@ import time
 import weakref
 from pathlib import Path
 
-from k8s_fake_api import allocated_claim
-from kubelet_standin import Kubelet
+from helpers.k8s.fake_api import allocated_claim
+from helpers.k8s.kubelet import Kubelet
 
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")
 DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"

@@ -1,19 +1,19 @@
 """Kubernetes' CEL on cel-python, as DRA device selectors and admission policies see it:
 resource.Quantity values and the Kubernetes quantity library (quantity(), isQuantity(),
-compareTo, isGreaterThan, ...), used by the scheduler stand-in (tests/k8s_controllers.py)
+compareTo, isGreaterThan, ...), used by the scheduler stand-in (tests/helpers/k8s/controllers.py)
 and the claim-caps ValidatingAdmissionPolicy test (tests/test_k8s_install.py).  DRA/ below
 is kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/.
 """
 from decimal import Decimal, localcontext
 
-from k8s_defaults import canonical, parse
+from helpers.k8s.defaults import canonical, parse
 
 
 # === quantities ===
 
 class Quantity:
     """A resource.Quantity: its exact value and the format (from its suffix) it is written in;
-    str() gives what the API server stores (k8s_defaults.canonical)."""
+    str() gives what the API server stores (helpers.k8s.defaults.canonical)."""
     __slots__ = ("value", "form")
 
     def __init__(self, value, form="DecimalSI"):

@@ -18,7 +18,7 @@ published DRA gRPC API, over unix sockets with real gRPC:
   the Pod API has no subrequests there; "" for the whole claim); a device serves it when
   it lists no request names or lists that one exactly.
 - container(*refs): what the runtime then does with those IDs: resolve them with the CDI
-  library of `runtime` (tests/k8s_cdi.py), or fail with "unresolvable CDI devices".
+  library of `runtime` (tests/helpers/k8s/cdi.py), or fail with "unresolvable CDI devices".
 - watch_health(): as a kubelet with ResourceHealthStatus (KEP-4680; beta, on by default in
   1.36) does once a plugin registered, it opens the plugin's NodeWatchResources stream
   (dra-health v1alpha1) on the plugin's endpoint and keeps each device's last health; a
@@ -37,7 +37,7 @@ import time
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from k8s_cdi import CONTAINERD_2_0, Registry
+from helpers.k8s.cdi import CONTAINERD_2_0, Registry
 from vgpu.k8s.protos import dra_health_v1alpha1_pb2 as dra_health
 from vgpu.k8s.protos import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
 from vgpu.k8s.protos import dra_v1_pb2 as dra

@@ -43,11 +43,11 @@ Anything else answers a 404 (405 for another method on a served path).  Errors a
 objects, as a real API server sends them, so the client raises ApiException with the code.
 
 Every resource.k8s.io object is stored as a real server stores it: defaulted, and its
-quantities canonical (`k8s_defaults.stored`), so what a client reads back may differ from
+quantities canonical (`helpers.k8s.defaults.stored`), so what a client reads back may differ from
 what it sent.
 
 Stricter than a real server on purpose: every POSTed/PUT body must survive
-`k8s_models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
+`helpers.k8s.models.roundtrip` (the official client's model), else 422 Invalid naming the field; a
 real server, by default, drops an unknown field with only a warning header.  Not served:
 any other PATCH, pagination (`limit` is ignored and everything comes back in one list).
 
@@ -78,8 +78,8 @@ import time
 import uuid
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from k8s_defaults import stored as defaulted
-from k8s_models import roundtrip
+from helpers.k8s.defaults import stored as defaulted
+from helpers.k8s.models import roundtrip
 
 RESOURCE_API = "resource.k8s.io/v1"
 _SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -153,7 +153,7 @@ def _now() -> str:
 
 
 def check_model(obj: dict):
-    """`k8s_models.roundtrip(obj)` (AssertionError naming what the client's model would not keep)."""
+    """`helpers.k8s.models.roundtrip(obj)` (AssertionError naming what the client's model would not keep)."""
     return roundtrip(obj)
 
 
