@@ -17,6 +17,7 @@ import pytest
 
 from helpers.children import JsonChild
 from helpers.simnode import make_sim_env, write_usage_counters
+from helpers.wait import wait_until
 from vgpu import slices
 from vgpu.paths import SHIM
 
@@ -97,14 +98,6 @@ class Node:
     def quota(self, name, d=0):
         return slices.read_quota(self.dir, name).devices[d]
 
-    def wait_for(self, predicate, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
     def stop(self):
         for p in self.procs:
             if p.poll() is None:
@@ -174,7 +167,7 @@ def test_a_workload_short_of_memory_grows_and_succeeds_while_an_idle_one_shrinks
     rc, tries, seconds = hungry.call("retry", [GiB, 30], timeout=40)
     assert rc == SUCCESS, (tries, seconds)                          # it grew until the gigabyte fit
     assert 1924 * MiB <= node.quota("hungry").memory_max <= 4 * GiB
-    node.wait_for(lambda: node.quota("idle").memory_max == GiB, 30, "idle to shrink to its request")
+    wait_until(lambda: node.quota("idle").memory_max == GiB, 30, "idle to shrink to its request")
     time.sleep(1.5)                                                 # another window: it stays there
     watcher.stop()
     node.stop()
@@ -202,8 +195,8 @@ def test_when_the_device_is_short_the_rest_is_shared_by_request_and_never_exceed
     assert a.call("hold", 1900 * MiB) == SUCCESS and b.call("hold", 1900 * MiB) == SUCCESS
     a.send("retry", [300 * MiB, 30])                                # both want more than the 512Mi left
     b.send("retry", [GiB, 60])
-    node.wait_for(lambda: all(slices.read_usage(node.dir, n).devices[0]["oom_refusals"] for n in "ab"), 10,
-                  "both to be refused")
+    wait_until(lambda: all(slices.read_usage(node.dir, n).devices[0]["oom_refusals"] for n in "ab"), 10,
+               "both to be refused")
     watcher = Watcher(node)
     watcher.start()
     scaler = node.autoscale("--window", "1s", "--interval", "200ms")
@@ -234,7 +227,7 @@ def test_a_throttled_tenant_gets_more_sm_up_to_its_limit(node, c_program):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node.procs.append(duty)
     scaler = node.autoscale("--window", "1s", "--interval", "250ms")
-    node.wait_for(lambda: node.quota("t").sm_max == 4000, 25, "sm.max to reach its limit")
+    wait_until(lambda: node.quota("t").sm_max == 4000, 25, "sm.max to reach its limit")
     node.stop()
     grows = [d for d in decisions(scaler) if d["event"] == "resize"]
     assert [d["resource"] for d in grows] == ["sm"] * len(grows) and len(grows) >= 2
@@ -327,7 +320,7 @@ def test_a_burst_slice_yielding_to_a_guarantee_is_not_starved_but_one_held_at_it
     assert node.quota("a").sm_max == 5000, decisions(scaler)    # 4 s of yielding: no growth
     assert u["yielded_ns"] > 1.5e9 and u["throttled_ns"] < 0.2e9, u
     node.ctl("delete", "b")     # (its 70% ceiling no longer takes the room a would grow into)
-    node.wait_for(lambda: node.quota("a").sm_max > 5000, 10, "a's ceiling to grow once it waits at it")
+    wait_until(lambda: node.quota("a").sm_max > 5000, 10, "a's ceiling to grow once it waits at it")
     node.stop()
     grows = [d for d in decisions(scaler) if d["event"] == "resize" and d["container"] == "a"]
     assert grows and all(d["action"] == "grow" and "throttling" in d["reason"] for d in grows), grows

@@ -18,7 +18,8 @@ import subprocess
 import pytest
 
 from helpers.simnode import write_usage_counters
-from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
+from helpers.wait import wait_until
+from test_node_agent import GiB, MiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
 
 ROUNDS = int(os.environ.get("VGPU_CHURN_ROUNDS", "1"))
 SECONDS = float(os.environ.get("VGPU_CHURN_SECONDS", "10"))

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers.simnode import make_sim_env, run_python
-from test_node_agent import agents, boxes, cgroup, wait_until  # noqa: F401 (fixtures)
-from test_simgpu_limits import ROOT
+from helpers.wait import wait_until
+from test_node_agent import agents, boxes, cgroup  # noqa: F401 (fixtures)
+from test_simgpu_limits import ROOT   # the cgroup v2 root
 from vgpu import driverlimits
 
 GiB, MiB = 1 << 30, 1 << 20

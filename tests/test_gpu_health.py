@@ -11,7 +11,8 @@ import time
 import pytest
 
 from helpers.simnode import run_python
-from test_node_agent import CTL, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
+from helpers.wait import wait_until
+from test_node_agent import CTL, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
 from vgpu import health
 
 EVENTS = """

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers.k8s.fake_api import FakeApiServer, allocated_claim
 from helpers.k8s.node import CTL, DRIVER, NODE, NS, Node
 from helpers.simnode import make_sim_env
+from helpers.wait import wait_until
 from vgpu import metrics, podlabels, slices
 from vgpu.k8s import claimstatus
 
@@ -62,16 +63,6 @@ def pod_claim(node, name, pod="train-0", container="train", memory="4Gi", sm="50
     return (NS, stored["metadata"]["uid"], name), share
 
 
-def wait(predicate, what, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} in {timeout} s")
-
-
 def our_entries(api, name):
     claim = api.claim(NS, name)
     return [d for d in (claim.get("status") or {}).get("devices") or [] if d["driver"] == DRIVER]
@@ -90,7 +81,7 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     claim, share = pod_claim(node, "train-0-vgpu-train-abcde")
     [(uid, answer)] = kubelet.prepare(claim).items()
     assert answer.error == ""
-    [entry] = wait(lambda: our_entries(api, claim[2]), "status.devices entry")
+    [entry] = wait_until(lambda: our_entries(api, claim[2]), 20, "status.devices entry")
     assert (entry["pool"], entry["device"], entry["shareID"]) == (NODE, "gpu-0", share)
     data = entry["data"]
     assert data["slice"] == share
@@ -114,7 +105,7 @@ def test_the_agent_writes_each_claims_figures_into_its_status_under_the_shipped_
     slice_dir = node.slice_dir
     from helpers.simnode import write_usage_counters
     write_usage_counters(slice_dir, share, 0, memory_current=GiB, oom_refusals=2)
-    wait(lambda: our_entries(api, claim[2])[0]["data"].get("memory.current") == GiB, "memory.current 1Gi")
+    wait_until(lambda: our_entries(api, claim[2])[0]["data"].get("memory.current") == GiB, 20, "memory.current 1Gi")
     assert our_entries(api, claim[2])[0]["data"]["oom.refusals"] == 2
     assert our_entries(api, claim[2])[0]["conditions"][0]["lastTransitionTime"] == ready["lastTransitionTime"]
     assert not [e for e in agent.events() if e["event"] == "claim_status_refused"]
@@ -137,7 +128,7 @@ def test_only_our_status_entries_are_written_and_fields_newer_than_the_client_su
     node.kubelet().prepare(claim)
     reads = lambda: [r for r in api.requests if r[1].endswith("/mixed") and r[0] == "GET"]   # noqa: E731
     before = len(reads())          # the kubelet's, when it prepared the claim
-    wait(lambda: our_entries(api, "mixed"), "our status.devices entry")
+    wait_until(lambda: our_entries(api, "mixed"), 20, "our status.devices entry")
     status = api.claim(NS, "mixed")["status"]
     assert status["allocation"]["futureField"] == {"from": "a newer release"}
     assert [d["driver"] for d in status["devices"]] == ["nic.example.com", DRIVER]
@@ -150,7 +141,7 @@ def test_writes_are_rate_limited_to_one_per_interval_per_claim(tmp_path, api):
     node.start("--claim-status-interval", "1s")
     claim, share = pod_claim(node, "busy")
     node.kubelet().prepare(claim)
-    wait(lambda: our_entries(api, "busy"), "the first write")
+    wait_until(lambda: our_entries(api, "busy"), 20, "the first write")
     from helpers.simnode import write_usage_counters
     t0 = time.monotonic()
     for i in range(30):      # the figures change every 100 ms for 3 s
@@ -349,10 +340,10 @@ def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
             entries = our_entries(api, "judged")
             c = [x for x in entries[0]["conditions"] if x["type"] == "Violating"] if entries else []
             return c[0] if c else None
-        v = wait(lambda: (c := violating()) and c["status"] == "True" and c, "Violating True")
+        v = wait_until(lambda: (c := violating()) and c["status"] == "True" and c, 20, "Violating True")
         assert v["reason"] == "Gap" and "driver 2Gi, shim 1Gi" in v["message"]
         violations.clear()
-        v = wait(lambda: (c := violating()) and c["status"] == "False" and c, "Violating False")
+        v = wait_until(lambda: (c := violating()) and c["status"] == "False" and c, 20, "Violating False")
         assert v["reason"] == "NoViolation"
     finally:
         stop.set()

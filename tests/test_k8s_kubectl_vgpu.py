@@ -19,7 +19,8 @@ from helpers.k8s.controllers import allocate, instantiate_claims
 from helpers.k8s.fake_api import FakeApiServer
 from helpers.k8s.models import roundtrip
 from helpers.simnode import write_usage_counters
-from test_k8s_claim_status import plugin_node, shipped_rules, wait
+from helpers.wait import wait_until
+from test_k8s_claim_status import plugin_node, shipped_rules
 from test_k8s_webhook import Webhook, patched
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,10 +62,10 @@ def walked(tmp_path_factory):
             # 3. the kubelet prepares it; the agent makes the slice and writes its figures
             answer = kubelet.prepare((NS, claim["metadata"]["uid"], claim["metadata"]["name"]))
             assert answer[claim["metadata"]["uid"]].error == ""
-            wait(lambda: (api.claim(NS, claim["metadata"]["name"])["status"].get("devices")), "figures")
+            wait_until(lambda: (api.claim(NS, claim["metadata"]["name"])["status"].get("devices")), 20, "figures")
             write_usage_counters(node.slice_dir, share, 0, memory_current=GiB + (GiB >> 1))
-            wait(lambda: api.claim(NS, claim["metadata"]["name"])["status"]["devices"][0]["data"]["memory.current"]
-                 == GiB + (GiB >> 1), "memory.current 1.5Gi")
+            wait_until(lambda: api.claim(NS, claim["metadata"]["name"])["status"]["devices"][0]["data"]["memory.current"]
+                       == GiB + (GiB >> 1), 20, "memory.current 1.5Gi")
             kubeconfig = tmp / "user-kubeconfig"
             api.write_kubeconfig(kubeconfig, namespace=NS)
             yield {"api": api, "node": node, "claim": api.claim(NS, claim["metadata"]["name"]), "share": share,

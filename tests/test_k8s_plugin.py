@@ -22,7 +22,8 @@ from helpers.k8s.kubelet import CALL_TIMEOUT
 from helpers.k8s.models import roundtrip
 from helpers.k8s.node import DRIVER, NODE, NS, Agent, Node
 from helpers.simnode import make_sim_env
-from test_node_agent import CTL, wait_until
+from helpers.wait import wait_until
+from test_node_agent import CTL
 from vgpu.k8s import driver as dra_driver
 
 GiB, MiB = 1 << 30, 1 << 20

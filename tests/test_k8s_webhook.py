@@ -22,6 +22,7 @@ import yaml
 
 from helpers.k8s.fake_api import FakeApiServer
 from helpers.k8s.models import roundtrip
+from helpers.wait import wait_until
 
 jsonpatch = pytest.importorskip("jsonpatch")
 GiB, MiB = 1 << 30, 1 << 20
@@ -110,13 +111,6 @@ class Webhook:
     def stop(self):
         self.proc.terminate()
         self.proc.wait(10)
-
-
-def wait_until(predicate, what, timeout=20):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} in {timeout} s"
-        time.sleep(0.05)
 
 
 def patched(pod, response):
@@ -490,7 +484,7 @@ def test_templates_no_pod_uses_go_after_the_grace_and_those_in_use_stay(tmp_path
             assert idle_name not in names()                    # gone after its grace
             assert used_name in names()                        # a pod names it
             api._pods.pop((NS, stored["metadata"]["name"]))    # the pod is deleted
-            wait_until(lambda: used_name not in names() and busy_name not in names(), "the unused templates to go")
+            wait_until(lambda: used_name not in names() and busy_name not in names(), 20, "the unused templates to go")
             assert [e for e in hook.events() if e["event"] == "templates_deleted"]
             assert not [e for e in hook.events() if e["event"] == "template_collection_failed"]
         finally:

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from helpers.simnode import run_python
-from test_node_agent import GiB, MiB, Node, agents, spawn, wait_until  # noqa: F401 (agents, spawn: fixtures)
-from test_shim_memory import (FORKED, IPC_EXPORTER, IPC_IMPORTER, OUT_OF_MEMORY, PARKER, SUCCESS, VMM_PARKING, Child,
-                              wait_gone)
+from helpers.wait import process_state, wait_gone, wait_until
+from test_node_agent import GiB, MiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
+from test_shim_memory import FORKED, IPC_EXPORTER, IPC_IMPORTER, OUT_OF_MEMORY, PARKER, SUCCESS, VMM_PARKING, Child
 from vgpu import slices
 from vgpu.slices import usage
 
@@ -52,14 +52,6 @@ STRICT = ("--require-slices", "--on-violation", "kill")
 def _quiet(agent):
     """Nothing judged, nothing done: no violation, no action."""
     assert agent.events("violation") == [] and agent.events("action") == []
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def _rows(node_):
@@ -103,7 +95,7 @@ def test_memory_a_forked_child_keeps_after_its_parent_ends_is_the_slice_s(node_,
         p.kill()
     else:
         p.proc.send_signal(signal.SIGKILL)
-        assert wait_until(lambda: _state(parent) == "Z", 5)
+        assert wait_until(lambda: process_state(parent) == "Z", 5)
 
     e = agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
     assert (e["container"], e["device"], e["memory_driver"], e["memory_charged"]) == ("a", 0, GiB, GiB)
@@ -126,7 +118,7 @@ def test_memory_a_forked_child_keeps_after_its_parent_ends_is_the_slice_s(node_,
 
     time.sleep(2)                                  # past the grace period, several looks
     _quiet(agent)
-    assert _state(child) not in (None, "Z")       # the child lives on, unharmed
+    assert process_state(child) not in (None, "Z")       # the child lives on, unharmed
 
     # the child lets go: the memory leaves the device and the slice
     release.touch()
@@ -224,7 +216,7 @@ def test_a_gap_on_memory_a_gone_process_left_is_reported_and_nothing_killed(node
     assert acts[0]["pid"] == parent and acts[0]["result"].startswith("not killed")
     time.sleep(1)
     assert all(not e.get("result", "").startswith("killed") for e in agent.events("action"))
-    assert _state(child) not in (None, "Z")
+    assert process_state(child) not in (None, "Z")
     release.touch()
     wait_gone(child)
     agent.wait_for(lambda e: e.get("event") == "violation-end" and e.get("kind") == "gap", 5)
@@ -281,7 +273,7 @@ def test_a_pid_reused_while_a_held_slot_names_it_is_never_held_against_the_new_p
         assert (row["state"], row["container"], row["memory_charged"]) == ("sliced", "a", GiB + 256 * MiB), row
     time.sleep(2)                                  # past the grace period, several looks
     _quiet(agent)
-    assert q.alive() and _state(child) not in (None, "Z")
+    assert q.alive() and process_state(child) not in (None, "Z")
 
     # the child lets go: the pid is Q's alone again, judged as any other
     release.touch()

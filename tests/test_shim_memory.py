@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers.simnode import make_sim_env, run_python
+from helpers.wait import wait_gone, wait_until
 from vgpu import slices
 from vgpu._region import ffi, lib
 from vgpu.paths import SHIM
@@ -305,16 +306,6 @@ def spawn():
     yield start
     for child in children:
         child.kill()
-
-
-def wait_for(predicate, timeout=5.0, interval=0.05):
-    """Poll until predicate() is true; return the seconds it took (fails after timeout)."""
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"not true within {timeout} s")
-        time.sleep(interval)
-    return time.monotonic() - t0
 
 
 # === the cap ===
@@ -710,7 +701,10 @@ def test_killed_process_memory_returns_to_the_container(node, spawn):
         os.pwrite(fd, struct.pack("<i", os.getpid()), offset)      # a live pid: "pid reuse"
         os.close(fd)
         if reaped_by == "view":
-            took = wait_for(lambda: survivor.call("info") == [SUCCESS, 2 * GiB, 2 * GiB])
+            t0 = time.monotonic()
+            wait_until(lambda: survivor.call("info") == [SUCCESS, 2 * GiB, 2 * GiB], 5,
+                       "the victim's slot reaped by a view", every=0.05)
+            took = time.monotonic() - t0
             assert node.usage().current == 0
         else:
             t0 = time.monotonic()
@@ -758,16 +752,6 @@ if child == 0:
 os.close(w)
 step({"parent": os.getpid(), "child": child, "child_calls": json.loads(os.fdopen(r).read())})
 """
-
-
-def wait_gone(pid, timeout=10.0):
-    """Until `pid` has exited (gone, or a zombie: its descriptors are closed either way)."""
-    def gone():
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return True
-    wait_for(gone, timeout)
 
 
 @pytest.mark.parametrize("parent_ends", ["exit", "kill -9"])
@@ -1056,7 +1040,7 @@ def test_memory_exported_to_a_descriptor_parked_outside_cuda_stays_charged_until
     assert (reaped().current, node.referee().used) == (GiB, GiB)
     parker.proc.stdin.close()
     parker.proc.wait(30)
-    assert wait_for(lambda: reaped().current == 0 and node.referee().used == 0, 10)
+    wait_until(lambda: reaped().current == 0 and node.referee().used == 0, 10, "the parker's GiB to be freed")
 
 
 def test_threads_racing_the_first_call_are_accounted_exactly(node, c_program):

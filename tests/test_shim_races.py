@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.wait import process_state, wait_until
 from test_shim_memory import PRELUDE, GiB, MiB, Node, run_sampler, sampler_summary, spawn  # noqa: F401 (fixture)
 from vgpu import slices, status
 from vgpu.autoscale import Autoscaler
@@ -161,7 +162,7 @@ def test_a_slot_whose_lock_is_free_is_not_drained_while_its_process_still_holds_
                    LETS_GO_OF_ITS_FILE, args=(str(node.usage_path()), how))
     assert holder.read() == {"held": True}
     if how == "zombie leader":
-        assert wait_for_state(holder.pid, "Z")
+        assert wait_until(lambda: process_state(holder.pid) == "Z", 10, every=0.01)
     other = spawn(node.env(limit=str(cap)))
     assert other.call("alloc", 768 * MiB)[0] == 2                   # CUDA_ERROR_OUT_OF_MEMORY
     assert settled(node) == 512 * MiB                              # (vgpu-ctl's reap, too, leaves it)
@@ -169,18 +170,6 @@ def test_a_slot_whose_lock_is_free_is_not_drained_while_its_process_still_holds_
     holder.kill()
     assert other.call("alloc", 768 * MiB)[0] == 0
     assert settled(node) == node.referee().used == 768 * MiB
-
-
-def wait_for_state(pid, letter, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == letter:
-                return True
-        except (OSError, IndexError):
-            return False
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

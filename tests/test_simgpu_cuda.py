@@ -17,6 +17,7 @@ import pytest
 
 from helpers.paths import CUDART13_REQUESTS
 from helpers.simnode import make_sim_env, run_python, start_python
+from helpers.wait import wait_gone
 from vgpu.paths import SIMGPU_DIR
 from vgpu.sim import PROFILES
 
@@ -2023,19 +2024,6 @@ def referee(env):
 
 def shm_files(env):
     return sorted(p.name for p in Path(env["SIMGPU_STATE_DIR"]).iterdir() if p.name.startswith("shm-"))
-
-
-def wait_gone(pid, timeout=10.0):
-    """Until `pid` has exited (gone, or a zombie: its descriptors are closed either way)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{pid} is still running")
 
 
 class Stepper:
