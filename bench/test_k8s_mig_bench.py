@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from helpers.k8s.fake_api import FakeApiServer
-from helpers.k8s.node import Node
+from tests.helpers.k8s.fake_api import FakeApiServer
+from tests.helpers.k8s.node import Node
 
 from vgpu.sim import sim_environment
 

@@ -11,8 +11,8 @@ import time
 import psutil
 
 from conftest import sim_env
-from helpers.k8s.fake_api import FakeApiServer
-from helpers.k8s.node import Node
+from tests.helpers.k8s.fake_api import FakeApiServer
+from tests.helpers.k8s.node import Node
 
 from vgpu import slices
 

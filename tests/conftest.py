@@ -1,6 +1,6 @@
 """Shared fixtures (pytest finds them here) and the suite's guard.  The harness the tests
 import -- the simulated node, JSON-lines children, waiting, the Kubernetes stand-ins -- is
-in helpers/ (see its __init__.py).
+in tests/helpers/ (see its __init__.py).
 """
 import os
 import secrets
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from helpers.paths import CSRC, PROGRAMS
-from helpers.simnode import make_sim_env
+from tests.helpers.paths import CSRC, PROGRAMS
+from tests.helpers.simnode import make_sim_env
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def c_program(tmp_path_factory):
 
 # --- No process outlives the suite --------------------------------------------------------
 # Every process a test starts carries RUN_MARK in its environment (children inherit it from
-# this process's environment, and helpers.simnode copies os.environ), or is a descendant of
+# this process's environment, and tests.helpers.simnode copies os.environ), or is a descendant of
 # this process; after each test the ones not seen before are noted with the test's id, and at
 # the end of the session any still alive fails the run, naming the test, and is killed.
 # Each pytest process (an xdist worker too) has a mark of its own.

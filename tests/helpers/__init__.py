@@ -1,5 +1,5 @@
-"""The tests' shared harness, imported as `helpers` (pyproject.toml puts tests/ on the path
-for the suite and the benchmarks alike):
+"""The tests' shared harness, imported as tests.helpers by the suite and the benchmarks alike
+(pyproject.toml puts the repository root on the path):
 
   paths       the repository's places the tests read (ROOT, csrc/, tests/programs/, fixtures)
   simnode     a simulated node: the environment of a child bound to a fresh simgpu node,

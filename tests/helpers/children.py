@@ -2,7 +2,7 @@
 import json
 import select
 
-from helpers.simnode import start_python
+from tests.helpers.simnode import start_python
 
 
 class JsonChild:

@@ -155,7 +155,8 @@ def _compute_run(st, nvml_share, charged_share, seconds):
     for i in range(int(seconds / 0.25) + 1):
         t = i * 0.25
         p = proc(101, GiB, GiB, util=nvml_share // 100)
-        sd = slice_device(st, [p], sm_max=3000, sm_nvml=nvml_share, gpu_time_ns=int(t * 1e9 * charged_share / SHARE_FULL))
+        sd = slice_device(st, [p], sm_max=3000, sm_nvml=nvml_share,
+                          gpu_time_ns=int(t * 1e9 * charged_share / SHARE_FULL))
         started += judge.update(snapshot(t, sd), observer)[0]
     return started
 

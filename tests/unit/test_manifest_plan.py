@@ -3,7 +3,7 @@ which change each slice gets, the capacity rule, and the order apply takes.  tes
 runs the same through `vgpu-ctl apply` and `export`."""
 import pytest
 
-from helpers.simnode import write_usage_counters
+from tests.helpers.simnode import write_usage_counters
 from vgpu import manifest, slices
 from vgpu.slices import DeviceQuota
 

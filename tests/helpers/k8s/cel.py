@@ -1,12 +1,12 @@
 """Kubernetes' CEL on cel-python, as DRA device selectors and admission policies see it:
 resource.Quantity values and the Kubernetes quantity library (quantity(), isQuantity(),
 compareTo, isGreaterThan, ...), used by the scheduler stand-in (tests/helpers/k8s/controllers.py)
-and the claim-caps ValidatingAdmissionPolicy test (tests/test_k8s_install.py).  DRA/ below
+and the claim-caps ValidatingAdmissionPolicy test (tests/k8s/test_k8s_install.py).  DRA/ below
 is kubernetes/kubernetes staging/src/k8s.io/dynamic-resource-allocation/.
 """
 from decimal import Decimal, localcontext
 
-from helpers.k8s.defaults import canonical, parse
+from tests.helpers.k8s.defaults import canonical, parse
 
 
 # === quantities ===

@@ -32,8 +32,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from helpers.k8s.cel import CelError, Quantity, cel_device, matches
-from helpers.k8s.fake_api import RESOURCE_API
+from tests.helpers.k8s.cel import CelError, Quantity, cel_device, matches
+from tests.helpers.k8s.fake_api import RESOURCE_API
 
 GEN_CHARS = "bcdfghjklmnpqrstvwxz2456789"
 NEWEST = "1.37"

@@ -78,8 +78,8 @@ import time
 import uuid
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from helpers.k8s.defaults import stored as defaulted
-from helpers.k8s.models import roundtrip
+from tests.helpers.k8s.defaults import stored as defaulted
+from tests.helpers.k8s.models import roundtrip
 
 RESOURCE_API = "resource.k8s.io/v1"
 _SLICES = "/apis/resource.k8s.io/v1/resourceslices"

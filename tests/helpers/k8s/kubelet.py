@@ -37,7 +37,7 @@ import time
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from helpers.k8s.cdi import CONTAINERD_2_0, Registry
+from tests.helpers.k8s.cdi import CONTAINERD_2_0, Registry
 from vgpu.k8s.protos import dra_health_v1alpha1_pb2 as dra_health
 from vgpu.k8s.protos import dra_health_v1alpha1_pb2_grpc as dra_health_grpc
 from vgpu.k8s.protos import dra_v1_pb2 as dra

@@ -1,6 +1,6 @@
 """A simulated GPU node for the DRA driver: `vgpu-ctl k8s-plugin` as a real process, the
 shim installed, the kubelet stand-in, claims in the fake API server.  Shared by
-tests/test_k8s_plugin.py and bench/test_k8s_plugin_bench.py.
+tests/k8s/test_k8s_plugin.py and bench/test_k8s_plugin_bench.py.
 """
 import json
 import os
@@ -13,8 +13,8 @@ import time
 import weakref
 from pathlib import Path
 
-from helpers.k8s.fake_api import allocated_claim
-from helpers.k8s.kubelet import Kubelet
+from tests.helpers.k8s.fake_api import allocated_claim
+from tests.helpers.k8s.kubelet import Kubelet
 
 CTL = str(Path(sys.executable).parent / "vgpu-ctl")
 DRIVER, NODE, NS = "vgpu.dev", "node-a", "team-a"
