@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The vgpu node agent image: vgpu-ctl and the shim, for a DaemonSet (deploy/daemonset.yaml)
 # or `docker run` on a GPU node.  Both build steps are scripts that CI runs too
-# (tests/test_image_steps.py), since the machines that test this have no Docker engine:
+# (tests/deploy/test_image_steps.py), since the machines that test this have no Docker engine:
 #   build stage:  tools/image/build-wheel.sh      (compiles the shim and simgpu into the wheel)
 #   final stage:  tools/image/install-runtime.sh  (installs it; no compiler in this stage)
 #

@@ -59,7 +59,7 @@ bench: $(VENV)/.test
 	$(BIN)/python -m pytest bench -q -s -p no:cacheprovider --benchmark-json=bench/last-run.json --benchmark-columns=median
 
 # The node agent image's build steps (tools/image/, run by the Dockerfile and by
-# tests/test_image_steps.py).  `wheel` needs no Docker; `image` needs a Docker engine.
+# tests/deploy/test_image_steps.py).  `wheel` needs no Docker; `image` needs a Docker engine.
 IMAGE ?= vgpu:0.1.0
 
 wheel: venv

@@ -10,14 +10,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tests.helpers.k8s.fake_api import FakeApiServer
+from tests.helpers.k8s.node import Node
 
-from k8s_fake_api import FakeApiServer  # noqa: E402
-from k8s_node import Node  # noqa: E402
-
-from vgpu.sim import sim_environment  # noqa: E402
+from vgpu.sim import sim_environment
 
 ROUNDS = 10
 PLACEMENTS = ("gpu-0-mig-3g40gb-0", "gpu-0-mig-3g40gb-4")

@@ -3,22 +3,18 @@ side by side with the same slice made and removed by slices.create/delete direct
 the agent's CPU while idle (publishing every --rescan).
 
 The agent, the kubelet stand-in and the fake API server are the tests' own
-(tests/k8s_node.py); the API server is in this process, on loopback.
+(tests/helpers/k8s/node.py); the API server is in this process, on loopback.
 """
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import sim_env
+from tests.helpers.k8s.fake_api import FakeApiServer
+from tests.helpers.k8s.node import Node
 
-from conftest import sim_env  # noqa: E402
-from k8s_fake_api import FakeApiServer  # noqa: E402
-from k8s_node import Node  # noqa: E402
-
-from vgpu import slices  # noqa: E402
+from vgpu import slices
 
 CLAIMS = 40
 GiB = 1 << 30

@@ -3,7 +3,7 @@
  *
  * Written from NVIDIA's published nvml.h ("NVML VERSION: 13.3.29", NVML_API_VERSION 13,
  * the nvmlMultiInstanceGPU group and nvmlDeviceAttributes_t) and checked against the
- * ctypes layouts of nvidia-ml-py (pynvml.py); tests/test_simgpu_mig.py compares both.
+ * ctypes layouts of nvidia-ml-py (pynvml.py); tests/simgpu/test_simgpu_mig.py compares both.
  * Field order and types are nvml.h's; the sizes below are what the compiler must agree on.
  */
 #ifndef VGPU_NVML_MIG_ABI_H
@@ -191,7 +191,7 @@ typedef struct nvmlDeviceAttributes_st {
     unsigned long long memorySizeMB;
 } nvmlDeviceAttributes_t;
 
-/* The sizes the published layouts give on LP64 (tests/test_simgpu_mig.py checks pynvml's). */
+/* The sizes the published layouts give on LP64 (tests/simgpu/test_simgpu_mig.py checks pynvml's). */
 _Static_assert(sizeof(nvmlGpuInstancePlacement_t) == 8, "nvmlGpuInstancePlacement_t");
 _Static_assert(sizeof(nvmlGpuInstanceProfileInfo_t) == 48, "nvmlGpuInstanceProfileInfo_t");
 _Static_assert(sizeof(nvmlGpuInstanceProfileInfo_v2_t) == 152 && nvmlGpuInstanceProfileInfo_v2 == 0x02000098u,

@@ -297,7 +297,7 @@ def test_every_test_the_support_matrix_names_exists():
     text = (ROOT / "docs/kubernetes-versions.md").read_text()
     named = re.findall(r"`(test_[A-Za-z0-9_]+)(…)?(?:\[[^`]*\])?`", text)
     assert len(named) >= 8, named
-    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py")),
+    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py")),
                              re.M))
     for name, shortened in named:
         assert any(d == name or (shortened and d.startswith(name)) for d in defined), f"no test {name}"

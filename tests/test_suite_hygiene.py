@@ -1,5 +1,6 @@
 """The suite's own guard (conftest.py): a process a test leaves running fails the run,
 named with the test after which it was first seen, and is killed."""
+import os
 import re
 import shutil
 import subprocess
@@ -27,11 +28,17 @@ def test_after():
 '''
 
 
+def _pytest(directory):
+    """pytest on `directory` alone, the repository on the path (the conftest imports tests.helpers)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(directory)],
+                          capture_output=True, text=True, timeout=120, cwd=directory, env=env)
+
+
 def test_a_process_left_running_fails_the_run_names_its_test_and_is_killed(tmp_path):
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_leaky.py").write_text(LEAKY)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = _pytest(tmp_path)
     pid = int((tmp_path / "daemon.pid").read_text())
     assert out.returncode != 0, out.stdout
     assert "3 passed, 1 error" in out.stdout, out.stdout
@@ -43,6 +50,5 @@ def test_a_process_left_running_fails_the_run_names_its_test_and_is_killed(tmp_p
 def test_a_tidy_run_passes(tmp_path):
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_tidy.py").write_text(LEAKY.split("def test_leaves")[0])
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = _pytest(tmp_path)
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout

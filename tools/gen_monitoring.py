@@ -11,7 +11,7 @@ file) and deploy/grafana/*.json (the dashboards); the copies:
 
 Helm reads a template's `{{` as its own, so the chart's copies write each `{{` of the rules'
 and the dashboards' templates as the action {{ "{{" }}, which prints it.  Rerun after
-changing a source (tests/test_observability.py fails while a copy is stale):
+changing a source (tests/deploy/test_observability.py fails while a copy is stale):
 
     python tools/gen_monitoring.py
 """

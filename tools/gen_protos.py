@@ -2,7 +2,7 @@
 
     python tools/gen_protos.py [OUT_DIR]
 
-Without OUT_DIR the stubs are written next to the .proto files; tests/test_k8s_protos.py
+Without OUT_DIR the stubs are written next to the .proto files; tests/k8s/test_k8s_protos.py
 generates into a temporary directory and compares, so stubs never drift from the protos.
 """
 import os

@@ -1,7 +1,7 @@
 """Draw each Grafana dashboard of deploy/grafana from real Prometheus query results, with
 matplotlib (Grafana itself cannot be had here): docs/dashboard-<name>.png.
 
-It runs tests/test_observability.py's dashboard test with VGPU_DASHBOARD_DATA set, so that
+It runs tests/deploy/test_observability.py's dashboard test with VGPU_DASHBOARD_DATA set, so that
 a real Prometheus scrapes a node agent on simgpu with workloads for --seconds more, and the
 test writes every panel's range query results; then each panel is drawn where its gridPos
 puts it (Grafana's grid: 24 columns), its series named by their legendFormat, dashed where
@@ -30,7 +30,8 @@ def run_test(data, seconds):
     python = ROOT / ".venv" / "bin" / "python"
     env = {**os.environ, "VGPU_DASHBOARD_DATA": str(data), "VGPU_DASHBOARD_SECONDS": str(seconds)}
     subprocess.run([str(python if python.exists() else sys.executable), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "tests/test_observability.py", "-k", "every_query_of_a_dashboard"], cwd=ROOT, env=env, check=True)
+                    "tests/deploy/test_observability.py", "-k", "every_query_of_a_dashboard"],
+                   cwd=ROOT, env=env, check=True)
 
 
 def legend(fmt, labels):
@@ -76,7 +77,7 @@ def draw(dashboard, data, out):
     height_in = head_in + rows * unit_in
     fig = plt.figure(figsize=(width_in, height_in))
     fig.suptitle(f"{dashboard['title']}  (Grafana dashboard {dashboard['uid']}, drawn from Prometheus query results "
-                 "of tests/test_observability.py)", fontsize=12, y=1 - 0.15 / height_in)
+                 "of tests/deploy/test_observability.py)", fontsize=12, y=1 - 0.15 / height_in)
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colors = {}
     marks = [r for a in dashboard["annotations"]["list"] for r in regions(data["queries"][f"annotation {a['name']}"])]

@@ -1,7 +1,7 @@
 """cffi builder for vgpu._region: the layout of the quota and usage files.
 
 The cdef is the marked region of csrc/vgpu_region.h (and of csrc/region_atomics.h), so C
-and Python cannot drift apart (tests/test_region_layout.py checks offsets as C compiles
+and Python cannot drift apart (tests/shim/test_region_layout.py checks offsets as C compiles
 them against these).
 """
 import os

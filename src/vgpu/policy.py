@@ -18,7 +18,7 @@ current quota:
                                       what the device has left, shared by request when short
   restart(track, quota)   -> track    after a change: a fresh window under the new quota
 
-Invariants (tests/test_autoscale_policy.py checks them for any sequence of samples):
+Invariants (tests/autoscale/test_autoscale_policy.py checks them for any sequence of samples):
   - request <= quota <= limit, always;
   - memory is never shrunk below its peak use in the window plus a margin;
   - a grow never takes the sum of a device's quotas above its capacity (memory: physical

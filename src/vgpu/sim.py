@@ -23,7 +23,7 @@ class Profile:
     context_overhead_mib: int = 0
 
 
-# Must match the table in simgpu/node.c (tests/test_simgpu_cuda.py checks each).
+# Must match the table in simgpu/node.c (tests/simgpu/test_simgpu_cuda.py checks each).
 PROFILES = {p.id: p for p in [
     Profile("a10", "NVIDIA A10", 24, 72, 256),
     Profile("a100-40g", "NVIDIA A100-SXM4-40GB", 40, 108, 384),

@@ -1,7 +1,7 @@
 """Let go of a file the way the kernel would see a process done with it: unmap every mapping
 of it and close every descriptor of it (for the shim's usage file: its slot's lock is then
 no longer held through this process).  Imported by tests/programs/tenant.py and by the
-children of tests/test_shim_races.py."""
+children of tests/shim/test_shim_races.py."""
 import ctypes
 import os
 

@@ -1,7 +1,7 @@
 /* Prints the MIG constants and struct layouts simgpu implements.  Built against
  * csrc/nvml_mig_abi.h, and with -DWITH_NVML_H against NVIDIA's nvml.h where one is
  * installed; the two outputs must be identical, and both must match nvidia-ml-py's
- * ctypes layouts (tests/test_simgpu_mig.py). */
+ * ctypes layouts (tests/simgpu/test_simgpu_mig.py). */
 #include <stddef.h>
 #include <stdio.h>
 

@@ -1,5 +1,5 @@
 /* Processes of one container ending in every way a process ends, for the accounting
- * tests (tests/test_shim_races.py).  The driver is found with dlopen + dlsym, as in
+ * tests (tests/shim/test_shim_races.py).  The driver is found with dlopen + dlsym, as in
  * shim_storm.c.
  *
  *   shim_lifecycle exit-freeing NTHREADS CHUNK DELAY_US

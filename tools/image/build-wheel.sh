@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Image build step 1 (the Dockerfile's build stage RUNs it; tests/test_image_steps.py runs
+# Image build step 1 (the Dockerfile's build stage RUNs it; tests/deploy/test_image_steps.py runs
 # it too): build the vgpu wheel, which compiles the shim and simgpu into vgpu/_lib/, and
 # check that they are in it.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Image build step 2 (the Dockerfile's final stage RUNs it; tests/test_image_steps.py runs
+# Image build step 2 (the Dockerfile's final stage RUNs it; tests/deploy/test_image_steps.py runs
 # it too): install the vgpu wheel into a virtual environment and check that vgpu-ctl runs
 # and finds its shim.  Needs no compiler: the wheel carries the compiled libraries.
 #

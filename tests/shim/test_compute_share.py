@@ -1,0 +1,376 @@
+"""Compute share: a container gets its share of GPU time, measured from outside.
+
+The referee (vgpu.referee) is simgpu's NVML in a process without the shim: per-process
+utilization (nvmlDeviceGetProcessUtilization), i.e. the GPU time each process's kernels
+really took on the device's timeline.  Workloads are tests/programs/duty.c: back-to-back launches of
+`sim_<N>us` kernels.  Margins are 5 points (a noisy 2-core machine); bench/ measures the
+real accuracy.
+"""
+import json
+import mmap
+import os
+import subprocess
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from tests.helpers.simnode import make_sim_env, run_python
+from vgpu.cli import main
+from vgpu._region import ffi
+from vgpu.paths import SHIM
+from vgpu.referee import start as start_referee
+
+pytestmark = pytest.mark.timing     # shares and latencies: run alone (Makefile)
+
+MARGIN = 5.0
+
+
+
+def tenant_env(tmp_path, container, share=None, **extra):
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
+                       VGPU_CONTAINER=container, **extra)
+    if share is not None:
+        env["VGPU_SM_LIMIT"] = share
+    return env
+
+
+def kept_slice_env(tmp_path, container, share):
+    """A tenant of a slice the controller made: it outlives its process (a standalone one,
+    made from VGPU_SM_LIMIT, goes with its last), so its usage file can be read after."""
+    runner = CliRunner()
+    r = runner.invoke(main, ["create", container, "--sm", share, "--dir", str(tmp_path / "vgpu"), "--overcommit"])
+    assert r.exit_code == 0, r.output
+    return tenant_env(tmp_path, container)
+
+
+def run_tenants(tmp_path, c_program, tenants, seconds, windows, during=None):
+    """Start each tenant (env, kernel_us, mode); return each window's share per tenant (%)."""
+    exe = c_program("duty")
+    t0 = time.time()
+    procs = [subprocess.Popen([str(exe), str(us), str(seconds), mode], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env, us, mode in tenants]
+    referee = start_referee([p.pid for p in procs], windows, t0, make_sim_env(tmp_path / "node"))
+    if during:
+        during(t0)
+    out, err = referee.communicate(timeout=seconds + 30)
+    for p in procs:
+        p.wait(timeout=seconds + 30)
+        assert p.returncode == 0, p.stderr.read()
+    assert referee.returncode == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("kernel_us", [20, 2000, 20000])
+@pytest.mark.parametrize("share", [25, 50, 75])
+def test_one_tenant_gets_its_share(tmp_path, c_program, share, kernel_us):
+    env = tenant_env(tmp_path, "t", f"{share}%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, kernel_us, "kernel")], 3.0, [[1.0, 2.8]])
+    assert abs(got - share) <= MARGIN, got
+
+
+def test_two_saturating_tenants_each_get_their_share(tmp_path, c_program):
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b", "70%")
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 6,
+                                   [[2.0, 5.5]])
+    assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
+
+
+def test_two_tenants_that_wait_for_each_kernel_still_get_their_shares(tmp_path, c_program):
+    """20 ms kernels and a sync after each (a training step that reads its loss): the 70%
+    tenant's launch waits behind the 30% tenant's kernel, and comes late to its own clock.
+    That time used to be forfeited, and a launch costing more than a burst then slept
+    before it could go: 29/58 in every window.  A late launch keeps up to a burst of it."""
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b", "70%")
+    windows = [[2.0 + i, 3.0 + i] for i in range(6)]
+    got = run_tenants(tmp_path, c_program, [(a, 20000, "sync"), (b, 20000, "sync")], 8.5, windows)
+    for got_a, got_b in got:
+        assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, got
+
+
+def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, c_program):
+    """sm.max caps a container; it does not reserve time against an unlimited neighbour."""
+    a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b")
+    b["VGPU_MEMORY_LIMIT"] = "1Gi"   # b is managed but has no SM limit
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 3.5,
+                                   [[1.0, 3.2]])
+    assert got_a <= 30 + MARGIN and got_a + got_b >= 100 - MARGIN, (got_a, got_b)
+
+
+@pytest.mark.parametrize("mode", ["graph", "ex", "ptsz"])
+def test_graphs_and_other_launch_paths_are_limited_like_kernels(tmp_path, c_program, mode):
+    env = tenant_env(tmp_path, "t", "40%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 1000, mode)], 3.0, [[1.0, 2.8]])
+    assert abs(got - 40) <= MARGIN, got
+
+
+def test_two_processes_of_one_container_share_one_budget(tmp_path, c_program):
+    env = tenant_env(tmp_path, "shared", "50%")
+    [[p1, p2]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel"), (env, 2000, "kernel")], 5,
+                             [[1.5, 4.5]])
+    assert abs(p1 + p2 - 50) <= MARGIN, (p1, p2)
+    assert p1 > 10 and p2 > 10   # both run, neither is starved
+
+
+def test_hami_sm_limit_variable_is_honoured(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", None, CUDA_DEVICE_SM_LIMIT="40")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 4, [[1.5, 3.5]])
+    assert abs(got - 40) <= MARGIN, got
+
+
+def test_full_share_is_not_paced_at_all(tmp_path, c_program):
+    env = kept_slice_env(tmp_path, "t", "100%")
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 3, [[1.0, 2.5]])
+    assert got >= 95, got
+    usage = (tmp_path / "vgpu" / "t" / "usage").read_bytes()
+    u = ffi.from_buffer("struct vgpu_usage *", usage)
+    assert u.devices[0].launches == 0 and u.devices[0].throttled_ns == 0
+
+
+def test_resize_from_20_to_60_percent_holds_within_a_second(tmp_path, c_program):
+    env = tenant_env(tmp_path, "t", "20%")
+
+    def resize(t0):
+        time.sleep(max(0.0, t0 + 2.5 - time.time()))
+        quota = tmp_path / "vgpu" / "t" / "quota"
+        fd = os.open(quota, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, ffi.sizeof("struct vgpu_quota")) as m:
+                q = ffi.from_buffer("struct vgpu_quota *", m)
+                q.generation += 1   # odd: being written
+                q.devices[0].sm_max = 6000
+                q.generation += 1
+                ffi.release(q)
+        finally:
+            os.close(fd)
+
+    before, after = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 6.5,
+                                [[1.0, 2.4], [3.5, 6.0]], during=resize)
+    assert abs(before[0] - 20) <= MARGIN, before
+    assert abs(after[0] - 60) <= MARGIN, after   # measured from 1 s after the resize
+
+
+def test_throttled_time_and_launches_are_counted(tmp_path, c_program):
+    env = kept_slice_env(tmp_path, "t", "25%")
+    run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 2, [[0.5, 1.5]])
+    u = ffi.from_buffer("struct vgpu_usage *", (tmp_path / "vgpu" / "t" / "usage").read_bytes())
+    d = u.devices[0]
+    assert d.launches > 100
+    # a saturating tenant at 25% waits about three quarters of the time
+    assert 1.0e9 < d.throttled_ns < 2.0e9, d.throttled_ns
+    assert 0.3e9 < d.gpu_time_ns < 0.8e9, d.gpu_time_ns
+
+
+def test_a_device_the_slice_was_not_given_refuses_launches_instead_of_waiting(tmp_path):
+    """vgpu-ctl gives this slice device 1 only (sm.max 0 on device 0): launches on device 0
+    fail at once with CUDA_ERROR_NOT_PERMITTED (800); device 1 runs."""
+    r = CliRunner().invoke(main, ["create", "c1", "--memory", "1Gi", "--sm", "50%", "--device", "1",
+                                  "--overcommit", "--dir", str(tmp_path / "vgpu")])   # no NVML here
+    assert r.exit_code == 0, r.output
+    env = make_sim_env(tmp_path / "node", devices=2, LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
+                       VGPU_CONTAINER="c1")
+    out = run_python("""
+        import time
+        from cuda.bindings import driver as cu
+        cu.cuInit(0)
+        codes = []
+        for dev in (0, 1):
+            _, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+            cu.cuCtxSetCurrent(ctx)
+            _, mod = cu.cuModuleLoadData(b"image")
+            _, fn = cu.cuModuleGetFunction(mod, b"sim_1000us")
+            t = time.monotonic()
+            codes.append(int(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0]))
+            codes.append(time.monotonic() - t < 1.0)
+        print(codes)
+    """, env).stdout
+    assert out.strip() == "[800, True, 0, True]"
+
+
+# === burst mode: guarantees that hold, idle time lent ===
+# Slices made by vgpu-ctl on one node share the share board (<dir>/.sm-board): a burst
+# slice (the default) is guaranteed --sm-request and runs up to --sm while the others
+# leave time idle; the moment a slice below its guarantee wants time, the others yield.
+
+def slice_env(tmp_path, name, *args):
+    r = CliRunner().invoke(main, ["create", name, *args, "--overcommit", "--dir", str(tmp_path / "vgpu")])
+    assert r.exit_code == 0, r.output
+    return make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER=name)
+
+
+def test_burst_lends_idle_time_and_ceiling_mode_does_not(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "90%", "--sm-request", "30%")
+    ceiling = slice_env(tmp_path, "ceil", "--sm", "30%")
+    [[got]] = run_tenants(tmp_path, c_program, [(burst, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 90) <= MARGIN, got          # alone: up to its ceiling
+    [[got]] = run_tenants(tmp_path, c_program, [(ceiling, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 30) <= MARGIN, got          # ceiling mode: sm.max, idle GPU or not
+
+
+def test_a_waking_guaranteed_slice_gets_its_share_back_and_the_burster_yields(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    guaranteed = slice_env(tmp_path, "steady", "--sm", "70%")
+    exe = c_program("duty")
+    t0 = time.time()
+    bursting = subprocess.Popen([str(exe), "2000", "5"], env=burst, stdout=subprocess.DEVNULL)
+    # the guaranteed slice starts 2 s in (same pid: exec), next to a slice bursting to 100%
+    woken = subprocess.Popen(["sh", "-c", f"sleep 2; exec {exe} 2000 3"], env=guaranteed, stdout=subprocess.DEVNULL)
+    referee = start_referee([bursting.pid, woken.pid], [[0.5, 1.8], [2.5, 4.8]], t0, make_sim_env(tmp_path / "node"))
+    out, err = referee.communicate(timeout=40)
+    assert referee.returncode == 0, err
+    before, after = json.loads(out)
+    assert bursting.wait(timeout=30) == 0 and woken.wait(timeout=30) == 0
+    assert before[0] >= 95 and before[1] == 0, before             # alone: it bursts
+    assert abs(after[1] - 70) <= MARGIN and abs(after[0] - 30) <= MARGIN, after   # from 0.5 s after waking
+
+
+def test_a_killed_slices_record_is_ignored_and_its_time_lent_again(tmp_path, c_program):
+    burst = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    other = slice_env(tmp_path, "other", "--sm", "70%")
+    exe = c_program("duty")
+    t0 = time.time()
+    procs = [subprocess.Popen([str(exe), "2000", "5"], env=env, stdout=subprocess.DEVNULL) for env in (burst, other)]
+    referee = start_referee([p.pid for p in procs], [[1.0, 2.0], [3.0, 4.8]], t0, make_sim_env(tmp_path / "node"))
+    time.sleep(max(0.0, t0 + 2.2 - time.time()))
+    procs[1].kill()     # its board entry stays as it was: it is ignored once stale
+    out, err = referee.communicate(timeout=40)
+    assert referee.returncode == 0, err
+    shared, alone = json.loads(out)
+    assert abs(shared[0] - 30) <= MARGIN and abs(shared[1] - 70) <= MARGIN, shared
+    assert alone[0] >= 95, alone
+    assert procs[0].wait(timeout=30) == 0
+
+
+def test_switching_modes_live_turns_yielding_on_and_off(tmp_path, c_program):
+    """Two saturating slices: a (up to 90%, guaranteed 30%) next to b (70%).  In burst mode
+    a yields to b's 70%; switched live to ceiling mode a runs at its sm.max (90%) whatever
+    b is guaranteed, and the two split the device by their launch rates; switched back,
+    b's 70% returns."""
+    a = slice_env(tmp_path, "a", "--sm", "90%", "--sm-request", "30%", "--sm-mode", "burst")
+    b = slice_env(tmp_path, "b", "--sm", "70%")
+
+    def switch(t0):
+        for at, mode in ((2.5, "ceiling"), (5.0, "burst")):   # (each judged from 0.8 s after, for 1.5 s)
+            time.sleep(max(0.0, t0 + at - time.time()))
+            r = CliRunner().invoke(main, ["resize", "a", "--sm-mode", mode, "--dir", str(tmp_path / "vgpu")])
+            assert r.exit_code == 0 and f"a sm mode: " in r.output, r.output
+
+    burst1, ceiling, burst2 = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 8.0,
+                                          [[1.0, 2.4], [3.3, 4.9], [6.3, 7.8]], during=switch)
+    assert abs(burst1[1] - 70) <= MARGIN and abs(burst2[1] - 70) <= MARGIN, (burst1, burst2)
+    assert ceiling[1] < 70 - 2 * MARGIN and ceiling[0] > 30 + 2 * MARGIN, ceiling
+
+
+def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path, c_program):
+    env = slice_env(tmp_path, "burst", "--sm", "80%", "--sm-request", "20%")
+    exe = c_program("duty")
+    p = subprocess.Popen([str(exe), "2000", "2.5"], env=env, stdout=subprocess.DEVNULL)
+    time.sleep(1.5)
+    r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
+                           env=make_sim_env(tmp_path / "node"))
+    assert p.wait(timeout=30) == 0
+    [c] = json.loads(r.output)["containers"]
+    [d] = c["devices"]
+    assert c["sm_mode"] == "burst" and d["sm_guaranteed"] == 2000 and d["sm_max"] == 8000
+    assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling
+
+
+def test_many_processes_starting_at_once_make_one_board_and_one_entry_per_slice(tmp_path, c_program):
+    """16 standalone processes of 4 containers start together in a fresh directory, and 4
+    of them are killed -9 at a random moment of their start, 20 rounds: the first shim
+    makes the board (complete or not at all), and each container ends with one entry its
+    processes compute on, however they raced for it (a process killed between taking an
+    entry and giving a second one back leaves one never computed, which nobody reads).
+    One process of each container runs on while the board is read: a standalone slice
+    goes with its last process, and the board the shims made with the last slice."""
+    import random
+    from vgpu import board
+    exe = c_program("duty")
+    for round_ in range(20):
+        base = tmp_path / f"r{round_}"
+        base.mkdir()
+        envs = [tenant_env(base, f"c{i % 4}", f"{20 + i % 4}%") for i in range(16)]
+        procs = [subprocess.Popen([str(exe), "200", "30" if i < 4 else "0.15"], env=env, stdout=subprocess.DEVNULL)
+                 for i, env in enumerate(envs)]
+        stayers, others = procs[:4], procs[4:]
+        try:
+            for p in random.sample(others, 4):
+                time.sleep(random.uniform(0, 0.01))
+                p.kill()
+            for p in others:
+                p.wait(timeout=60)
+            vgpu_dir = base / "vgpu"
+            assert sorted(p.name for p in vgpu_dir.iterdir() if p.name.startswith(".")) == [".sm-board"]
+            entries = board.read(vgpu_dir)
+            computed = {k: [e for e in v if e["ceiling"]] for k, v in entries.items()}
+            assert set(computed) == {board.slice_key(f"c{i}") for i in range(4)}, entries
+            assert all(len(v) == 1 for v in computed.values()), (round_, entries)
+            assert {e["ceiling"] for v in computed.values() for e in v} <= {2000, 2100, 2200, 2300}
+        finally:
+            for p in stayers:
+                p.kill()
+                p.wait(timeout=60)
+
+
+def test_a_hostile_board_entry_keeps_a_burst_slice_at_its_guarantee_never_below(tmp_path, c_program):
+    """Another tenant writes an entry that asks for the whole device and keeps it fresh: the
+    burst slice gets no idle time lent (it cannot know the time is idle), and keeps its
+    guaranteed 30%."""
+    from vgpu import board
+    env = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "30%")
+    exe = c_program("duty")
+    stop = []
+
+    def forge(t0):   # once the slice's section exists, a second entry beside it, kept live
+        path = tmp_path / "vgpu" / board.BOARD
+        fd = os.open(path, os.O_RDWR)
+        with mmap.mmap(fd, board.BOARD_SIZE) as m:
+            b = ffi.from_buffer("struct vgpu_board *", m)
+            while time.time() < t0 + 3.8:
+                dev = next((b.devices[i] for i in range(64) if b.devices[i].claimed == 1), None)
+                if dev is not None:
+                    e = dev.slices[63]
+                    now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                    e.key, e.guarantee, e.ceiling, e.demand = 12345, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF
+                    e.period_ns, e.paid_until_ns = now, now + 10**9
+                time.sleep(0.05)
+            ffi.release(b)
+        os.close(fd)
+
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 4, [[1.5, 3.5]], during=forge)
+    assert abs(got - 30) <= MARGIN, got
+
+
+def test_a_tenant_truncating_the_board_crashes_no_neighbour(tmp_path, c_program):
+    """The board is writable from every container.  Another tenant truncates it, to 4096
+    bytes and then to 0, while two slices pace launches on it (the shims never map it: a
+    mapping would fault, SIGBUS, on the next touch): both keep running, each at least at
+    its guarantee."""
+    from vgpu import board
+    a = slice_env(tmp_path, "a", "--sm", "100%", "--sm-request", "30%")
+    b = slice_env(tmp_path, "b", "--sm", "100%", "--sm-request", "50%")
+    path = tmp_path / "vgpu" / board.BOARD
+
+    def truncate(t0):
+        time.sleep(max(0.0, t0 + 1.0 - time.time()))
+        assert board.read(tmp_path / "vgpu")      # both were on it
+        os.truncate(path, 4096)                   # as `truncate -s 4096` from a container
+        time.sleep(max(0.0, t0 + 1.6 - time.time()))
+        os.truncate(path, 0)
+
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 3.5,
+                                   [[1.2, 3.3]], during=truncate)     # (each exited 0: run_tenants checks)
+    assert got_a >= 30 - MARGIN and got_b >= 50 - MARGIN, (got_a, got_b)
+
+
+def test_a_broken_board_is_no_crash_and_a_burst_slice_runs_at_its_guarantee(tmp_path, c_program):
+    from vgpu import board
+    env = slice_env(tmp_path, "burst", "--sm", "100%", "--sm-request", "40%")
+    (tmp_path / "vgpu" / board.BOARD).write_bytes(b"not a board")   # a tenant's doing
+    [[got]] = run_tenants(tmp_path, c_program, [(env, 2000, "kernel")], 3, [[1.0, 2.8]])
+    assert abs(got - 40) <= MARGIN, got          # fail closed for bursting: lends nothing it cannot see
+    r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
+                           env=make_sim_env(tmp_path / "node"))
+    assert r.exit_code == 0, r.output
+    [d] = json.loads(r.output)["containers"][0]["devices"]
+    assert d["sm_allowance"] is None and d["sm_guaranteed"] == 4000
