@@ -335,3 +335,26 @@ def test_paper_curves_follow_the_arrived_load_and_plot_where_matplotlib_is(tmp_p
                                                       "hint: pip install matplotlib\n")
     out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--plot", str(png))
     assert out.returncode == 2 and "--plot draws the --paper protocol's curve; hint: add --paper" in out.stderr
+
+
+def test_fgd_keeps_room_for_the_workloads_typical_pods_where_best_fit_leaves_a_sliver():
+    # the workload: mostly half-GPU pods.  After the 400 on a, a 500 on a would leave 100,
+    # which none of them can use (fragmentation grows by 100); on b it leaves 500, which fits one
+    nodes = [node("a", gpus=1), node("b", gpus=1)]
+    pods = [pod("p400", 400), pod("p500", 500), pod("q500", 500), pod("r500", 500)]
+    fgd = where(plan.simulate(pods, nodes, "fgd"))
+    assert fgd["p400"] == ("a", [0]) and fgd["p500"] == ("b", [0])
+    assert where(plan.simulate(pods, nodes, "best-fit-exact"))["p500"] == ("a", [0])
+
+
+def test_fgd_breaks_ties_by_node_name_as_the_papers_simulator_does():
+    nodes = [node("z", gpus=1), node("y", gpus=2)]     # unlike, but alike in score for this pod
+    for seed in range(3):
+        assert where(plan.simulate([pod("p", 300)], nodes, "fgd", seed=seed))["p"] == ("y", [0])
+
+
+def test_fgd_typical_pods_cover_95_percent_of_the_workload():
+    from vgpu.plan.fgd import typical_pods
+    assert typical_pods([pod(f"a{k}", 500) for k in range(19)] + [pod("b", 300)]) == [(1000, 500, 1, None, 1.0)]
+    kinds = typical_pods([pod(f"a{k}", 500) for k in range(18)] + [pod("b", 300), pod("c", 300)])
+    assert kinds == [(1000, 500, 1, None, 0.9), (1000, 300, 1, None, 0.1)]
