@@ -176,7 +176,7 @@ def test_cli_json_through_vgpu_ctl(tmp_path):
     out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json")
     assert out.returncode == 0, out.stderr
     got = {r["policy"]: r for r in json.loads(out.stdout)["policies"]}
-    assert list(got) == ["whole-gpu", "k8s-default", "first-fit", "best-fit", "random"]
+    assert list(got) == ["whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "random"]
     ff = got["first-fit"]
     # the 8-GPU pod wants V100s: the only one has 1 GPU; the 1.0 and 0.46 pods share nothing
     assert ff["unplaced"] == ["openb-pod-0003"] and ff["gpus"] == 11 and ff["gpu_asked"] == 9.46
