@@ -139,7 +139,7 @@ class Autoscaler:
         if self.reader.problems != self._problems:
             for name, why in sorted(self.reader.problems.items()):
                 if self._problems.get(name) != why:
-                    self.log(json.dumps({"ts": format_utc(), "event": "error", "container": name, "error": why},
+                    self.log(json.dumps({"ts": format_utc(), "event": "error", "slice": name, "error": why},
                                         separators=(",", ":")))
             self._problems = dict(self.reader.problems)
         if self._reaped_at is None or now - self._reaped_at >= REAP_S:
@@ -255,18 +255,18 @@ class Autoscaler:
     def _apply(self, decisions, now):
         by_slice = collections.defaultdict(list)
         for dec in decisions:
-            st = self._state(dec.container, dec.device)
+            st = self._state(dec.slice, dec.device)
             if not dec.changes:     # wanted to change, could not: logged (and counted) once a window
                 last = st.blocked.get(dec.resource) if st else None
                 if last is None or now - last >= self.policy.window:
                     if st:
                         st.blocked[dec.resource] = now
                     self._emit("hold", dec, applied=False)
-                    self.decisions_total[(dec.container, dec.device, dec.resource, "hold")] += 1
+                    self.decisions_total[(dec.slice, dec.device, dec.resource, "hold")] += 1
                 continue
             if st:
                 st.blocked.pop(dec.resource, None)
-            by_slice[(dec.container, dec.device)].append(dec)
+            by_slice[(dec.slice, dec.device)].append(dec)
         failed_shrinks = set()      # (device, resource): grows may have counted on what they free
         # the generation each slice's decisions were made at (moved on by our own resizes)
         expected = {name: v.gen for name, v in self.reader.views.items()}

@@ -131,7 +131,7 @@ class NodeCollector:
                 total.add_metric([name or "", kind], n)
             active = GaugeMetricFamily("vgpu_violations_active", "Violations going on now.",
                                        labels=["container", "kind"])
-            now = collections.Counter((v.container or "", v.kind) for v in list(a.judge.active.values()))
+            now = collections.Counter((v.slice or "", v.kind) for v in list(a.judge.active.values()))
             for (name, kind), n in sorted(now.items()):
                 active.add_metric([name, kind], n)
             acts = CounterMetricFamily("vgpu_agent_actions", "Actions the node agent took on processes.",

@@ -260,7 +260,7 @@ def decide(track: Track, bounds: Bounds, policy: Policy, now) -> Want:
 # === a device's decisions ===
 
 class Item(NamedTuple):
-    container: str
+    slice: str
     device: int
     track: Track
     bounds: Bounds
@@ -269,7 +269,7 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True)
 class Decision:
-    container: str
+    slice: str
     device: int
     resource: str
     action: str          # "grow", "shrink", or "hold" (wanted to change, could not)
@@ -286,7 +286,7 @@ class Decision:
         return self.new != self.old
 
     def to_json(self) -> dict:
-        return {"container": self.container, "device": self.device, "resource": self.resource,
+        return {"slice": self.slice, "device": self.device, "resource": self.resource,
                 "action": self.action, "old": self.old, "new": self.new, "request": self.request,
                 "limit": self.limit, "use": self.use, "reason": self.reason, "shared": self.shared}
 
@@ -353,17 +353,17 @@ def plan(items, capacity, allocated, policy: Policy, now) -> list:
                               "capacity is unknown (no NVML: pass --device-memory)") for it, w in grows]
             continue
         free = cap - total
-        key = {(it.container): i for i, (it, _) in enumerate(grows)}
-        want = {it.container: w.target - it.track.quota for it, w in grows}
+        key = {(it.slice): i for i, (it, _) in enumerate(grows)}
+        want = {it.slice: w.target - it.track.quota for it, w in grows}
         need = sum(want.values())
         if need <= free:
             out += [_decision(it, w, w.target) for it, w in grows]
             continue
-        weights = {it.container: it.bounds.request for it, _ in grows}
+        weights = {it.slice: it.bounds.request for it, _ in grows}
         got = share(want, weights, free, policy.align(r))
         note = (f"capacity short: {fmt(r, need)} wanted, {fmt(r, max(free, 0))} free of {fmt(r, cap)} on "
                 f"device {d}; shared by request ("
-                + ", ".join(f"{it.container} {fmt(r, it.bounds.request)}" for it, _ in grows) + ")")
+                + ", ".join(f"{it.slice} {fmt(r, it.bounds.request)}" for it, _ in grows) + ")")
         least = max(policy.align(r), policy.step_min(r) // 8)   # not worth a resize below this
         for c in sorted(key):
             it, w = grows[key[c]]
@@ -376,7 +376,7 @@ def plan(items, capacity, allocated, policy: Policy, now) -> list:
 
 
 def _decision(it: Item, w: Want, new, action=None, reason=None, shared=False) -> Decision:
-    return Decision(it.container, it.device, it.track.resource, action or w.action, it.track.quota, new,
+    return Decision(it.slice, it.device, it.track.resource, action or w.action, it.track.quota, new,
                     reason or w.reason, it.bounds.request, it.bounds.limit, it.track.use, shared)
 
 
@@ -407,7 +407,7 @@ class Simulation:
         decisions = plan(items, {(0, r): v for r, v in self.capacity.items()}, allocated, self.policy, now)
         for dec in decisions:
             if dec.changes:
-                key = (dec.container, dec.resource)
+                key = (dec.slice, dec.resource)
                 self.quotas[key] = dec.new
                 self.tracks[key] = restart(self.tracks[key], dec.new, now)
             self.log.append((now, dec))

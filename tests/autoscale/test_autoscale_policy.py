@@ -82,7 +82,7 @@ def test_quotas_stay_within_request_limit_and_device_capacity_for_any_samples(da
             if total > total_before:
                 assert total <= capacity[r]
         for d in decisions:
-            key = (d.container, d.resource)
+            key = (d.slice, d.resource)
             if d.action == "shrink" and d.resource == MEMORY:
                 use = samples[key].use
                 assert d.new >= use + margin(use)          # never below use + margin
@@ -144,7 +144,7 @@ def test_two_grows_on_a_full_device_are_shared_by_request_and_the_log_says_so():
         b = observe(b, Sample(t, 2 * GiB - MiB, 2 * GiB, 1), policy)
     items = [Item("a", 0, a, Bounds(2 * GiB, 8 * GiB)), Item("b", 0, b, Bounds(GiB, 8 * GiB))]
     out = plan(items, {(0, MEMORY): 24 * GiB}, {(0, MEMORY): 24 * GiB - 768 * MiB}, policy, 1.5)
-    got = {d.container: d.new - d.old for d in out}
+    got = {d.slice: d.new - d.old for d in out}
     assert got == {"a": 512 * MiB, "b": 256 * MiB}              # 768Mi free, 2:1 by request
     assert all(d.action == "grow" and d.shared for d in out)
     assert "capacity short" in out[0].reason and "shared by request (a 2Gi, b 1Gi)" in out[0].reason

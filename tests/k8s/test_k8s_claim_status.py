@@ -238,9 +238,9 @@ def test_a_prepared_claim_labels_its_slice_with_namespace_pod_and_container(tmp_
     out = subprocess.run([CTL, "status", "--dir", str(node.slice_dir)], env=node.env, capture_output=True,
                          text=True, timeout=60)
     header, row = out.stdout.splitlines()[:2]
-    assert header.split()[:3] == ["CONTAINER", "POD", "DEVICE"]
+    assert header.split()[:3] == ["SLICE", "POD", "DEVICE"]
     assert row.split()[:2] == [share, f"{NS}/train-0/trainer"]
-    [c] = json.loads(node.ctl("status", "--json"))["containers"]
+    [c] = json.loads(node.ctl("status", "--json"))["slices"]
     assert c["labels"]["pod"] == "train-0"
     # unprepare removes the slice with its labels
     node.kubelets[0].unprepare(claim)
@@ -321,7 +321,7 @@ def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
     n.start("--claim-status-interval", "200ms")
     claim, share = pod_claim(n, "judged")
     n.kubelet().prepare(claim)
-    violations = [{"kind": "gap", "container": share, "device": 0, "action": "report", "offenders": [],
+    violations = [{"kind": "gap", "slice": share, "device": 0, "action": "report", "offenders": [],
                    "memory_driver": 2 * GiB, "memory_current": GiB, "memory_max": 4 * GiB}]
     stop = threading.Event()
 

@@ -269,7 +269,7 @@ def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path
     r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
                            env=make_sim_env(tmp_path / "node"))
     assert p.wait(timeout=30) == 0
-    [c] = json.loads(r.output)["containers"]
+    [c] = json.loads(r.output)["slices"]
     [d] = c["devices"]
     assert c["sm_mode"] == "burst" and d["sm_guaranteed"] == 2000 and d["sm_max"] == 8000
     assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling
@@ -372,5 +372,5 @@ def test_a_broken_board_is_no_crash_and_a_burst_slice_runs_at_its_guarantee(tmp_
     r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
                            env=make_sim_env(tmp_path / "node"))
     assert r.exit_code == 0, r.output
-    [d] = json.loads(r.output)["containers"][0]["devices"]
+    [d] = json.loads(r.output)["slices"][0]["devices"]
     assert d["sm_allowance"] is None and d["sm_guaranteed"] == 4000

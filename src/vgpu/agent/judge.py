@@ -15,7 +15,7 @@ from .settings import FORGED_CHARGE, SLACK_S
 class Violation:
     kind: str
     key: tuple               # what it is about: (slice, device) or ("", host pid, start)
-    container: str
+    slice: str
     device: int
     since: float             # monotonic time the condition was first seen
     started: float = None    # when it became a violation (after the grace period / window)
@@ -26,7 +26,7 @@ class Violation:
     wall: float = None
 
     def to_json(self):
-        return {"kind": self.kind, "container": self.container or None, "device": json_device(self.device),
+        return {"kind": self.kind, "slice": self.slice or None, "device": json_device(self.device),
                 "since": round(self.wall, 3) if self.wall else None, "action": self.action,
                 "offenders": [p for p, _ in self.offenders], **self.detail}
 

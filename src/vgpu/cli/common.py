@@ -145,7 +145,7 @@ class Name(click.ParamType):
 
     def convert(self, value, param, ctx):
         if not slices.valid_name(value):
-            self.fail(f"{value!r} is not a valid container name (letters, digits, '-', '_', '.'; not starting "
+            self.fail(f"{value!r} is not a valid slice name (letters, digits, '-', '_', '.'; not starting "
                       "with '.' or '-'; under 64 characters)", param, ctx)
         return value
 

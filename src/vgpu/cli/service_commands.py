@@ -284,8 +284,8 @@ def agent(ctx, interval, grace, compute_window, tolerance, tolerance_ratio, proc
 def serve(port, address, directory):
     """Serve Prometheus metrics for the node's slices at /metrics.
 
-    Per container and device: memory used/quota/request/limit (bytes), SM share
-    used/quota (ratio), throttled and GPU seconds, launches, OOM refusals; per container:
+    Per slice and device: memory used/quota/request/limit (bytes), SM share
+    used/quota (ratio), throttled and GPU seconds, launches, OOM refusals; per slice:
     resize events and processes; per device: capacity and NVML's usage.  Read on each
     scrape, nothing in between.
 

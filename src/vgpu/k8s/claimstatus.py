@@ -197,7 +197,7 @@ class Writer:
             return
         data = status_mod.collect(self.slice_dir, previous=self.previous, use_nvml=self.use_nvml)
         self.previous = data
-        by_slice = {c["name"]: c for c in data["containers"]}
+        by_slice = {c["name"]: c for c in data["slices"]}
         self._violations = data.get("violations")   # None: no node agent (vgpu-ctl agent) judging
         self._driver_memory = {}
         self._nvml = data["nvml"]["available"]
@@ -231,7 +231,7 @@ class Writer:
                 e.update(data={"slice": entry["slice"], "problem": "the slice is gone from this node"}, ready=False,
                          message="the slice is gone from this node")
             if self._violations is not None:
-                e["violations"] = [v for v in self._violations if v.get("container") == entry["slice"] and
+                e["violations"] = [v for v in self._violations if v.get("slice") == entry["slice"] and
                                    v.get("device", index) == index]
             out.append(e)
         return out

@@ -59,10 +59,10 @@ class EventSink:
             (None, None, None)
 
     def violation(self, v, record):
-        namespace, pod, uid = self._pod(v.container)
+        namespace, pod, uid = self._pod(v.slice)
         if pod:
             self._put(event(namespace, pod, REASONS.get(v.kind, "VgpuViolation"),
-                            f"slice {v.container} device {v.device}: {describe_violation(record)}", self.node,
+                            f"slice {v.slice} device {v.device}: {describe_violation(record)}", self.node,
                             pod_uid=uid))
 
     def action(self, container, kind, action, pid, result):
