@@ -115,7 +115,7 @@ def test_a_process_that_bypasses_the_shim_is_held_by_the_driver_and_resize_and_d
     assert c["memory_layer"] == {"layer": "driver+shim", "why": None}
     assert "memory capped by the driver too: train" in ctl(env, "status").stdout
     scraped = run_python(METRICS, env).stdout
-    assert 'vgpu_memory_layer_info{container="train",layer="driver+shim"} 1.0' in scraped, scraped
+    assert 'vgpu_memory_layer_info{container="train",layer="driver+shim",slice="train"} 1.0' in scraped, scraped
     ctl(env, "resize", "train", "--memory", "1Gi")         # grows with it, process running
     assert driver_limit(env, "train")[1] == GiB
     assert raw.alloc(512 * MiB) == 0

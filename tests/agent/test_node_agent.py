@@ -18,9 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.containers import mount_script, namespaces_work
+from tests.helpers.exposition import series
 from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
 from tests.helpers.wait import process_state, wait_until
@@ -161,8 +161,7 @@ class Agent:
             time.sleep(0.05)
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
+        return series(text)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -439,7 +438,7 @@ def test_an_unsliced_process_appears_in_status_and_metrics(node_, spawn, agents)
     m = agent.metrics()
     assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 3 * GiB // 2
     assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 1
-    assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "a")))] == GiB
     assert m[("vgpu_unknown_processes", (("device", "0"),))] == 0
 
 
@@ -730,10 +729,10 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     row = next(line for line in n.ctl("status").stdout.splitlines() if line.startswith("(unsliced)"))
     assert f"512Mi on {label}" in row
     m = agent.metrics()
-    assert m[("vgpu_memory_driver_bytes", (("container", "m"), ("device", "0")))] == 7 * GiB // 4
-    assert m[("vgpu_memory_driver_bytes", (("container", "soft"), ("device", "0")))] == GiB
-    assert m[("vgpu_slice_device_info", (("container", "m"), ("device", "0"), ("mig_uuid", rec["uuid"]),
-                                         ("nvml_device", label)))] == 1
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "m")))] == 7 * GiB // 4
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "soft")))] == GiB
+    assert m[("vgpu_slice_device_info", (("device", "0"), ("mig_uuid", rec["uuid"]),
+                                         ("nvml_device", label), ("slice", "m")))] == 1
     assert m[("vgpu_unsliced_memory_bytes", (("device", label),))] == GiB // 2
     assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 0
     assert ("vgpu_unsliced_memory_bytes", (("device", "1"),)) not in m       # GPU 1 has no processes of its own
@@ -1172,9 +1171,8 @@ def test_serve_takes_the_driver_s_view_on_each_scrape(node_, spawn):
         port = int(re.search(r":(\d+)/metrics", serve.stderr.readline()).group(1))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
-             for f in text_string_to_metric_families(text) for s in f.samples}
-        assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+        m = series(text)
+        assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "a")))] == GiB
         assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == GiB // 2
         assert not any(k[0].startswith("vgpu_violations") for k in m)     # no agent: no verdicts
     finally:
