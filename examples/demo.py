@@ -163,7 +163,7 @@ def run_phase(label, env, timing, names, with_vgpu, during=None):
             continue
         child = dict(env)
         if with_vgpu:
-            child.update(LD_PRELOAD=str(shim_path()), VGPU_CONTAINER=name)
+            child.update(LD_PRELOAD=str(shim_path()), VGPU_SLICE=name)
         procs[name] = subprocess.Popen([sys.executable, __file__, "--tenant", role, str(timing.run_s), str(mem)],
                                        env=child, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seconds = int(timing.run_s)

@@ -247,7 +247,7 @@ def test_the_agent_puts_a_container_s_slice_cap_on_its_cgroup_and_a_bypasser_is_
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "2Gi", "--request", "1Gi")
     box = boxes(_slice_mounts(node_, "a"), cgroup=cgroup)
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     raw = box.run(inner_env(node_))                   # no shim: only the driver can hold it
     assert member.call(alloc=GiB // 2) == 0 and raw.call(alloc=GiB) == 0
     agent = agents(node_, "--interval", "200ms")
@@ -279,7 +279,7 @@ def test_two_slices_in_one_cgroup_are_left_to_the_shim_and_say_why(tmp_path, box
     for name in ("a", "b"):
         node_.ctl("create", name, "--memory", "1Gi")
         box = boxes(_slice_mounts(node_, name), cgroup=cgroup)
-        t = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER=name))
+        t = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE=name))
         assert t.call(alloc=GiB // 4) == 0
     agent = agents(node_, "--interval", "200ms")
     said = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "shim only", 10)

@@ -53,7 +53,7 @@ class Node:
         return json.loads(self.ctl("status", "--json").stdout)
 
     def shim_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
     def usage(self, name):
         return slices.read_usage(self.dir, name)     # a plain read: it reaps nothing
@@ -566,7 +566,7 @@ def test_a_child_started_with_env_i_under_ld_so_preload_is_capped(node_, boxes, 
     # the same without the identity file: the child has nothing to tell it its slice
     node_.ctl("create", "b", "--memory", "1Gi")
     box2 = boxes(_slice_mounts(node_, "b", identity=False, preload=preload))
-    p2 = box2.run(inner_env(node_, VGPU_CONTAINER="b"))
+    p2 = box2.run(inner_env(node_, VGPU_SLICE="b"))
     assert p2.call(alloc=2 * GiB) == OOM
     p2.call(child=[sys.executable, TENANT], send=[{"alloc": 2 * GiB}])
     p2.read()
@@ -595,7 +595,7 @@ def test_a_process_without_the_shim_in_a_slice_s_container_is_attributed_to_it(n
 def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_reported(node_, cgroup, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi")
     box = boxes(_slice_mounts(node_, "a", identity=False), cgroup=cgroup)   # an older container: no identity file
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     assert member.call(alloc=GiB // 2) == 0
     raw = box.run(inner_env(node_))
     assert raw.call(alloc=GiB) == 0
@@ -615,7 +615,7 @@ def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_report
 def test_a_process_in_a_slice_s_pid_namespace_is_attributed_by_it(node_, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi")
     box = boxes(_slice_mounts(node_, "a", identity=False), pid_ns=True)
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     assert member.call(alloc=GiB // 2) == 0
     raw = box.run(inner_env(node_))
     assert raw.call(alloc=GiB) == 0
@@ -857,7 +857,7 @@ def test_a_standalone_slice_holds_the_node_s_devices_and_goes_with_its_last_proc
 
 def test_a_standalone_slice_leaves_a_node_in_use_as_it_was(node_, spawn):
     node_.ctl("create", "kept", "--memory", "1Gi")      # makes the share board
-    t = spawn(standalone_env(node_, VGPU_CONTAINER="solo", VGPU_SM_LIMIT="50%"))
+    t = spawn(standalone_env(node_, VGPU_SLICE="solo", VGPU_SM_LIMIT="50%"))
     assert t.call(alloc=256 * MiB) == 0 and t.call(hog=200)["hog"] == 0     # on the board too
     assert sorted(p.name for p in node_.dir.iterdir()) == [".sm-board", "kept", "solo"]
     t.end()

@@ -82,7 +82,7 @@ class Node:
         return out
 
     def workload_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
     def agent(self, name):
         a = Agent(self.workload_env(name))

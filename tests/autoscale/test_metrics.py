@@ -168,7 +168,7 @@ def test_serve_on_simgpu_reports_the_device_from_nvml_and_the_slice_from_its_fil
                    capture_output=True)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(GiB)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True,
-                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d), "VGPU_CONTAINER": "c1"})
+                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d), "VGPU_SLICE": "c1"})
     serve = subprocess.Popen([CTL, "serve", "--port", "0", "--address", "127.0.0.1", "--dir", str(d)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -326,10 +326,10 @@ def test_env_shell_exports_put_the_shim_in_front_of_ld_preload(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     out = ctl("env", "c1").stdout
     assert out.splitlines() == [f'export LD_PRELOAD={SHIM}"${{LD_PRELOAD:+:$LD_PRELOAD}}"',
-                                f"export VGPU_DIR={ctl.dir}", "export VGPU_CONTAINER=c1",
+                                f"export VGPU_DIR={ctl.dir}", "export VGPU_SLICE=c1", "export VGPU_CONTAINER=c1",
                                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
     for before, after in [("", f"{SHIM}"), ("libm.so.6", f"{SHIM}:libm.so.6")]:
-        got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_CONTAINER"'],
+        got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_SLICE"'],
                              env={"PATH": "/usr/bin:/bin", "LD_PRELOAD": before}, capture_output=True,
                              text=True).stdout
         assert got == f"{after}|c1"
@@ -343,8 +343,8 @@ def test_env_docker_mounts_shim_and_quota_read_only_and_usage_writable(ctl):
     assert mounts == [f"{SHIM}:/usr/local/lib/vgpu/libvgpu.so:ro", f"{ctl.dir}/c1/quota:/run/vgpu/c1/quota:ro",
                       f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw", f"{ctl.dir}/c1/identity:/run/vgpu/.slice:ro",
                       f"{ctl.dir}/.sm-board:/run/vgpu/.sm-board:rw"]
-    assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=c1",
-                    "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+    assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_SLICE=c1",
+                    "VGPU_CONTAINER=c1", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 
 
 def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
@@ -361,8 +361,8 @@ def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
         "vgpu-c1-slice": {"path": f"{ctl.dir}/c1/identity", "type": "File"},
         "vgpu-sm-board": {"path": f"{ctl.dir}/.sm-board", "type": "File"}}
     assert {e["name"]: e["value"] for e in doc["env"]} == {
-        "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_CONTAINER": "c1",
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_SLICE": "c1",
+        "VGPU_CONTAINER": "c1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def test_k8s_yaml_quotes_values_that_would_change_type():
@@ -375,8 +375,8 @@ def test_k8s_yaml_quotes_values_that_would_change_type():
 def test_env_json_and_unknown_container(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     data = json.loads(ctl("env", "c1", "--json").stdout)
-    assert data["variables"] == {"LD_PRELOAD": str(SHIM), "VGPU_DIR": str(ctl.dir), "VGPU_CONTAINER": "c1",
-                                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert data["variables"] == {"LD_PRELOAD": str(SHIM), "VGPU_DIR": str(ctl.dir), "VGPU_SLICE": "c1",
+                                 "VGPU_CONTAINER": "c1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert set(data) == {"variables", "docker", "k8s"}
     one_line_error(ctl("env", "nope"), 1, "slice nope not found")
 
@@ -384,7 +384,7 @@ def test_env_json_and_unknown_container(ctl):
 # === run ===
 
 def test_run_exits_with_the_childs_code_and_removes_its_temporary_slice(ctl):
-    code = "import os, sys; sys.exit(3 if os.environ['VGPU_CONTAINER'].startswith('run-') else 9)"
+    code = "import os, sys; sys.exit(3 if os.environ['VGPU_SLICE'].startswith('run-') else 9)"
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--", sys.executable, "-c", code])
     assert r.exit_code == 3, r.output
     assert not ctl.dir.exists()   # with the node directory and share board it made

@@ -69,7 +69,7 @@ class Node:
         return json.loads(self.ctl(*args, "--json").stdout)
 
     def workload_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
 
 class Agent(JsonChild):
@@ -228,7 +228,7 @@ def test_run_sim_passes_the_exit_code_through_and_keeps_an_existing_preload(node
     child = ("import json, os, sys\n"
              "from cuda.bindings import driver as cu\n"
              "cu.cuInit(0); cu.cuCtxSetCurrent(cu.cuDevicePrimaryCtxRetain(cu.cuDeviceGet(0)[1])[1])\n"
-             "json.dump({'preload': os.environ['LD_PRELOAD'], 'ctr': os.environ['VGPU_CONTAINER'],\n"
+             "json.dump({'preload': os.environ['LD_PRELOAD'], 'ctr': os.environ['VGPU_SLICE'],\n"
              "           'info': [int(x) for x in cu.cuMemGetInfo()[1:]],\n"
              "           'over': int(cu.cuMemAlloc(1 << 30)[0])}, open(sys.argv[1], 'w'))\n"
              "sys.exit(7)\n")

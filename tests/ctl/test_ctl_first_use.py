@@ -130,7 +130,7 @@ def test_dir_before_the_command_is_taken_by_every_command_that_has_one(node):
     assert slices.list_names(node.dir) == ["a"]
     assert [c["name"] for c in json.loads(node.ok("--dir", d, "list", "--json").stdout)] == ["a"]
     assert json.loads(node.ok("--dir", d, "status", "--json").stdout)["slices"][0]["name"] == "a"
-    assert "VGPU_CONTAINER=a" in node.ok("--dir", d, "env", "a").stdout
+    assert "VGPU_SLICE=a" in node.ok("--dir", d, "env", "a").stdout
     assert node.ok("--dir", d, "resize", "a", "--memory", "2Gi").stdout.splitlines()[-1] == "generation 4"
     assert node.ok("--dir", d, "reap").stdout == "nothing to reap\n"
     assert node.ok("--dir", d, "export").stdout.endswith("  a:\n    memory: 2Gi\n    request: 512Mi\n")

@@ -203,7 +203,7 @@ def node(tmp_path_factory):
 
     def tenant(name=None):
         t = Tenant(env if name is None else {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d),
-                                             "VGPU_CONTAINER": name})
+                                             "VGPU_SLICE": name})
         started.append(t.proc)
         return t
     try:
