@@ -349,7 +349,7 @@ def test_the_measured_context_cost_goes_into_the_cdi_spec_and_a_bad_measurement_
 # === keeping the ResourceSlice current ===
 
 def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
-    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.plugin_main import api_client
     from vgpu.k8s.resourceslice import Gpu, Publisher
     gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB), Gpu(1, "NVIDIA H200", "GPU-1", 141 * GiB)]
     events = []
@@ -372,7 +372,7 @@ def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
 
 
 def test_a_server_without_consumable_capacity_is_told_once_not_rewritten_forever(tmp_path):
-    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.plugin_main import api_client
     from vgpu.k8s.resourceslice import Gpu, Publisher
     gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB)]
     events = []
