@@ -27,9 +27,9 @@ import time
 
 from . import nvml, procfs, slices
 from .agent.model import record_place
-from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
+from .policy import (MEMORY, SM, Item, Policy, could_change, new_track, observe_values, plan,
                      restart)
-from .quantities import UNLIMITED, format_utc
+from .quantities import SHARE_FULL, UNLIMITED, format_utc
 from .slices.reader import NodeReader
 
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
@@ -205,8 +205,8 @@ class Autoscaler:
                         use, pressure = None, 0.0
                         if span > 0:
                             pressure = (thr - th_a) / span
-                            if q.sm_max < SM_CAPACITY:
-                                use = int((gpu - g_a) / span * SM_CAPACITY)
+                            if q.sm_max < SHARE_FULL:
+                                use = int((gpu - g_a) / span * SHARE_FULL)
                             else:
                                 use = self._nvml_sm(v, d, nvml_util)
                         tr = observe_values(tr, now, use, q.sm_max, pressure, pol)
@@ -222,7 +222,7 @@ class Autoscaler:
             capacity[(d, MEMORY)] = pool_memory[d] if d in pool_memory else self.memory_capacity(d)
             allocated[(d, MEMORY)] = total
         for d, total in sm_alloc.items():
-            capacity[(d, SM)], allocated[(d, SM)] = SM_CAPACITY, total
+            capacity[(d, SM)], allocated[(d, SM)] = SHARE_FULL, total
         decisions = plan(items, capacity, allocated, pol, now)
         if decisions:
             self._apply(decisions, now)

@@ -60,8 +60,8 @@ from . import podlabels, slices
 from .slices.reader import NodeReader
 from .agent.model import record_place
 from .agent.observe import Observer
-from .quantities import UNLIMITED
-from .snapshot import SM_FULL, SmUse, Snapshot
+from .quantities import SHARE_FULL, UNLIMITED
+from .snapshot import SmUse, Snapshot
 
 _CD = ["slice", "device"]
 # Names changed in this release, the old ones still served until the next: every series
@@ -243,12 +243,12 @@ class NodeCollector:
                 g["memory_quota_bytes"].add_metric(lab, _inf(q.memory_max))
                 g["memory_request_bytes"].add_metric(lab, _inf(q.memory_request))
                 g["memory_limit_bytes"].add_metric(lab, _inf(q.memory_limit))
-                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SM_FULL)
-                g["sm_request_ratio"].add_metric(lab, q.sm_request / SM_FULL)
-                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SM_FULL)
-                g["sm_guaranteed_ratio"].add_metric(lab, f.sm_guaranteed / SM_FULL)
+                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
+                g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
+                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
+                g["sm_guaranteed_ratio"].add_metric(lab, f.sm_guaranteed / SHARE_FULL)
                 if f.sm_allowance is not None:
-                    g["sm_allowance_ratio"].add_metric(lab, f.sm_allowance / SM_FULL)
+                    g["sm_allowance_ratio"].add_metric(lab, f.sm_allowance / SHARE_FULL)
                 k = f.counters
                 if k is None:
                     continue     # its usage file cannot be read: no counters rather than wrong ones
@@ -260,7 +260,7 @@ class NodeCollector:
                 c["sm_yielded_seconds"].add_metric(lab, k["yielded_ns"] / 1e9)
                 c["launches"].add_metric(lab, k["launches"])
                 if f.sm_used is not None:
-                    g["sm_used_ratio"].add_metric(lab, f.sm_used / SM_FULL)
+                    g["sm_used_ratio"].add_metric(lab, f.sm_used / SHARE_FULL)
         per_dev = snap.totals(lambda s, f: str(f.index) if where[s.name] is None else where[s.name])
 
         out = [*g.values(), *c.values(), resizes, procs, modes, layers]
@@ -275,7 +275,7 @@ class NodeCollector:
         for d, t in sorted(per_dev.items()):
             dev["memory_quota_bytes"].add_metric([d], t.memory_allocated)
             dev["memory_guaranteed_bytes"].add_metric([d], t.memory_guaranteed)
-            dev["sm_quota_ratio"].add_metric([d], t.sm_allocated / SM_FULL)
+            dev["sm_quota_ratio"].add_metric([d], t.sm_allocated / SHARE_FULL)
             dev["slices"].add_metric([d], t.slices)
             dev["containers"].add_metric([d], t.slices)
         out += dev.values()

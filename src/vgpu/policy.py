@@ -37,7 +37,6 @@ from .quantities import format_memory, format_share
 MEMORY, SM = "memory", "sm"
 RESOURCES = (MEMORY, SM)
 MiB = 1 << 20
-SM_CAPACITY = 10000          # 100% of a device's SM time, in the quota's unit (1/100 percent)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import click
 from .. import driverlimits, nvml
 from .. import slices
 from .. import status as status_mod
-from ..quantities import UNLIMITED, format_memory, format_share, format_utc
+from ..quantities import SHARE_FULL, UNLIMITED, format_memory, format_share, format_utc
 from . import common
 from .common import (DURATION, NAME, Owner, UsageFailure, change_arrow, check_sim_state, dir_option, emit_json,
                      existing_node_dir, json_option, main, node_dir_for_create, print_warning, quota_options,
@@ -16,7 +16,7 @@ from .common import (DURATION, NAME, Owner, UsageFailure, change_arrow, check_si
 
 
 def devices_arg(device, memory, sm, request, limit, sm_request, sm_limit):
-    q = slices.device_quota(UNLIMITED if memory is None else memory, 10000 if sm is None else sm,
+    q = slices.device_quota(UNLIMITED if memory is None else memory, SHARE_FULL if sm is None else sm,
                             request, limit, sm_request, sm_limit)
     return {d: q for d in (device or (0,))}
 
