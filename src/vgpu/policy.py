@@ -5,7 +5,7 @@ for its SM share; the autoscaler moves the effective quota (memory.max, sm.max) 
 them.  Everything here is data in, data out (no files, no clocks), so the loop in
 vgpu.autoscale and the property tests run the same code.
 
-One *track* per (container, device, resource) follows the samples taken under the
+One *track* per (slice, device, resource) follows the samples taken under the
 current quota:
 
   observe(track, sample)  -> track    a sample is `hot` (use >= high x quota, or pressure:
@@ -381,12 +381,12 @@ def _decision(it: Item, w: Want, new, action=None, reason=None, shared=False) ->
 
 @dataclass
 class Simulation:
-    """One device in memory, for tests and examples: a track per (container, resource)
+    """One device in memory, for tests and examples: a track per (slice, resource)
     from time `start`, decisions applied at once."""
     policy: Policy
     capacity: dict                               # resource -> capacity (None: unknown)
-    bounds: dict                                 # (container, resource) -> Bounds
-    quotas: dict                                 # (container, resource) -> quota
+    bounds: dict                                 # (slice, resource) -> Bounds
+    quotas: dict                                 # (slice, resource) -> quota
     fixed: dict = field(default_factory=dict)    # resource -> quota held by unmanaged slices
     start: float = 0.0
     tracks: dict = field(default_factory=dict)
@@ -397,7 +397,7 @@ class Simulation:
             self.tracks[(c, r)] = new_track(r, self.start, q)
 
     def step(self, now, samples: dict) -> list:
-        """samples: (container, resource) -> Sample; its quota is taken from `quotas`."""
+        """samples: (slice, resource) -> Sample; its quota is taken from `quotas`."""
         for key, s in samples.items():
             self.tracks[key] = observe(self.tracks[key], s._replace(quota=self.quotas[key]), self.policy)
         items = [Item(c, 0, self.tracks[(c, r)], self.bounds[(c, r)]) for (c, r) in sorted(self.tracks)]

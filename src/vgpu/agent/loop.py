@@ -44,7 +44,7 @@ class Agent:
         self.health = health.Watcher(self._health_event) if use_nvml else None
         self.cgroup_limits = CgroupLimits(self.observer, self.log) if use_nvml else None
         self.on_violation = on_violation or (lambda v, record: None)
-        self.on_action = on_action or (lambda container, kind, action, pid, result: None)
+        self.on_action = on_action or (lambda slice_name, kind, action, pid, result: None)
         self.reap_enabled = reap
         self.latest = None
         self.iterations = 0

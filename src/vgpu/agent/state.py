@@ -61,7 +61,7 @@ def agent_running(state, now=None) -> bool:
 # === for status ===
 
 def annotate(data: dict, use_nvml=True):
-    """Add the driver's view to `vgpu-ctl status`'s data: per container device
+    """Add the driver's view to `vgpu-ctl status`'s data: per slice device
     memory_driver, per process how it was attributed; unsliced and unknown GPU processes;
     and the agent's violations (when an agent runs)."""
     obs = Observer(data["dir"], use_nvml=use_nvml and data["nvml"]["available"])

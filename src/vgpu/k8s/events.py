@@ -52,9 +52,9 @@ class EventSink:
         self.sent = self.dropped = 0
         threading.Thread(target=self._run, name="vgpu-events", daemon=True).start()
 
-    def _pod(self, container):
+    def _pod(self, name):
         """(namespace, pod, pod uid) the slice serves; pod None when it serves none."""
-        labels = podlabels.read(self.directory, container) if container else {}
+        labels = podlabels.read(self.directory, name) if name else {}
         return (labels.get("namespace"), labels.get("pod"), labels.get("pod_uid")) if labels.get("pod") else \
             (None, None, None)
 
@@ -65,8 +65,8 @@ class EventSink:
                             f"slice {v.slice} device {v.device}: {describe_violation(record)}", self.node,
                             pod_uid=uid))
 
-    def action(self, container, kind, action, pid, result):
-        namespace, pod, uid = self._pod(container)
+    def action(self, name, kind, action, pid, result):
+        namespace, pod, uid = self._pod(name)
         if pod:
             self._put(event(namespace, pod, "VgpuAction", f"{action} pid {pid} ({kind}): {result}", self.node,
                             pod_uid=uid))
