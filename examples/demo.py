@@ -282,7 +282,7 @@ def phase_autoscaled(tmp, timing, vgpu_dir):
         reader.join(5)
     moves = [d for d in decisions if d.get("event") == "resize" and d.get("resource") == "sm"]
     for d in moves:
-        print(f"    {_ts(d['ts']) - t_start:4.1f} s  {d["slice"]}: sm.max {d['old'] / 100:g}% -> "
+        print(f"    {_ts(d['ts']) - t_start:4.1f} s  {d['slice']}: sm.max {d['old'] / 100:g}% -> "
               f"{d['new'] / 100:g}%  ({d['reason']})")
     final = {}
     for d in moves:
