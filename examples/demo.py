@@ -163,7 +163,7 @@ def run_phase(label, env, timing, names, with_vgpu, during=None):
             continue
         child = dict(env)
         if with_vgpu:
-            child.update(LD_PRELOAD=str(shim_path()), VGPU_CONTAINER=name)
+            child.update(LD_PRELOAD=str(shim_path()), VGPU_SLICE=name)
         procs[name] = subprocess.Popen([sys.executable, __file__, "--tenant", role, str(timing.run_s), str(mem)],
                                        env=child, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seconds = int(timing.run_s)
@@ -282,11 +282,11 @@ def phase_autoscaled(tmp, timing, vgpu_dir):
         reader.join(5)
     moves = [d for d in decisions if d.get("event") == "resize" and d.get("resource") == "sm"]
     for d in moves:
-        print(f"    {_ts(d['ts']) - t_start:4.1f} s  {d['container']}: sm.max {d['old'] / 100:g}% -> "
+        print(f"    {_ts(d['ts']) - t_start:4.1f} s  {d['slice']}: sm.max {d['old'] / 100:g}% -> "
               f"{d['new'] / 100:g}%  ({d['reason']})")
     final = {}
     for d in moves:
-        final[d["container"]] = d["new"] / 100
+        final[d["slice"]] = d["new"] / 100
     return res, final
 
 

@@ -11,12 +11,12 @@
  *      exactly the ABI that hook implements (abi_resolve.h), everything else untouched;
  *   4. NVML through dlopen("libnvidia-ml.so.1") + dlsym: as 2.
  *
- * Files (csrc/vgpu_region.h): <VGPU_DIR>/<VGPU_CONTAINER>/quota, mapped read-only, and
- * .../usage, mapped read-write and shared by all the container's processes.
+ * Files (csrc/vgpu_region.h): <VGPU_DIR>/<VGPU_SLICE>/quota, mapped read-only, and
+ * .../usage, mapped read-write and shared by all the slice's processes.
  *
  * Failure policy — said once here, and in the README:
  *   fail open (pass everything through untouched):
- *     - no vgpu configuration at all (no VGPU_CONTAINER and no limit variables): the
+ *     - no vgpu configuration at all (no VGPU_SLICE and no limit variables): the
  *       shim may be preloaded everywhere and must not disturb unmanaged programs;
  *     - a memory cap of "unlimited" on a device;
  *     - NVML calls when libnvidia-ml cannot be loaded (the program gets the driver's error);
@@ -1011,13 +1011,18 @@ static void configure(void)
         S.context_overhead_set = 1;
     }
 
-    const char *name = getenv("VGPU_CONTAINER");
+    /* the slice's name: VGPU_SLICE, or where it is unset or empty VGPU_CONTAINER, its old
+     * name (still read until the next release: an image's older tools may set only it) */
+    const char *name_var = "VGPU_SLICE";
+    const char *name = getenv(name_var);
+    if (!name || !*name)
+        name = getenv(name_var = "VGPU_CONTAINER");
     char file_name[VGPU_NAME_MAX];
     if ((slice_from_file = slice_file(file_name)) < 0)
         return;   /* denied, with the reason */
     if (slice_from_file) {
         if (name && *name && strcmp(name, file_name))
-            INFO("VGPU_CONTAINER=%s ignored: %s names slice %s", name, VGPU_SLICE_FILE, file_name);
+            INFO("%s=%s ignored: %s names slice %s", name_var, name, VGPU_SLICE_FILE, file_name);
         name = file_name;
     }
     struct vgpu_quota env_quota;
@@ -1027,13 +1032,13 @@ static void configure(void)
         return;   /* denied, with the reason */
     if (!from_env && !(name && *name)) {
         S.mode = MODE_PASS;   /* not a managed program */
-        DEBUG("no VGPU_CONTAINER and no limits: passing through");
+        DEBUG("no VGPU_SLICE and no limits: passing through");
         return;
     }
     if (!name || !*name)
         name = "default";
     if (!valid_name(name))
-        return deny("VGPU_CONTAINER=%s is not a valid name (letters, digits, '-', '_', '.')", name);
+        return deny("%s=%s is not a valid name (letters, digits, '-', '_', '.')", name_var, name);
 
     const char *dir = slice_from_file ? VGPU_SLICE_DIR : getenv("VGPU_DIR");
     char tmpdir[64], cdir[4096], qpath[4096];

@@ -233,7 +233,7 @@ def test_every_console_block_runs_and_shows_what_it_prints(page, tmp_path):
                     assert (rc != 0) == fails, f"{where} exited {rc}" + (" (the page shows an error)" if fails else "")
         if rel(page) == "README.md":   # the walk-through ends where it began: a second one starts clean
             _, left = session.run("vgpu-ctl list")
-            assert [line for line in left if line.strip()] == ["no containers in /tmp/vgpu"], left
+            assert [line for line in left if line.strip()] == ["no slices in /tmp/vgpu"], left
     finally:
         session.close()
 
@@ -243,7 +243,7 @@ def test_the_comparison_masks_only_what_the_machine_decides():
              "infer   25455  25455   3Gi   9%   python examples/serve.py 3Gi"]
     run = ["infer 0 3Gi/4Gi (75%) 12%/20% 1.4s 0 1 2",
            "infer 31337 31337 3Gi 11% python examples/serve.py 3Gi"]
-    header = ["CONTAINER  DEVICE  GPU-MEMORY  GPU-UTIL"]
+    header = ["SLICE  DEVICE  GPU-MEMORY  GPU-UTIL"]
     assert compare("vgpu-ctl status", header + shown, header + run)
     for changed in (("3Gi/4Gi", "2Gi/4Gi"), ("(75%)", "(50%)"), ("/20%", "/25%"), (" 0 1 2", " 1 1 2"),
                     ("serve.py", "train.py")):

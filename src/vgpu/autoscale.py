@@ -27,9 +27,9 @@ import time
 
 from . import nvml, procfs, slices
 from .agent.model import record_place
-from .policy import (MEMORY, SM, SM_CAPACITY, Item, Policy, could_change, new_track, observe_values, plan,
+from .policy import (MEMORY, SM, Item, Policy, could_change, new_track, observe_values, plan,
                      restart)
-from .quantities import UNLIMITED, format_utc
+from .quantities import SHARE_FULL, UNLIMITED, format_utc
 from .slices.reader import NodeReader
 
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
@@ -139,7 +139,7 @@ class Autoscaler:
         if self.reader.problems != self._problems:
             for name, why in sorted(self.reader.problems.items()):
                 if self._problems.get(name) != why:
-                    self.log(json.dumps({"ts": format_utc(), "event": "error", "container": name, "error": why},
+                    self.log(json.dumps({"ts": format_utc(), "event": "error", "slice": name, "error": why},
                                         separators=(",", ":")))
             self._problems = dict(self.reader.problems)
         if self._reaped_at is None or now - self._reaped_at >= REAP_S:
@@ -205,8 +205,8 @@ class Autoscaler:
                         use, pressure = None, 0.0
                         if span > 0:
                             pressure = (thr - th_a) / span
-                            if q.sm_max < SM_CAPACITY:
-                                use = int((gpu - g_a) / span * SM_CAPACITY)
+                            if q.sm_max < SHARE_FULL:
+                                use = int((gpu - g_a) / span * SHARE_FULL)
                             else:
                                 use = self._nvml_sm(v, d, nvml_util)
                         tr = observe_values(tr, now, use, q.sm_max, pressure, pol)
@@ -222,7 +222,7 @@ class Autoscaler:
             capacity[(d, MEMORY)] = pool_memory[d] if d in pool_memory else self.memory_capacity(d)
             allocated[(d, MEMORY)] = total
         for d, total in sm_alloc.items():
-            capacity[(d, SM)], allocated[(d, SM)] = SM_CAPACITY, total
+            capacity[(d, SM)], allocated[(d, SM)] = SHARE_FULL, total
         decisions = plan(items, capacity, allocated, pol, now)
         if decisions:
             self._apply(decisions, now)
@@ -255,18 +255,18 @@ class Autoscaler:
     def _apply(self, decisions, now):
         by_slice = collections.defaultdict(list)
         for dec in decisions:
-            st = self._state(dec.container, dec.device)
+            st = self._state(dec.slice, dec.device)
             if not dec.changes:     # wanted to change, could not: logged (and counted) once a window
                 last = st.blocked.get(dec.resource) if st else None
                 if last is None or now - last >= self.policy.window:
                     if st:
                         st.blocked[dec.resource] = now
                     self._emit("hold", dec, applied=False)
-                    self.decisions_total[(dec.container, dec.device, dec.resource, "hold")] += 1
+                    self.decisions_total[(dec.slice, dec.device, dec.resource, "hold")] += 1
                 continue
             if st:
                 st.blocked.pop(dec.resource, None)
-            by_slice[(dec.container, dec.device)].append(dec)
+            by_slice[(dec.slice, dec.device)].append(dec)
         failed_shrinks = set()      # (device, resource): grows may have counted on what they free
         # the generation each slice's decisions were made at (moved on by our own resizes)
         expected = {name: v.gen for name, v in self.reader.views.items()}

@@ -4,7 +4,7 @@ A custom collector: every scrape reads the slice files (kept open, see
 vgpu.slices.reader.NodeReader) and, where it is there, NVML.  Nothing is sampled between
 scrapes, so an idle exporter costs nothing.
 
-Per container and device (labels container, device):
+Per slice and device (labels slice, device):
   vgpu_memory_used_bytes, vgpu_memory_peak_bytes        memory.current, its peak
   vgpu_memory_quota_bytes                               memory.max (+Inf: no cap)
   vgpu_memory_request_bytes, vgpu_memory_limit_bytes    autoscale floor and ceiling
@@ -22,28 +22,30 @@ Per container and device (labels container, device):
                                                         (the share board; while pacing)
   vgpu_launches_total                                   paced launches
 Series of a slice the DRA driver made also carry namespace, pod and pod_container (the
-pod's container; `container` is the slice's name).
-Per container: vgpu_resize_events_total (quota writes: from the file's generation, so it
-survives restarts), vgpu_processes (live processes), vgpu_sm_mode_info{container,mode} (1).
+pod's container).  Every series with a slice label also carries `container`, the label's
+old name, with the same value: kept until the next release.
+Per slice: vgpu_resize_events_total (quota writes: from the file's generation, so it
+survives restarts), vgpu_processes (live processes), vgpu_sm_mode_info{slice,mode} (1).
 Per device (label device): vgpu_device_memory_total_bytes, vgpu_device_memory_used_bytes,
   vgpu_device_utilization_ratio (NVML), vgpu_device_info{name,uuid};
   vgpu_device_memory_quota_bytes (sum of caps), vgpu_device_memory_guaranteed_bytes (sum
-  of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_containers.
+  of requests), vgpu_device_sm_quota_ratio (sum of sm.max), vgpu_device_slices
+  (and vgpu_device_containers, its old name, until the next release).
   A MIG device is device="<gpu>/mig-<GI>-<CI>" (vgpu.agent.Place): a MIG slice's caps count
   there, never on the GPU its quota's index 0 would name.
 The driver's view (vgpu.agent: each process NVML lists, attributed to a slice or not):
-  vgpu_memory_driver_bytes{container,device}   what the driver says the slice's processes hold
-  vgpu_slice_device_info{container,device,nvml_device,mig_uuid}   where NVML lists the slice's device
+  vgpu_memory_driver_bytes{slice,device}   what the driver says the slice's processes hold
+  vgpu_slice_device_info{slice,device,nvml_device,mig_uuid}   where NVML lists the slice's device
   vgpu_unsliced_memory_bytes{device}, vgpu_unsliced_processes{device}   GPU processes in no slice
   vgpu_unknown_processes{device}               GPU processes this agent cannot see (pid namespace)
-With the node agent (`vgpu-ctl agent`): vgpu_violations_total{container,kind} (container
-"" for an unsliced process), vgpu_violations_active{container,kind},
-vgpu_agent_actions_total{kind,action}, vgpu_agent_gaps_unjudged_total{container,device},
+With the node agent (`vgpu-ctl agent`): vgpu_violations_total{slice,kind} (slice
+"" for an unsliced process), vgpu_violations_active{slice,kind},
+vgpu_agent_actions_total{kind,action}, vgpu_agent_gaps_unjudged_total{slice,device},
 vgpu_agent_reaped_slots_total,
 vgpu_agent_iterations_total, vgpu_agent_iteration_cpu_seconds; vgpu_gpu_healthy{device},
 vgpu_gpu_xid_errors_total{device,xid} (vgpu.health: NVML's XID events).
 vgpu_nvml_up: 1 when NVML answered.  With the autoscaler: vgpu_autoscale_decisions_total
-{container,device,resource,action}, vgpu_autoscale_ticks_total,
+{slice,device,resource,action}, vgpu_autoscale_ticks_total,
 vgpu_autoscale_tick_cpu_seconds.
 """
 import collections
@@ -58,10 +60,15 @@ from . import podlabels, slices
 from .slices.reader import NodeReader
 from .agent.model import record_place
 from .agent.observe import Observer
-from .quantities import UNLIMITED
-from .snapshot import SM_FULL, SmUse, Snapshot
+from .quantities import SHARE_FULL, UNLIMITED
+from .snapshot import SmUse, Snapshot
 
-_CD = ["container", "device"]
+_CD = ["slice", "device"]
+# Names changed in this release, the old ones still served until the next: every series
+# with a `slice` label also carries `container` (its old name, same value), and
+# vgpu_device_containers repeats vgpu_device_slices.
+OLD_LABEL = "container"
+_OLD = " Label container: the old name of slice, kept until the next release."
 
 
 def _inf(v):
@@ -126,12 +133,12 @@ class NodeCollector:
         a = self.agent
         if a is not None:
             total = CounterMetricFamily("vgpu_violations", "Violations the node agent found (one per start), by "
-                                        "slice (\"\" for an unsliced process) and kind.", labels=["container", "kind"])
+                                        "slice (\"\" for an unsliced process) and kind." + _OLD, labels=["slice", "kind"])
             for (name, kind), n in sorted(a.judge.counts.items()):
                 total.add_metric([name or "", kind], n)
-            active = GaugeMetricFamily("vgpu_violations_active", "Violations going on now.",
-                                       labels=["container", "kind"])
-            now = collections.Counter((v.container or "", v.kind) for v in list(a.judge.active.values()))
+            active = GaugeMetricFamily("vgpu_violations_active", "Violations going on now." + _OLD,
+                                       labels=["slice", "kind"])
+            now = collections.Counter((v.slice or "", v.kind) for v in list(a.judge.active.values()))
             for (name, kind), n in sorted(now.items()):
                 active.add_metric([name, kind], n)
             acts = CounterMetricFamily("vgpu_agent_actions", "Actions the node agent took on processes.",
@@ -139,8 +146,8 @@ class NodeCollector:
             for (kind, action), n in sorted(a.actions_total.items()):
                 acts.add_metric([kind, action], n)
             unjudged = CounterMetricFamily("vgpu_agent_gaps_unjudged", "Gaps the node agent left unjudged in a "
-                                           "look: the slice's charges moved in each bracketed look at the driver.",
-                                           labels=["container", "device"])
+                                           "look: the slice's charges moved in each bracketed look at the driver." + _OLD,
+                                           labels=["slice", "device"])
             for (name, d), n in sorted(a.judge.unjudged.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
                 unjudged.add_metric([name, str(d)], n)
             reaped = CounterMetricFamily("vgpu_agent_reaped_slots", "Dead processes' slots the agent reaped.")
@@ -171,37 +178,37 @@ class NodeCollector:
         now = time.monotonic()
         views = self.reader.refresh(now)
 
-        g = {name: GaugeMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
-            ("memory_used_bytes", "Device memory the container holds (memory.current)."),
-            ("memory_peak_bytes", "Most device memory the container has held."),
-            ("memory_quota_bytes", "The container's memory cap (memory.max); +Inf: no cap."),
+        g = {name: GaugeMetricFamily(f"vgpu_{name}", doc + _OLD, labels=_CD) for name, doc in (
+            ("memory_used_bytes", "Device memory the slice holds (memory.current)."),
+            ("memory_peak_bytes", "Most device memory the slice has held."),
+            ("memory_quota_bytes", "The slice's memory cap (memory.max); +Inf: no cap."),
             ("memory_request_bytes", "Guaranteed memory: the autoscaler's floor."),
             ("memory_limit_bytes", "The autoscaler's memory ceiling."),
-            ("sm_quota_ratio", "The container's share of SM time (sm.max; 1 = the whole GPU)."),
+            ("sm_quota_ratio", "The slice's share of SM time (sm.max; 1 = the whole GPU)."),
             ("sm_request_ratio", "Guaranteed SM share: the autoscaler's floor."),
             ("sm_limit_ratio", "The autoscaler's SM share ceiling."),
-            ("sm_used_ratio", "SM time the container used over the last interval, as a share of the GPU."),
+            ("sm_used_ratio", "SM time the slice used over the last interval, as a share of the GPU."),
             ("sm_guaranteed_ratio", "The SM share guaranteed when every slice wants its own (burst: sm.request; "
                                     "ceiling: sm.max)."),
-            ("sm_allowance_ratio", "The SM share the container's launches are paced at now (burst: its guarantee "
+            ("sm_allowance_ratio", "The SM share the slice's launches are paced at now (burst: its guarantee "
                                    "plus idle time lent, up to sm.max)."),
         )}
-        c = {name: CounterMetricFamily(f"vgpu_{name}", doc, labels=_CD) for name, doc in (
+        c = {name: CounterMetricFamily(f"vgpu_{name}", doc + _OLD, labels=_CD) for name, doc in (
             ("memory_oom_refusals", "Allocations refused because they would exceed memory.max."),
-            ("sm_gpu_time_seconds", "GPU time charged to the container's paced launches (sm.max < 100%)."),
-            ("sm_throttled_seconds", "Time the container's launches waited at its SM ceiling (sm.max)."),
-            ("sm_yielded_seconds", "Time the container's launches waited below sm.max, for other slices' "
+            ("sm_gpu_time_seconds", "GPU time charged to the slice's paced launches (sm.max < 100%)."),
+            ("sm_throttled_seconds", "Time the slice's launches waited at its SM ceiling (sm.max)."),
+            ("sm_yielded_seconds", "Time the slice's launches waited below sm.max, for other slices' "
                                    "guarantees (burst mode)."),
             ("launches", "Kernel launches paced against sm.max (none are counted at 100%)."),
         )}
-        resizes = CounterMetricFamily("vgpu_resize_events", "Quota changes since the container was created "
-                                      "(resize and autoscale).", labels=["container"])
-        procs = GaugeMetricFamily("vgpu_processes", "Live processes of the container.", labels=["container"])
-        modes = GaugeMetricFamily("vgpu_sm_mode_info", "The container's SM mode (burst or ceiling): 1.",
-                                  labels=["container", "mode"])
-        layers = GaugeMetricFamily("vgpu_memory_layer_info", "Who holds the container's memory cap: 1 for "
-                                   "driver+shim (the driver's per-cgroup limit too) or shim.",
-                                   labels=["container", "layer"])
+        resizes = CounterMetricFamily("vgpu_resize_events", "Quota changes since the slice was created "
+                                      "(resize and autoscale)." + _OLD, labels=["slice"])
+        procs = GaugeMetricFamily("vgpu_processes", "Live processes of the slice." + _OLD, labels=["slice"])
+        modes = GaugeMetricFamily("vgpu_sm_mode_info", "The slice's SM mode (burst or ceiling): 1." + _OLD,
+                                  labels=["slice", "mode"])
+        layers = GaugeMetricFamily("vgpu_memory_layer_info", "Who holds the slice's memory cap: 1 for "
+                                   "driver+shim (the driver's per-cgroup limit too) or shim." + _OLD,
+                                   labels=["slice", "layer"])
         listed = None            # MIG devices as the agent last saw them: {UUID: Place}
         if self.agent is not None:
             listed = self.agent.observer.mig_places
@@ -236,12 +243,12 @@ class NodeCollector:
                 g["memory_quota_bytes"].add_metric(lab, _inf(q.memory_max))
                 g["memory_request_bytes"].add_metric(lab, _inf(q.memory_request))
                 g["memory_limit_bytes"].add_metric(lab, _inf(q.memory_limit))
-                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SM_FULL)
-                g["sm_request_ratio"].add_metric(lab, q.sm_request / SM_FULL)
-                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SM_FULL)
-                g["sm_guaranteed_ratio"].add_metric(lab, f.sm_guaranteed / SM_FULL)
+                g["sm_quota_ratio"].add_metric(lab, q.sm_max / SHARE_FULL)
+                g["sm_request_ratio"].add_metric(lab, q.sm_request / SHARE_FULL)
+                g["sm_limit_ratio"].add_metric(lab, q.sm_limit / SHARE_FULL)
+                g["sm_guaranteed_ratio"].add_metric(lab, f.sm_guaranteed / SHARE_FULL)
                 if f.sm_allowance is not None:
-                    g["sm_allowance_ratio"].add_metric(lab, f.sm_allowance / SM_FULL)
+                    g["sm_allowance_ratio"].add_metric(lab, f.sm_allowance / SHARE_FULL)
                 k = f.counters
                 if k is None:
                     continue     # its usage file cannot be read: no counters rather than wrong ones
@@ -253,7 +260,7 @@ class NodeCollector:
                 c["sm_yielded_seconds"].add_metric(lab, k["yielded_ns"] / 1e9)
                 c["launches"].add_metric(lab, k["launches"])
                 if f.sm_used is not None:
-                    g["sm_used_ratio"].add_metric(lab, f.sm_used / SM_FULL)
+                    g["sm_used_ratio"].add_metric(lab, f.sm_used / SHARE_FULL)
         per_dev = snap.totals(lambda s, f: str(f.index) if where[s.name] is None else where[s.name])
 
         out = [*g.values(), *c.values(), resizes, procs, modes, layers]
@@ -261,12 +268,15 @@ class NodeCollector:
             ("memory_quota_bytes", "Sum of the memory caps handed out on the device."),
             ("memory_guaranteed_bytes", "Sum of the memory requests (guarantees) on the device."),
             ("sm_quota_ratio", "Sum of the SM shares handed out on the device (1 = the whole GPU)."),
-            ("containers", "Containers holding the device."),
+            ("slices", "Slices holding the device."),
+            ("containers", "Slices holding the device: the old name of vgpu_device_slices, kept until the next "
+                           "release."),
         )}
         for d, t in sorted(per_dev.items()):
             dev["memory_quota_bytes"].add_metric([d], t.memory_allocated)
             dev["memory_guaranteed_bytes"].add_metric([d], t.memory_guaranteed)
-            dev["sm_quota_ratio"].add_metric([d], t.sm_allocated / SM_FULL)
+            dev["sm_quota_ratio"].add_metric([d], t.sm_allocated / SHARE_FULL)
+            dev["slices"].add_metric([d], t.slices)
             dev["containers"].add_metric([d], t.slices)
         out += dev.values()
         up = GaugeMetricFamily("vgpu_nvml_up", "1 when NVML answered this scrape.")
@@ -295,8 +305,8 @@ class NodeCollector:
         a = self.autoscaler
         if a is not None:
             dec = CounterMetricFamily("vgpu_autoscale_decisions", "Autoscale decisions (hold: wanted to change, "
-                                      "could not; counted once a window).",
-                                      labels=["container", "device", "resource", "action"])
+                                      "could not; counted once a window)." + _OLD,
+                                      labels=["slice", "device", "resource", "action"])
             for (name, d, r, action), n in sorted(a.decisions_total.items()):
                 dec.add_metric([name, str(d), r, action], n)
             ticks = CounterMetricFamily("vgpu_autoscale_ticks", "Autoscale loop iterations.")
@@ -304,7 +314,7 @@ class NodeCollector:
             cpu = GaugeMetricFamily("vgpu_autoscale_tick_cpu_seconds", "CPU time of the last loop iteration.")
             cpu.add_metric([], a.last_tick_s)
             out += [dec, ticks, cpu]
-        return _with_pod_labels(out, self.directory, views)
+        return _with_old_label(_with_pod_labels(out, self.directory, views))
 
 
 POD_LABELS = {"namespace": "namespace", "pod": "pod", "container": "pod_container"}   # podlabels key -> label
@@ -312,7 +322,7 @@ POD_LABELS = {"namespace": "namespace", "pod": "pod", "container": "pod_containe
 
 def _with_pod_labels(families, directory, names):
     """Every series of a slice the DRA driver made also carries namespace, pod and
-    pod_container (`container` stays the slice's name); a slice made by hand keeps its
+    pod_container (the pod's container; `slice` is the slice's name); a slice made by hand keeps its
     labels as they were."""
     extra = {}
     for name in names:
@@ -321,8 +331,17 @@ def _with_pod_labels(families, directory, names):
             extra[name] = {label: known.get(key, "") for key, label in POD_LABELS.items()}
     if extra:
         for f in families:
-            f.samples = [s._replace(labels={**s.labels, **extra[s.labels["container"]]})
-                         if s.labels.get("container") in extra else s for s in f.samples]
+            f.samples = [s._replace(labels={**s.labels, **extra[s.labels["slice"]]})
+                         if s.labels.get("slice") in extra else s for s in f.samples]
+    return families
+
+
+def _with_old_label(families):
+    """Every series with a slice label also carries it as `container`, its old name
+    (kept until the next release)."""
+    for f in families:
+        f.samples = [s._replace(labels={**s.labels, OLD_LABEL: s.labels["slice"]}) if "slice" in s.labels else s
+                     for s in f.samples]
     return families
 
 

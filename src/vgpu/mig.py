@@ -381,7 +381,7 @@ def create_slice(directory, name, index, profile, quota, placement=None, overcom
     d (MIG mode must not be turned on under them).  Undoes the instance on failure."""
     slices.check_name(name)
     if name in slices.list_names(directory):
-        raise slices.Exists(f"container {name} already exists in {slices.node_dir(directory)}",
+        raise slices.Exists(f"slice {name} already exists in {slices.node_dir(directory)}",
                             f"delete it first (vgpu-ctl delete {name})")
     slices._check_order(0, quota)
     checked = check_profile(index, profile, placement)
@@ -414,11 +414,11 @@ def delete_slice(directory, name, force=False, disable_mig=False) -> dict:
     (--force: the files go, and the instance stays while a process is on it)."""
     record = slices.read_mig(directory, name)
     if record is None:
-        raise NotFound(f"container {name} is not a MIG slice", f"vgpu-ctl delete {name}")
+        raise NotFound(f"slice {name} is not a MIG slice", f"vgpu-ctl delete {name}")
     usage = slices.read_usage(directory, name)
     live = [p.pid for p in usage.procs if p.alive] if usage else []
     if live and not force:
-        raise Busy(f"container {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
+        raise Busy(f"slice {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
                    "stop them first, or pass --force")
     warnings, result = [], {"destroyed": False, "mig_mode_off": False}
     try:

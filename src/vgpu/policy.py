@@ -5,7 +5,7 @@ for its SM share; the autoscaler moves the effective quota (memory.max, sm.max) 
 them.  Everything here is data in, data out (no files, no clocks), so the loop in
 vgpu.autoscale and the property tests run the same code.
 
-One *track* per (container, device, resource) follows the samples taken under the
+One *track* per (slice, device, resource) follows the samples taken under the
 current quota:
 
   observe(track, sample)  -> track    a sample is `hot` (use >= high x quota, or pressure:
@@ -37,7 +37,6 @@ from .quantities import format_memory, format_share
 MEMORY, SM = "memory", "sm"
 RESOURCES = (MEMORY, SM)
 MiB = 1 << 20
-SM_CAPACITY = 10000          # 100% of a device's SM time, in the quota's unit (1/100 percent)
 
 
 @dataclass(frozen=True)
@@ -260,7 +259,7 @@ def decide(track: Track, bounds: Bounds, policy: Policy, now) -> Want:
 # === a device's decisions ===
 
 class Item(NamedTuple):
-    container: str
+    slice: str
     device: int
     track: Track
     bounds: Bounds
@@ -269,7 +268,7 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True)
 class Decision:
-    container: str
+    slice: str
     device: int
     resource: str
     action: str          # "grow", "shrink", or "hold" (wanted to change, could not)
@@ -286,7 +285,7 @@ class Decision:
         return self.new != self.old
 
     def to_json(self) -> dict:
-        return {"container": self.container, "device": self.device, "resource": self.resource,
+        return {"slice": self.slice, "device": self.device, "resource": self.resource,
                 "action": self.action, "old": self.old, "new": self.new, "request": self.request,
                 "limit": self.limit, "use": self.use, "reason": self.reason, "shared": self.shared}
 
@@ -353,17 +352,17 @@ def plan(items, capacity, allocated, policy: Policy, now) -> list:
                               "capacity is unknown (no NVML: pass --device-memory)") for it, w in grows]
             continue
         free = cap - total
-        key = {(it.container): i for i, (it, _) in enumerate(grows)}
-        want = {it.container: w.target - it.track.quota for it, w in grows}
+        key = {(it.slice): i for i, (it, _) in enumerate(grows)}
+        want = {it.slice: w.target - it.track.quota for it, w in grows}
         need = sum(want.values())
         if need <= free:
             out += [_decision(it, w, w.target) for it, w in grows]
             continue
-        weights = {it.container: it.bounds.request for it, _ in grows}
+        weights = {it.slice: it.bounds.request for it, _ in grows}
         got = share(want, weights, free, policy.align(r))
         note = (f"capacity short: {fmt(r, need)} wanted, {fmt(r, max(free, 0))} free of {fmt(r, cap)} on "
                 f"device {d}; shared by request ("
-                + ", ".join(f"{it.container} {fmt(r, it.bounds.request)}" for it, _ in grows) + ")")
+                + ", ".join(f"{it.slice} {fmt(r, it.bounds.request)}" for it, _ in grows) + ")")
         least = max(policy.align(r), policy.step_min(r) // 8)   # not worth a resize below this
         for c in sorted(key):
             it, w = grows[key[c]]
@@ -376,18 +375,18 @@ def plan(items, capacity, allocated, policy: Policy, now) -> list:
 
 
 def _decision(it: Item, w: Want, new, action=None, reason=None, shared=False) -> Decision:
-    return Decision(it.container, it.device, it.track.resource, action or w.action, it.track.quota, new,
+    return Decision(it.slice, it.device, it.track.resource, action or w.action, it.track.quota, new,
                     reason or w.reason, it.bounds.request, it.bounds.limit, it.track.use, shared)
 
 
 @dataclass
 class Simulation:
-    """One device in memory, for tests and examples: a track per (container, resource)
+    """One device in memory, for tests and examples: a track per (slice, resource)
     from time `start`, decisions applied at once."""
     policy: Policy
     capacity: dict                               # resource -> capacity (None: unknown)
-    bounds: dict                                 # (container, resource) -> Bounds
-    quotas: dict                                 # (container, resource) -> quota
+    bounds: dict                                 # (slice, resource) -> Bounds
+    quotas: dict                                 # (slice, resource) -> quota
     fixed: dict = field(default_factory=dict)    # resource -> quota held by unmanaged slices
     start: float = 0.0
     tracks: dict = field(default_factory=dict)
@@ -398,7 +397,7 @@ class Simulation:
             self.tracks[(c, r)] = new_track(r, self.start, q)
 
     def step(self, now, samples: dict) -> list:
-        """samples: (container, resource) -> Sample; its quota is taken from `quotas`."""
+        """samples: (slice, resource) -> Sample; its quota is taken from `quotas`."""
         for key, s in samples.items():
             self.tracks[key] = observe(self.tracks[key], s._replace(quota=self.quotas[key]), self.policy)
         items = [Item(c, 0, self.tracks[(c, r)], self.bounds[(c, r)]) for (c, r) in sorted(self.tracks)]
@@ -407,7 +406,7 @@ class Simulation:
         decisions = plan(items, {(0, r): v for r, v in self.capacity.items()}, allocated, self.policy, now)
         for dec in decisions:
             if dec.changes:
-                key = (dec.container, dec.resource)
+                key = (dec.slice, dec.resource)
                 self.quotas[key] = dec.new
                 self.tracks[key] = restart(self.tracks[key], dec.new, now)
             self.log.append((now, dec))

@@ -15,7 +15,8 @@ import time
 from ._region import lib
 
 UNLIMITED = lib.VGPU_UNLIMITED
-SHARE_FULL = 10000   # 100% in the quota's unit
+SHARE_FULL = 10000   # 100% of a device's SM time in the quota's unit (1/100 percent): the one name for it
+                     # (SM shares and SM use alike; csrc/vgpu_region.h states the unit in a comment)
 
 _BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
 _DECIMAL = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}

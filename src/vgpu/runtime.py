@@ -1,6 +1,6 @@
 """What a container runtime needs to put a program in a slice, and running one here.
 
-The variables are the shim's (VGPU_DIR, VGPU_CONTAINER, LD_PRELOAD); the mounts give the
+The variables are the shim's (VGPU_DIR, VGPU_SLICE, LD_PRELOAD); the mounts give the
 container the shim and its quota read-only and its usage file read-write.  Inside the
 container the files always live at /run/vgpu/<name>/ and the shim at CONTAINER_SHIM,
 wherever they are on the host.
@@ -27,7 +27,7 @@ CONTAINER_DIR = "/run/vgpu"
 CONTAINER_SHIM = "/usr/local/lib/vgpu/libvgpu.so"
 # the loader reads it in every process, whatever the environment says (install-shim --preload-file)
 CONTAINER_PRELOAD = "/etc/ld.so.preload"
-# the slice's name, read by the shim before VGPU_CONTAINER (so does the node agent, through
+# the slice's name, read by the shim before VGPU_SLICE (so does the node agent, through
 # /proc/<pid>/root, to know which container is whose); beside the slices' files
 CONTAINER_IDENTITY = "/run/vgpu/.slice"
 # the node's share board (board.py), where burst-mode slices see each other's demand
@@ -45,7 +45,9 @@ def add_preload(existing, shim) -> str:
 
 
 def variables(name, directory, shim, visible=None) -> dict:
-    v = {"LD_PRELOAD": str(shim), "VGPU_DIR": str(directory), "VGPU_CONTAINER": name,
+    # VGPU_CONTAINER: VGPU_SLICE's old name, written too until the next release, for an
+    # image that carries an older shim (which reads only it)
+    v = {"LD_PRELOAD": str(shim), "VGPU_DIR": str(directory), "VGPU_SLICE": name, "VGPU_CONTAINER": name,
          "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     if visible:
         v.update({"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible})

@@ -10,12 +10,9 @@ samples for its decisions rather than a picture; it does not render one.
 from dataclasses import dataclass, field
 
 from . import board, driverlimits, nvml, procfs
-from .quantities import UNLIMITED
+from .quantities import SHARE_FULL, UNLIMITED
 from .slices import MAX_DEVICES
 from .slices.usage import COUNTERS
-
-SM_FULL = 10000      # 100% in the quota's unit (SM shares and SM use alike)
-
 
 def shown_devices(quota, usage, nvml_count):
     """The devices a slice's rows cover: those it holds.  A quota made by a standalone
@@ -40,15 +37,15 @@ class SmUse:
         self._last = {}     # (slice, device) -> (monotonic s, gpu_time_ns, throttled_ns, sm_max)
 
     def measure(self, name, d, now, counters, sm_max, from_nvml):
-        """(SM use in SM_FULL units or None, "usage" / "nvml" / None, ns waited per second
-        of the interval or None).  `from_nvml()`: the NVML figure in SM_FULL units, or None."""
+        """(SM use in SHARE_FULL units or None, "usage" / "nvml" / None, ns waited per second
+        of the interval or None).  `from_nvml()`: the NVML figure in SHARE_FULL units, or None."""
         last = self._last.get((name, d))
         used, source, throttled = None, None, None
         if last is not None and now > last[0]:
             # waited per second of the interval (several processes can wait at once)
             throttled = round(max(counters["throttled_ns"] - last[2], 0) / (now - last[0]))
-            if sm_max < SM_FULL and last[3] == sm_max:
-                used, source = round(max(counters["gpu_time_ns"] - last[1], 0) / ((now - last[0]) * 1e9) * SM_FULL), \
+            if sm_max < SHARE_FULL and last[3] == sm_max:
+                used, source = round(max(counters["gpu_time_ns"] - last[1], 0) / ((now - last[0]) * 1e9) * SHARE_FULL), \
                     "usage"
         self._last[(name, d)] = (now, counters["gpu_time_ns"], counters["throttled_ns"], sm_max)
         if used is None:
@@ -66,7 +63,7 @@ class DeviceFigures:
     index: int
     quota: object                  # the slice's DeviceQuota on this device
     counters: dict                 # its usage counters (zeros without a usage file); None: unreadable
-    sm_used: int = None            # SM_FULL units, over the interval
+    sm_used: int = None            # SHARE_FULL units, over the interval
     sm_used_source: str = None     # "usage" or "nvml"
     throttled_ns_per_s: int = None
     sm_guaranteed: int = 0         # what it gets when every slice wants its own (burst: sm.request)
@@ -106,7 +103,7 @@ class Totals:
     @property
     def sm_ceilings(self) -> bool:
         """Guarantees adding up past the device: what each slice gets is then at most its share."""
-        return self.sm_guaranteed > SM_FULL
+        return self.sm_guaranteed > SHARE_FULL
 
 
 class Snapshot:

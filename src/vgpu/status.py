@@ -1,4 +1,4 @@
-"""What `vgpu-ctl status` shows: per container and per device, from the slice files, the
+"""What `vgpu-ctl status` shows: per slice and per device, from the slice files, the
 process table, psutil and NVML.  collect() returns data; render() makes the tables.
 
 Pids in a usage file are as the container sees them.  The host pid of each process (what
@@ -35,18 +35,18 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     use can come from the usage file's GPU-time counters over the interval."""
     directory = node_dir(directory)
     if name is not None and name not in list_names(directory):
-        raise NotFound(f"container {name} not found in {directory}", "`vgpu-ctl list` shows the containers")
+        raise NotFound(f"slice {name} not found in {directory}", "`vgpu-ctl list` shows the slices")
     now = time.monotonic()
     sm_use = (previous or {}).get("_sm_use") or SmUse()
     entries = [(cname, quota, usage, problem, has_mig(directory, cname))
                for cname, quota, usage, problem in read_all(directory)]
     snap = Snapshot(directory, entries, sm_use, now, use_nvml)
     ok, nv_devices = snap.nvml_ok, snap.nv_devices
-    containers = []   # all of them: a device's allocation is the whole node's, even when one is asked for
+    found = []   # all of them: a device's allocation is the whole node's, even when one is asked for
     for s in snap.slices:
         entry = {"name": s.name, "problem": s.problem, "generation": s.quota.generation if s.quota else None,
                  "labels": podlabels.read(directory, s.name), "devices": [], "processes": []}
-        containers.append(entry)
+        found.append(entry)
         if s.quota is None:
             continue
         mig = _mig_entry(directory, s.name) if s.mig else None
@@ -85,7 +85,7 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
     # (a MIG slice's device 0 is its instance: counted apart, on its GPU)
     totals = snap.totals(lambda s, f: None if s.mig else f.index)
     indices = sorted(set(totals)
-                     | {c["mig"]["device"] for c in containers if c.get("mig", {}).get("device") is not None}
+                     | {c["mig"]["device"] for c in found if c.get("mig", {}).get("device") is not None}
                      | ({d["index"] for d in nv_devices} if nv_devices else set()))
     devices = []
     for d in indices:
@@ -98,15 +98,15 @@ def collect(directory=None, name=None, previous=None, use_nvml=True) -> dict:
             "memory_allocated": t.memory_allocated, "memory_unlimited": t.memory_unlimited,
             "memory_guaranteed": t.memory_guaranteed, "memory_in_use": t.memory_in_use,
             "sm_allocated": t.sm_allocated, "sm_guaranteed": t.sm_guaranteed, "sm_ceilings": t.sm_ceilings,
-            "containers": t.slices})
-        migs = sum(1 for c in containers if c.get("mig", {}).get("device") == d)
+            "slices": t.slices})
+        migs = sum(1 for c in found if c.get("mig", {}).get("device") == d)
         if migs:   # MIG slices on the GPU (their instances, not in the figures above)
             devices[-1]["mig_slices"] = migs
     if name is not None:
-        containers = [c for c in containers if c["name"] == name]
+        found = [c for c in found if c["name"] == name]
     driver = nvml.driver_version() if ok else None
     data = {"dir": directory, "nvml": {"available": ok, "note": snap.nvml_note, "driver": driver},
-            "containers": containers, "devices": devices, "_t": now, "_sm_use": sm_use}
+            "slices": found, "devices": devices, "_t": now, "_sm_use": sm_use}
     # the driver's view: who holds what, slices or not, and the agent's verdicts (a MIG
     # slice's driver figure: its processes on its MIG device)
     data = annotate(data, use_nvml=ok)
@@ -204,8 +204,8 @@ def render(data: dict, wide=True) -> str:
     out = []
     rows = []
     # slices the DRA driver made say whose they are: namespace/pod/container
-    pods = any(podlabels.shown(c.get("labels") or {}) for c in data["containers"])
-    for c in data["containers"]:
+    pods = any(podlabels.shown(c.get("labels") or {}) for c in data["slices"])
+    for c in data["slices"]:
         pod = [podlabels.shown(c.get("labels") or {}) or "-"] if pods else []
         if c["problem"]:
             rows.append([c["name"], *pod, "-", "-", "-", "-", "-", "-", "-", f"error: {c['problem']}"])
@@ -227,19 +227,19 @@ def render(data: dict, wide=True) -> str:
             rows.append([c["name"], *pod, where, gpu_mem, driver, util, throttled, cd["oom_refusals"], procs,
                          c["generation"]])
     if rows:
-        out.append(table(["CONTAINER", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL",
+        out.append(table(["SLICE", *(["POD"] if pods else []), "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL",
                           "THROTTLED", "OOM", "PROCESSES", "GEN"], rows))
     else:
-        out.append(f"no containers in {data['dir']}")
-    held = [c["name"] for c in data["containers"] if (c.get("memory_layer") or {}).get("layer") == "driver+shim"]
+        out.append(f"no slices in {data['dir']}")
+    held = [c["name"] for c in data["slices"] if (c.get("memory_layer") or {}).get("layer") == "driver+shim"]
     if held:   # said only where the driver's per-cgroup limits are in use at all
-        alone = [f"{c['name']} ({c['memory_layer']['why']})" for c in data["containers"]
+        alone = [f"{c['name']} ({c['memory_layer']['why']})" for c in data["slices"]
                  if (c.get("memory_layer") or {}).get("layer") == "shim"]
         out.append(f"memory capped by the driver too: {', '.join(held)}" +
                    (f"; by the shim alone: {', '.join(alone)}" if alone else ""))
 
     prow = []
-    for c in data["containers"]:
+    for c in data["slices"]:
         for p in c["processes"]:
             mem = ", ".join(f"{format_memory(b)}" + (f" on {d}" if len(p["memory"]) > 1 else "")
                             for d, b in p["memory"].items()) or "0"
@@ -273,7 +273,7 @@ def render(data: dict, wide=True) -> str:
                      _percent(p["sm_util"]), cmd if len(cmd) <= 60 else cmd[:57] + "..."])
     if prow and wide:
         out.append("")
-        out.append(table(["CONTAINER", "PID", "HOST-PID", "GPU-MEMORY", "GPU-UTIL", "COMMAND"], prow))
+        out.append(table(["SLICE", "PID", "HOST-PID", "GPU-MEMORY", "GPU-UTIL", "COMMAND"], prow))
 
     drow = []
     for d in data["devices"]:
@@ -286,13 +286,13 @@ def render(data: dict, wide=True) -> str:
                      f"{format_memory(d['memory_used'])}/{format_memory(total)}" if total else "-",
                      format_share(d["sm_allocated"]) + (" (ceilings)" if d["sm_ceilings"] else ""),
                      _percent(d["gpu_util"]),
-                     str(d["containers"]) + (f" + {d['mig_slices']} MIG" if d.get("mig_slices") else "")])
+                     str(d["slices"]) + (f" + {d['mig_slices']} MIG" if d.get("mig_slices") else "")])
     if drow:
         out.append("")
         out.append(table(["DEVICE", "NAME", "MEMORY-ALLOCATED", "GUARANTEED", "MEMORY-USED", "SM-ALLOCATED",
-                           "GPU-UTIL", "CONTAINERS"], drow))
+                           "GPU-UTIL", "SLICES"], drow))
     mrows = []
-    for c in data["containers"]:
+    for c in data["slices"]:
         m = c.get("mig")
         if not m:
             continue
@@ -314,11 +314,11 @@ def render(data: dict, wide=True) -> str:
         out.append(table(["UNHEALTHY-GPU", "SINCE", "WHY"], [
             [d["index"], d["health"].get("since") or "-",
              d["health"].get("reason") or "-"] for d in sick]))
-    vrows = [[v["kind"], v.get("container") or "-", v.get("device", "-"), _describe_violation(v)]
+    vrows = [[v["kind"], v.get("slice") or "-", v.get("device", "-"), _describe_violation(v)]
              for v in data.get("violations") or []]
     if vrows:
         out.append("")
-        out.append(table(["VIOLATION", "CONTAINER", "DEVICE", "WHAT"], vrows))
+        out.append(table(["VIOLATION", "SLICE", "DEVICE", "WHAT"], vrows))
     if not data["nvml"]["available"]:
         out.append("")
         out.append(f"note: NVML unavailable ({data['nvml']['note']}): no device capacity, real usage or "

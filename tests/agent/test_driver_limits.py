@@ -111,11 +111,11 @@ def test_a_process_that_bypasses_the_shim_is_held_by_the_driver_and_resize_and_d
     assert raw.alloc(256 * MiB) == 0
     assert raw.alloc(512 * MiB) == OOM                    # past the slice's cap: the driver refuses
     status = json.loads(ctl(env, "status", "--json").stdout)
-    [c] = status["containers"]
+    [c] = status["slices"]
     assert c["memory_layer"] == {"layer": "driver+shim", "why": None}
     assert "memory capped by the driver too: train" in ctl(env, "status").stdout
     scraped = run_python(METRICS, env).stdout
-    assert 'vgpu_memory_layer_info{container="train",layer="driver+shim"} 1.0' in scraped, scraped
+    assert 'vgpu_memory_layer_info{container="train",layer="driver+shim",slice="train"} 1.0' in scraped, scraped
     ctl(env, "resize", "train", "--memory", "1Gi")         # grows with it, process running
     assert driver_limit(env, "train")[1] == GiB
     assert raw.alloc(512 * MiB) == 0
@@ -131,7 +131,7 @@ def test_a_driver_without_the_api_falls_back_to_the_shim_and_says_so(tmp_path, b
     raw = bypasses(env, "old")
     assert raw.alloc(GiB) == 0                             # nothing but the shim, which it bypassed
     status = json.loads(ctl(env, "status", "--json").stdout)
-    assert status["containers"][0]["memory_layer"] == {"layer": "shim", "why": "no cgroup of its own"}
+    assert status["slices"][0]["memory_layer"] == {"layer": "shim", "why": "no cgroup of its own"}
     warning = raw.end()
     assert "slice old: memory held by the shim alone (the driver has no per-cgroup memory limits)" in warning
 
@@ -247,16 +247,16 @@ def test_the_agent_puts_a_container_s_slice_cap_on_its_cgroup_and_a_bypasser_is_
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "2Gi", "--request", "1Gi")
     box = boxes(_slice_mounts(node_, "a"), cgroup=cgroup)
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     raw = box.run(inner_env(node_))                   # no shim: only the driver can hold it
     assert member.call(alloc=GiB // 2) == 0 and raw.call(alloc=GiB) == 0
     agent = agents(node_, "--interval", "200ms")
     done = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "set", 10)
-    assert (done["container"], done["cgroup"], done["devices"]) == ("a", cgroup, {"0": {"soft": GiB, "hard": 2 * GiB}})
+    assert (done["slice"], done["cgroup"], done["devices"]) == ("a", cgroup, {"0": {"soft": GiB, "hard": 2 * GiB}})
     assert _limits(node_.env, cgroup) == [GiB, 2 * GiB]
     assert raw.call(alloc=GiB) == OOM                 # 0.5 + 1 + 1 > 2 GiB: the driver refuses
     assert raw.call(alloc=GiB // 4) == 0
-    (c,) = node_.status()["containers"]
+    (c,) = node_.status()["slices"]
     assert c["memory_layer"] == {"layer": "driver+shim", "why": None, "cgroup": cgroup}
     node_.ctl("resize", "a", "--memory", "3Gi")
     assert agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "resized", 10)
@@ -279,13 +279,13 @@ def test_two_slices_in_one_cgroup_are_left_to_the_shim_and_say_why(tmp_path, box
     for name in ("a", "b"):
         node_.ctl("create", name, "--memory", "1Gi")
         box = boxes(_slice_mounts(node_, name), cgroup=cgroup)
-        t = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER=name))
+        t = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE=name))
         assert t.call(alloc=GiB // 4) == 0
     agent = agents(node_, "--interval", "200ms")
     said = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "shim only", 10)
     assert said["why"] in ("its cgroup is shared with slice a", "its cgroup is shared with slice b"), said
     assert _limits(node_.env, cgroup) is None
-    assert wait_until(lambda: sorted(c["memory_layer"]["why"] for c in node_.status()["containers"]) ==
+    assert wait_until(lambda: sorted(c["memory_layer"]["why"] for c in node_.status()["slices"]) ==
                       ["its cgroup is shared with slice a", "its cgroup is shared with slice b"], 5)
 
 
@@ -317,7 +317,7 @@ def test_a_pod_s_containers_in_cgroups_of_their_own_are_held_together_by_the_pod
         assert tenants[0].call(alloc=GiB // 2) == 0 and tenants[1].call(alloc=GiB // 4) == 0
         agent = agents(node_, "--interval", "200ms")
         done = agent.wait_for(lambda e: e.get("event") == "driver-limit" and e.get("result") == "set", 10)
-        assert (done["container"], done["cgroup"]) == ("claim-1", pod)
+        assert (done["slice"], done["cgroup"]) == ("claim-1", pod)
         assert tenants[1].call(alloc=GiB // 2) == OOM     # 0.5 + 0.25 + 0.5 GiB > 1 GiB, in the pod together
         assert tenants[0].call(alloc=GiB // 4) == 0
     finally:

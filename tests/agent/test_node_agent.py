@@ -18,9 +18,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.containers import mount_script, namespaces_work
+from tests.helpers.exposition import series
 from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
 from tests.helpers.wait import process_state, wait_until
@@ -53,7 +53,7 @@ class Node:
         return json.loads(self.ctl("status", "--json").stdout)
 
     def shim_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
     def usage(self, name):
         return slices.read_usage(self.dir, name)     # a plain read: it reaps nothing
@@ -161,8 +161,7 @@ class Agent:
             time.sleep(0.05)
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
+        return series(text)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -362,7 +361,7 @@ def test_a_signalled_holder_is_reaped_and_its_memory_back_within_a_second_with_t
     took = time.monotonic() - t0
     assert back and took < 1.0, f"memory back after {took:.3f}s"
     e = agent.wait_for(lambda e: e.get("event") == "reaped" and e.get("pid") == t2.pid, 5)
-    assert (e["container"], e["memory"]) == ("a", {"0": GiB})
+    assert (e["slice"], e["memory"]) == ("a", {"0": GiB})
 
 
 # A slot's owner, by hand (the shim's protocol, shim.c): its lock on a read-only descriptor,
@@ -428,7 +427,7 @@ def test_an_unsliced_process_appears_in_status_and_metrics(node_, spawn, agents)
     (u,) = s["unsliced"]
     assert (u["host_pid"], u["device"], u["memory_driver"], u["state"]) == (loose.host_pid, 0, 3 * GiB // 2,
                                                                              "unsliced")
-    (d,) = s["containers"][0]["devices"]
+    (d,) = s["slices"][0]["devices"]
     assert (d["memory_current"], d["memory_driver"], d["driver_processes"]) == (GiB, GiB, [sliced.host_pid])
     assert s["agent"]["running"] is True and s["violations"] == []     # not required: reported, no violation
     table = node_.ctl("status").stdout
@@ -439,7 +438,7 @@ def test_an_unsliced_process_appears_in_status_and_metrics(node_, spawn, agents)
     m = agent.metrics()
     assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 3 * GiB // 2
     assert m[("vgpu_unsliced_processes", (("device", "0"),))] == 1
-    assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "a")))] == GiB
     assert m[("vgpu_unknown_processes", (("device", "0"),))] == 0
 
 
@@ -503,7 +502,7 @@ def test_a_process_hiding_a_gib_is_reported_within_2s_and_with_kill_killed_alone
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
     latency = _ts(v["ts"]) - hid["time"]
     assert latency <= 2.0, f"reported {latency:.2f}s after"
-    assert (v["container"], v["memory_driver"], v["memory_current"]) == ("a", 11 * GiB // 4, 7 * GiB // 4)
+    assert (v["slice"], v["memory_driver"], v["memory_current"]) == ("a", 11 * GiB // 4, 7 * GiB // 4)
     # a look between the hide and the allocation saw its charge fall under what the driver
     # holds: rewritten (by whom, the kernel does not say), not its gap; else its own gap
     assert (v["offenders"], v.get("rewritten")) in (([liar.host_pid], None), ([], [liar.host_pid])), v
@@ -538,7 +537,7 @@ def test_without_kill_a_hiding_process_is_reported_and_left_alone(node_, spawn, 
     time.sleep(1.5)
     assert liar.alive() and agent.events("action") == []
     s = node_.status()
-    assert [(x["kind"], x["container"]) for x in s["violations"]] == [("gap", "a")]
+    assert [(x["kind"], x["slice"]) for x in s["violations"]] == [("gap", "a")]
     assert "driver figure above the shim's" in node_.ctl("status").stdout
 
 
@@ -567,7 +566,7 @@ def test_a_child_started_with_env_i_under_ld_so_preload_is_capped(node_, boxes, 
     # the same without the identity file: the child has nothing to tell it its slice
     node_.ctl("create", "b", "--memory", "1Gi")
     box2 = boxes(_slice_mounts(node_, "b", identity=False, preload=preload))
-    p2 = box2.run(inner_env(node_, VGPU_CONTAINER="b"))
+    p2 = box2.run(inner_env(node_, VGPU_SLICE="b"))
     assert p2.call(alloc=2 * GiB) == OOM
     p2.call(child=[sys.executable, TENANT], send=[{"alloc": 2 * GiB}])
     p2.read()
@@ -583,20 +582,20 @@ def test_a_process_without_the_shim_in_a_slice_s_container_is_attributed_to_it(n
     assert raw.call(alloc=GiB) == 0
     agent = agents(node_)
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
-    assert (v["container"], v["memory_driver"], v["memory_current"], v["offenders"]) == \
+    assert (v["slice"], v["memory_driver"], v["memory_current"], v["offenders"]) == \
         ("a", 3 * GiB // 2, GiB // 2, [raw.host_pid])
     by = {p["host_pid"]: p["method"] for p in v["processes"]}
     assert by == {member.host_pid: "usage-file", raw.host_pid: "identity-file"}
     s = node_.status()
     assert s["unsliced"] == []
-    (c,) = s["containers"]
+    (c,) = s["slices"]
     assert [(p["host_pid"], p["method"]) for p in c["driver_only"]] == [(raw.host_pid, "identity-file")]
 
 
 def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_reported(node_, cgroup, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi")
     box = boxes(_slice_mounts(node_, "a", identity=False), cgroup=cgroup)   # an older container: no identity file
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     assert member.call(alloc=GiB // 2) == 0
     raw = box.run(inner_env(node_))
     assert raw.call(alloc=GiB) == 0
@@ -605,7 +604,7 @@ def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_report
         assert outside.call(alloc=GiB) == 0
         agent = agents(node_)
         v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
-        assert (v["container"], v["offenders"]) == ("a", [raw.host_pid])
+        assert (v["slice"], v["offenders"]) == ("a", [raw.host_pid])
         assert {p["host_pid"]: p["method"] for p in v["processes"]} == {member.host_pid: "usage-file",
                                                                          raw.host_pid: "cgroup"}
         assert [u["host_pid"] for u in node_.status()["unsliced"]] == [outside.host_pid]
@@ -616,7 +615,7 @@ def test_a_process_without_the_shim_in_a_slice_s_cgroup_is_attributed_and_report
 def test_a_process_in_a_slice_s_pid_namespace_is_attributed_by_it(node_, boxes, agents):
     node_.ctl("create", "a", "--memory", "2Gi")
     box = boxes(_slice_mounts(node_, "a", identity=False), pid_ns=True)
-    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_CONTAINER="a"))
+    member = box.run(inner_env(node_, LD_PRELOAD=runtime.CONTAINER_SHIM, VGPU_DIR="/run/vgpu", VGPU_SLICE="a"))
     assert member.call(alloc=GiB // 2) == 0
     raw = box.run(inner_env(node_))
     assert raw.call(alloc=GiB) == 0
@@ -625,7 +624,7 @@ def test_a_process_in_a_slice_s_pid_namespace_is_attributed_by_it(node_, boxes, 
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
     assert {p["host_pid"]: p["method"] for p in v["processes"]} == {member.host_pid: "usage-file",
                                                                      raw.host_pid: "pid-namespace"}
-    (c,) = node_.status()["containers"]
+    (c,) = node_.status()["slices"]
     (p,) = c["processes"]
     assert (p["pid"], p["host_pid"]) == (member.pid, member.host_pid)
 
@@ -655,7 +654,7 @@ def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(nod
     hog.call(hog=2000)                            # 2 ms kernels, back to back
     before = referee.start([hog.host_pid], [[0.5, 2.5]], t0, node_.env)
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "compute", 15)
-    assert (v["container"], v["sm_max"], v["offenders"]) == ("a", 3000, [hog.host_pid])
+    assert (v["slice"], v["sm_max"], v["offenders"]) == ("a", 3000, [hog.host_pid])
     assert v["sm_nvml"] > 8000 and v["sm_charged"] < 1000    # the GPU time went past the shim
     act = agent.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 5)
     assert act["pid"] == hog.host_pid
@@ -717,7 +716,7 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     assert agent.events("violation") == []        # within its cap: nothing to say (not GPU 1's cap 0)
 
     s = n.status()
-    by = {c["name"]: c for c in s["containers"]}
+    by = {c["name"]: c for c in s["slices"]}
     (d,) = by["m"]["devices"]
     assert (d["index"], d["nvml_device"], d["memory_current"], d["memory_driver"], sorted(d["driver_processes"])) == \
         (0, label, 7 * GiB // 4, 7 * GiB // 4, sorted([honest.host_pid, liar.host_pid]))
@@ -730,10 +729,10 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     row = next(line for line in n.ctl("status").stdout.splitlines() if line.startswith("(unsliced)"))
     assert f"512Mi on {label}" in row
     m = agent.metrics()
-    assert m[("vgpu_memory_driver_bytes", (("container", "m"), ("device", "0")))] == 7 * GiB // 4
-    assert m[("vgpu_memory_driver_bytes", (("container", "soft"), ("device", "0")))] == GiB
-    assert m[("vgpu_slice_device_info", (("container", "m"), ("device", "0"), ("mig_uuid", rec["uuid"]),
-                                         ("nvml_device", label)))] == 1
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "m")))] == 7 * GiB // 4
+    assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "soft")))] == GiB
+    assert m[("vgpu_slice_device_info", (("device", "0"), ("mig_uuid", rec["uuid"]),
+                                         ("nvml_device", label), ("slice", "m")))] == 1
     assert m[("vgpu_unsliced_memory_bytes", (("device", label),))] == GiB // 2
     assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == 0
     assert ("vgpu_unsliced_memory_bytes", (("device", "1"),)) not in m       # GPU 1 has no processes of its own
@@ -743,7 +742,7 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     # the liar hides 1 GiB and takes 1 GiB more: over m's cap, on its MIG device
     assert liar.call(hide=GiB // 2, usage=str(n.dir / "m" / "usage"), alloc=GiB)["alloc"] == 0   # at once
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
-    assert (v["container"], v["device"], v["nvml_device"], v["mig_uuid"], v["memory_max"], v["memory_driver"],
+    assert (v["slice"], v["device"], v["nvml_device"], v["mig_uuid"], v["memory_max"], v["memory_driver"],
             v["memory_current"], v["offenders"]) == ("m", 0, label, rec["uuid"], 2 * GiB, 11 * GiB // 4,
                                                      7 * GiB // 4, [liar.host_pid])
     kill = agent.wait_for(lambda e: e.get("event") == "action" and e.get("pid") == liar.host_pid, 5)
@@ -752,7 +751,7 @@ def test_a_mig_slice_is_judged_on_its_own_mig_device_against_its_own_cap(tmp_pat
     time.sleep(0.5)
     assert honest.alive() and soft.alive() and loose.alive()
     assert all(e["pid"] == liar.host_pid for e in agent.events("action"))
-    assert {(e["container"], e["kind"]) for e in agent.events("violation")} == {("m", "gap"), ("m", "over-cap")}
+    assert {(e["slice"], e["kind"]) for e in agent.events("violation")} == {("m", "gap"), ("m", "over-cap")}
     assert_json_devices([e for e in agent.events("violation") + agent.events("action")])
 
 
@@ -771,13 +770,13 @@ def test_a_software_slice_on_gpu_1_is_judged_there_and_a_renumbered_container_wh
     agent = agents(n)
     time.sleep(1.5)
     assert agent.events("violation") == []
-    (d,) = next(c for c in n.status()["containers"] if c["name"] == "b")["devices"]
+    (d,) = next(c for c in n.status()["slices"] if c["name"] == "b")["devices"]
     assert (d["index"], d["nvml_device"], d["memory_current"], d["memory_driver"]) == (1, "1", GiB, GiB)
 
     moved = spawn({**n.shim_env("c"), "CUDA_VISIBLE_DEVICES": "1"})    # its CUDA device 0 is GPU 1
     assert moved.call(alloc=GiB) == 0                                  # the shim counts it as device 0
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "over-cap", 5)
-    assert (v["container"], v["device"], v["memory_max"], v["memory_driver"], v["offenders"]) == \
+    assert (v["slice"], v["device"], v["memory_max"], v["memory_driver"], v["offenders"]) == \
         ("c", 1, 0, GiB, [moved.host_pid])
     assert moved.alive()                           # reported only
 
@@ -800,7 +799,7 @@ def test_the_autoscaler_grows_a_mig_slice_within_its_instance_not_gpu_0(tmp_path
     grown = slices.read_quota(n.dir, "m").devices[0]
     assert GiB + 900 * MiB <= grown.memory_max <= 4 * GiB and grown.memory_request == GiB
     resizes = agent.events("resize")
-    assert resizes and all(e["container"] == "m" and e["action"] == "grow" for e in resizes)
+    assert resizes and all(e["slice"] == "m" and e["action"] == "grow" for e in resizes)
     assert slices.read_quota(n.dir, "soft").devices[0].memory_max == 79 * GiB
 
 
@@ -820,7 +819,7 @@ def test_an_orphaned_run_slice_is_removed_once_its_processes_are_gone(node_, age
     assert name in slices.list_names(node_.dir)   # still in use
     os.kill(hello["pid"], signal.SIGTERM)
     e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node_agent.ORPHAN_S + 5)
-    assert (e["container"], e["owner_pid"]) == (name, run.pid)
+    assert (e["slice"], e["owner_pid"]) == (name, run.pid)
     assert slices.list_names(node_.dir) == ["kept"]
 
 
@@ -858,7 +857,7 @@ def test_a_standalone_slice_holds_the_node_s_devices_and_goes_with_its_last_proc
 
 def test_a_standalone_slice_leaves_a_node_in_use_as_it_was(node_, spawn):
     node_.ctl("create", "kept", "--memory", "1Gi")      # makes the share board
-    t = spawn(standalone_env(node_, VGPU_CONTAINER="solo", VGPU_SM_LIMIT="50%"))
+    t = spawn(standalone_env(node_, VGPU_SLICE="solo", VGPU_SM_LIMIT="50%"))
     assert t.call(alloc=256 * MiB) == 0 and t.call(hog=200)["hog"] == 0     # on the board too
     assert sorted(p.name for p in node_.dir.iterdir()) == [".sm-board", "kept", "solo"]
     t.end()
@@ -892,7 +891,7 @@ def test_a_standalone_slice_whose_last_process_was_killed_is_the_agent_s_to_remo
     agent = agents(node_)
     t.kill()                                            # no exit handler ran: the slice stays
     e = agent.wait_for(lambda e: e.get("event") == "orphan-removed", 3 * node_agent.ORPHAN_S + 5)
-    assert (e["container"], e["owner_pid"]) == ("default", t.host_pid)
+    assert (e["slice"], e["owner_pid"]) == ("default", t.host_pid)
     assert slices.list_names(node_.dir) == []
 
 
@@ -910,7 +909,7 @@ def test_without_nvml_the_agent_says_so_and_judges_nothing(node_, spawn, agents)
     time.sleep(2)
     assert liar.alive() and agent.events("violation") == [] and agent.events("action") == []
     s = json.loads(node_.ctl("status", "--json", env=blind).stdout)
-    assert s["containers"][0]["devices"][0]["memory_driver"] is None
+    assert s["slices"][0]["devices"][0]["memory_driver"] is None
 
 
 def test_pids_the_agent_cannot_see_are_unknown_and_never_acted_on(node_, spawn, agents, tmp_path):
@@ -1054,8 +1053,8 @@ def test_a_violation_on_a_dra_slice_is_an_event_on_its_pod(node_, spawn, agents,
             t.call(hide=0, usage=str(node_.dir / name / "usage"))
         agent = agents(node_, "--kubernetes-events", "--node-name", "node-7", "--kubeconfig", kubeconfig,
                        "--on-violation", "gap=kill")
-        agent.wait_for(lambda e: e.get("event") == "action" and e.get("container") == "claim-1", 5)
-        agent.wait_for(lambda e: e.get("event") == "action" and e.get("container") == "by-hand", 5)
+        agent.wait_for(lambda e: e.get("event") == "action" and e.get("slice") == "claim-1", 5)
+        agent.wait_for(lambda e: e.get("event") == "action" and e.get("slice") == "by-hand", 5)
         assert wait_until(lambda: len(posted) >= 2, 5)
         time.sleep(0.5)
         assert {p for p, _ in posted} == {"/api/v1/namespaces/team-a/events"}
@@ -1089,7 +1088,7 @@ def test_a_process_in_a_claimed_pod_s_cgroup_is_attributed_to_the_claim_s_slice(
             assert raw.call(alloc=GiB // 2) == 0 and elsewhere.call(alloc=GiB // 2) == 0
             agent = agents(node_)
             v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
-            assert (v["container"], v["offenders"]) == ("claim-1", [raw.host_pid])
+            assert (v["slice"], v["offenders"]) == ("claim-1", [raw.host_pid])
             assert {p["host_pid"]: p["method"] for p in v["processes"]} == {raw.host_pid: "pod"}
             assert [u["host_pid"] for u in node_.status()["unsliced"]] == [elsewhere.host_pid]
         finally:
@@ -1172,9 +1171,8 @@ def test_serve_takes_the_driver_s_view_on_each_scrape(node_, spawn):
         port = int(re.search(r":(\d+)/metrics", serve.stderr.readline()).group(1))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
-        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
-             for f in text_string_to_metric_families(text) for s in f.samples}
-        assert m[("vgpu_memory_driver_bytes", (("container", "a"), ("device", "0")))] == GiB
+        m = series(text)
+        assert m[("vgpu_memory_driver_bytes", (("device", "0"), ("slice", "a")))] == GiB
         assert m[("vgpu_unsliced_memory_bytes", (("device", "0"),))] == GiB // 2
         assert not any(k[0].startswith("vgpu_violations") for k in m)     # no agent: no verdicts
     finally:
@@ -1196,5 +1194,5 @@ def test_a_context_not_yet_charged_is_no_gap_within_the_allowance(node_, spawn, 
     assert t.call(alloc=GiB) == 0                  # the first allocation: the shim charges the context too
     time.sleep(2)
     assert len(agent.events("violation")) == int(violation) and len(agent.events("violation-end")) == int(violation)
-    (d,) = node_.status()["containers"][0]["devices"]
+    (d,) = node_.status()["slices"][0]["devices"]
     assert d["memory_driver"] == d["memory_current"] == GiB + 256 * MiB

@@ -75,7 +75,7 @@ def _forked(node_, children, tmp_path, name="a"):
 
 def _driver_view(node_, name="a"):
     s = node_.status()
-    (c,) = [c for c in s["containers"] if c["name"] == name]
+    (c,) = [c for c in s["slices"] if c["name"] == name]
     return s, c, c["devices"][0]
 
 
@@ -99,10 +99,10 @@ def test_memory_a_forked_child_keeps_after_its_parent_ends_is_the_slice_s(node_,
         assert wait_until(lambda: process_state(parent) == "Z", 5)
 
     e = agent.wait_for(lambda e: e.get("event") == "held-slot" and e.get("pid") == parent, 10)
-    assert (e["container"], e["device"], e["memory_driver"], e["memory_charged"]) == ("a", 0, GiB, GiB)
+    assert (e["slice"], e["device"], e["memory_driver"], e["memory_charged"]) == ("a", 0, GiB, GiB)
     assert "forked child" in e["note"] and "never acted on" in e["note"]
     row = _rows(node_)[parent]
-    assert (row["state"], row["container"], row["method"], row["memory_driver"], row["memory_charged"]) == \
+    assert (row["state"], row["slice"], row["method"], row["memory_driver"], row["memory_charged"]) == \
         ("sliced", "a", "held-slot", GiB, GiB)
 
     s, c, d = _driver_view(node_)
@@ -174,11 +174,11 @@ def test_ipc_memory_an_importer_keeps_after_its_exporter_lets_go_is_the_exporter
     assert f"pid {exporter}" in row and (", gone" in row) == (exporter_ends == "kill -9")
     assert "(unknown)" not in table
     row = _rows(node_)[exporter]      # its own slot charges nothing now: the shared slot, under it, does
-    assert (row["container"], row["method"], row["memory_driver"], row["memory_charged"]) == \
+    assert (row["slice"], row["method"], row["memory_driver"], row["memory_charged"]) == \
         ("a", "usage-file" if exporter_ends == "free" else "held-slot", 512 * MiB, 512 * MiB)
     if exporter_ends == "kill -9":
         ev = agent.wait_for(lambda x: x.get("event") == "held-slot" and x.get("pid") == exporter, 5)
-        assert (ev["container"], ev["memory_driver"], ev["memory_charged"]) == ("a", 512 * MiB, 512 * MiB)
+        assert (ev["slice"], ev["memory_driver"], ev["memory_charged"]) == ("a", 512 * MiB, 512 * MiB)
         assert "importer" in ev["note"]
     else:
         assert agent.events("held-slot") == []     # alive: attributed as ever, by its maps
@@ -188,7 +188,7 @@ def test_ipc_memory_an_importer_keeps_after_its_exporter_lets_go_is_the_exporter
 
     assert i.call() == {"close": SUCCESS}
     assert wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 3)
-    assert node_.status()["containers"][0]["shared"] == []
+    assert node_.status()["slices"][0]["shared"] == []
     _quiet(agent)
 
 
@@ -208,7 +208,7 @@ def test_a_gap_on_memory_a_gone_process_left_is_reported_and_nothing_killed(node
     finally:
         os.close(fd)
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "gap", 5)
-    assert (v["container"], v["memory_driver"], v["memory_current"], v["offenders"], v["gone"]) == \
+    assert (v["slice"], v["memory_driver"], v["memory_current"], v["offenders"], v["gone"]) == \
         ("a", GiB, 0, [], [parent])
     (held,) = [x for x in v["processes"] if x["host_pid"] == parent]
     assert (held["method"], held["memory_charged"]) == ("held-slot", 0)
@@ -266,12 +266,12 @@ def test_a_pid_reused_while_a_held_slot_names_it_is_never_held_against_the_new_p
     row = wait_until(lambda: (lambda r: r["memory_driver"] == GiB + 256 * MiB and r)(_rows(node_)[parent]), 5)
     assert row, _rows(node_)
     if where == "another slice":
-        assert (e["state"], e["candidates"], e.get("container")) == ("ambiguous", ["a", "b"], None), e
+        assert (e["state"], e["candidates"], e.get("slice")) == ("ambiguous", ["a", "b"], None), e
         assert "never acted on" in e["note"]
         assert (row["state"], row["candidates"], row["memory_charged"]) == ("ambiguous", ["a", "b"], None)
     else:
-        assert (e["state"], e["container"]) == ("sliced", "a"), e
-        assert (row["state"], row["container"], row["memory_charged"]) == ("sliced", "a", GiB + 256 * MiB), row
+        assert (e["state"], e["slice"]) == ("sliced", "a"), e
+        assert (row["state"], row["slice"], row["memory_charged"]) == ("sliced", "a", GiB + 256 * MiB), row
     time.sleep(2)                                  # past the grace period, several looks
     _quiet(agent)
     assert q.alive() and process_state(child) not in (None, "Z")
@@ -315,7 +315,7 @@ def test_memory_a_descriptor_parked_outside_cuda_keeps_after_its_exporter_ends_i
     assert (sh["exporter_pid"], sh["exporter_alive"], sh["held"], sh["memory"]) == (exporter, False, False,
                                                                                      {"0": GiB})
     ev = agent.wait_for(lambda x: x.get("event") == "held-slot" and x.get("pid") == exporter, 5)
-    assert (ev["container"], ev["memory_driver"], ev["memory_charged"]) == ("a", GiB, GiB)
+    assert (ev["slice"], ev["memory_driver"], ev["memory_charged"]) == ("a", GiB, GiB)
     assert "descriptor" in ev["note"]
     time.sleep(1)                                  # looks go by: still nothing to judge
     _quiet(agent)
@@ -324,5 +324,5 @@ def test_memory_a_descriptor_parked_outside_cuda_keeps_after_its_exporter_ends_i
     parker.proc.stdin.close()
     parker.proc.wait(30)
     assert wait_until(lambda: node_.usage("a").devices[0]["memory_current"] == 0, 5), node_.status()
-    assert node_.status()["containers"][0]["shared"] == []
+    assert node_.status()["slices"][0]["shared"] == []
     _quiet(agent)

@@ -82,7 +82,7 @@ class Node:
         return out
 
     def workload_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
     def agent(self, name):
         a = Agent(self.workload_env(name))
@@ -177,14 +177,14 @@ def test_a_workload_short_of_memory_grows_and_succeeds_while_an_idle_one_shrinks
     assert node.quota("fixed").memory_max == 2 * GiB
     assert watcher.polls > 20 and watcher.bad == [] and watcher.worst <= A10
     log = decisions(scaler)
-    grows = [d for d in log if d["container"] == "hungry"]
-    shrinks = [d for d in log if d["container"] == "idle"]
+    grows = [d for d in log if d["slice"] == "hungry"]
+    shrinks = [d for d in log if d["slice"] == "idle"]
     assert grows and all(d["event"] == "resize" and d["action"] == "grow" for d in grows)
     assert "refused by memory.max" in grows[0]["reason"]
     assert [d["old"] for d in grows[1:]] == [d["new"] for d in grows[:-1]]       # each step from the last
     assert shrinks and all(d["event"] == "resize" and d["action"] == "shrink" for d in shrinks)
     assert shrinks[-1]["new"] == GiB and all(d["new"] >= 100 * MiB + 64 * MiB for d in shrinks)
-    assert not [d for d in log if d["container"] == "fixed"]
+    assert not [d for d in log if d["slice"] == "fixed"]
 
 
 def test_when_the_device_is_short_the_rest_is_shared_by_request_and_never_exceeded(node):
@@ -211,12 +211,12 @@ def test_when_the_device_is_short_the_rest_is_shared_by_request_and_never_exceed
 
     assert watcher.bad == [] and watcher.worst <= A10
     log = decisions(scaler)
-    first = {d["container"]: d for d in log if d["event"] == "resize"}
+    first = {d["slice"]: d for d in log if d["event"] == "resize"}
     assert set(first) == {"a", "b"}
     # 512Mi free, each wanted ~666Mi: split 2:1 by request (MiB-aligned)
     assert (first["a"]["new"] - first["a"]["old"], first["b"]["new"] - first["b"]["old"]) == (341 * MiB, 170 * MiB)
     assert all(first[c]["shared"] and "shared by request (a 2Gi, b 1Gi)" in first[c]["reason"] for c in "ab")
-    assert any(d["event"] == "hold" and d["container"] == "b" and "is full" in d["reason"] for d in log)
+    assert any(d["event"] == "hold" and d["slice"] == "b" and "is full" in d["reason"] for d in log)
     total = sum(node.quota(n).memory_max for n in ("big", "a", "b"))
     assert A10 - 2 * MiB <= total <= A10
 
@@ -287,17 +287,17 @@ def test_the_loop_follows_operators_and_survives_broken_and_vanishing_slices(tmp
     slices.resize(d, "a", memory=6 * GiB)        # an operator: 2Gi of 6Gi is now cold, but the window restarts
     assert run(1.5) == []                         # 1.5 s < 2 s under the new quota
     (dec,) = run(1.0)
-    assert (dec.container, dec.action, dec.old, dec.new) == ("a", "shrink", 6 * GiB, 4608 * MiB)
+    assert (dec.slice, dec.action, dec.old, dec.new) == ("a", "shrink", 6 * GiB, 4608 * MiB)
 
     os.truncate(d / "b" / "usage", 0)            # its container can (read-write mount): no SIGBUS, no zeros
-    assert [x for x in run(3.0) if x.container == "b"] == []
+    assert [x for x in run(3.0) if x.slice == "b"] == []
 
     (d / "b" / "quota").unlink()
     (d / "b" / "quota").write_bytes(b"garbage")  # a new file, broken: seen at the next re-scan
     run(RESCAN_S + 1)
     run(RESCAN_S + 1)
     errors = [x for x in lines if x["event"] == "error"]
-    assert [(x["container"], "refusing it" in x["error"] or "not a vgpu file" in x["error"]) for x in errors] == \
+    assert [(x["slice"], "refusing it" in x["error"] or "not a vgpu file" in x["error"]) for x in errors] == \
         [("b", True)]                             # once, not every interval
     slices.delete(d, "a", force=True)
     assert run(1.0) == [] and set(scaler.reader.views) == set()
@@ -322,5 +322,5 @@ def test_a_burst_slice_yielding_to_a_guarantee_is_not_starved_but_one_held_at_it
     node.ctl("delete", "b")     # (its 70% ceiling no longer takes the room a would grow into)
     wait_until(lambda: node.quota("a").sm_max > 5000, 10, "a's ceiling to grow once it waits at it")
     node.stop()
-    grows = [d for d in decisions(scaler) if d["event"] == "resize" and d["container"] == "a"]
+    grows = [d for d in decisions(scaler) if d["event"] == "resize" and d["slice"] == "a"]
     assert grows and all(d["action"] == "grow" and "throttling" in d["reason"] for d in grows), grows

@@ -4,8 +4,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vgpu.policy import (MEMORY, SM, SM_CAPACITY, Bounds, Item, Policy, Sample, Simulation, decide, new_track,
+from vgpu.policy import (MEMORY, SM, Bounds, Item, Policy, Sample, Simulation, decide, new_track,
                          observe, plan, share)
+from vgpu.quantities import SHARE_FULL
 
 MiB, GiB = 1 << 20, 1 << 30
 WINDOW = 3.0
@@ -31,11 +32,11 @@ def slices_on_a_device(draw):
         bounds[(c, MEMORY)] = Bounds(req, lim)
         quotas[(c, MEMORY)] = draw(st.integers(req, lim))
         sreq = draw(st.integers(1, 40)) * 100
-        slim = min(SM_CAPACITY, sreq + draw(st.integers(0, 60)) * 100)
+        slim = min(SHARE_FULL, sreq + draw(st.integers(0, 60)) * 100)
         bounds[(c, SM)] = Bounds(sreq, slim)
         quotas[(c, SM)] = draw(st.integers(sreq, slim))
     fixed = {MEMORY: draw(st.integers(0, 8)) * GiB, SM: draw(st.integers(0, 30)) * 100}
-    capacity = {MEMORY: draw(st.sampled_from([24 * GiB, 40 * GiB])), SM: SM_CAPACITY}
+    capacity = {MEMORY: draw(st.sampled_from([24 * GiB, 40 * GiB])), SM: SHARE_FULL}
     return bounds, quotas, fixed, capacity
 
 
@@ -82,7 +83,7 @@ def test_quotas_stay_within_request_limit_and_device_capacity_for_any_samples(da
             if total > total_before:
                 assert total <= capacity[r]
         for d in decisions:
-            key = (d.container, d.resource)
+            key = (d.slice, d.resource)
             if d.action == "shrink" and d.resource == MEMORY:
                 use = samples[key].use
                 assert d.new >= use + margin(use)          # never below use + margin
@@ -99,7 +100,7 @@ def test_quotas_stay_within_request_limit_and_device_capacity_for_any_samples(da
 def test_nothing_grows_past_an_unknown_capacity(data):
     bounds, quotas, fixed, capacity = data.draw(slices_on_a_device())
     names = sorted({c for c, _ in bounds})
-    sim = Simulation(POLICY, {MEMORY: None, SM: SM_CAPACITY}, bounds, dict(quotas), fixed)
+    sim = Simulation(POLICY, {MEMORY: None, SM: SHARE_FULL}, bounds, dict(quotas), fixed)
     now = 0.0
     for dt, loads in data.draw(load_steps(len(names))):
         now += dt
@@ -144,7 +145,7 @@ def test_two_grows_on_a_full_device_are_shared_by_request_and_the_log_says_so():
         b = observe(b, Sample(t, 2 * GiB - MiB, 2 * GiB, 1), policy)
     items = [Item("a", 0, a, Bounds(2 * GiB, 8 * GiB)), Item("b", 0, b, Bounds(GiB, 8 * GiB))]
     out = plan(items, {(0, MEMORY): 24 * GiB}, {(0, MEMORY): 24 * GiB - 768 * MiB}, policy, 1.5)
-    got = {d.container: d.new - d.old for d in out}
+    got = {d.slice: d.new - d.old for d in out}
     assert got == {"a": 512 * MiB, "b": 256 * MiB}              # 768Mi free, 2:1 by request
     assert all(d.action == "grow" and d.shared for d in out)
     assert "capacity short" in out[0].reason and "shared by request (a 2Gi, b 1Gi)" in out[0].reason
@@ -163,7 +164,7 @@ def test_load_swinging_faster_than_the_window_moves_nothing(resource, cycles, dt
     window, so the quota stays where it is."""
     q = 4 * GiB if resource == MEMORY else 4000
     bounds = Bounds(q // 4, q * 2)
-    sim = Simulation(POLICY, {resource: 40 * GiB if resource == MEMORY else SM_CAPACITY},
+    sim = Simulation(POLICY, {resource: 40 * GiB if resource == MEMORY else SHARE_FULL},
                      {("c", resource): bounds}, {("c", resource): q})
     now = 0.0
     for half_steps, high, low in cycles:
@@ -186,7 +187,7 @@ def test_a_steady_load_is_never_moved_back(resource, size, demand_frac, dt, step
     q0 = size * 64 * MiB if resource == MEMORY else size * 50
     demand = int(q0 * demand_frac)
     bounds = Bounds(q0 // 8, q0 * 4)
-    sim = Simulation(POLICY, {resource: 64 * GiB if resource == MEMORY else SM_CAPACITY},
+    sim = Simulation(POLICY, {resource: 64 * GiB if resource == MEMORY else SHARE_FULL},
                      {("c", resource): bounds}, {("c", resource): q0})
     now = 0.0
     for _ in range(steps):
@@ -244,7 +245,7 @@ def test_an_idle_slice_shrinks_by_steps_to_its_request_and_no_further():
 
 
 def test_a_throttled_sm_share_grows_toward_its_limit():
-    sim = Simulation(POLICY, {SM: SM_CAPACITY}, {("c", SM): Bounds(1000, 4000)}, {("c", SM): 1000})
+    sim = Simulation(POLICY, {SM: SHARE_FULL}, {("c", SM): Bounds(1000, 4000)}, {("c", SM): 1000})
     now = 0.0
     while now < 30:
         now += 0.5

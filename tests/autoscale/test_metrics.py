@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.exposition import series
 from tests.helpers.simnode import make_sim_env, write_usage_counters
 from vgpu import metrics, slices
 from vgpu.paths import SHIM
@@ -24,17 +25,13 @@ def scrape(port):
         assert r.status == 200
         text = r.read().decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    values = {}
-    for f in fams.values():
-        for s in f.samples:
-            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return fams, values
+    return fams, series(text)
 
 
 
 
-def cd(container, device=0):
-    return (("container", container), ("device", str(device)))
+def cd(name, device=0):
+    return (("device", str(device)), ("slice", name))
 
 
 @pytest.fixture
@@ -52,7 +49,7 @@ def server(tmp_path):
         h.server_close()
 
 
-def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path, server):
+def test_scrape_reports_every_slice_and_device_from_the_slice_files(tmp_path, server):
     d = tmp_path / "vgpu"
     slices.create(d, "train", {0: slices.device_quota(10 * GiB, 5000, request=8 * GiB, limit=12 * GiB,
                                                       sm_request=2500, sm_limit=7500)}, overcommit=True)
@@ -78,14 +75,14 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
     assert v[("vgpu_launches_total", cd("train"))] == 1234
     assert v[("vgpu_sm_gpu_time_seconds_total", cd("train"))] == 5.5
     assert v[("vgpu_sm_throttled_seconds_total", cd("train"))] == 1.25
-    assert v[("vgpu_resize_events_total", (("container", "train"),))] == 2
-    assert v[("vgpu_resize_events_total", (("container", "notebook"),))] == 0
-    assert v[("vgpu_processes", (("container", "train"),))] == 1   # the test, holding the staged memory
+    assert v[("vgpu_resize_events_total", (("slice", "train"),))] == 2
+    assert v[("vgpu_resize_events_total", (("slice", "notebook"),))] == 0
+    assert v[("vgpu_processes", (("slice", "train"),))] == 1   # the test, holding the staged memory
     dev = (("device", "0"),)
     assert v[("vgpu_device_memory_quota_bytes", dev)] == 11 * GiB          # the uncapped one adds nothing
     assert v[("vgpu_device_memory_guaranteed_bytes", dev)] == 8 * GiB
     assert v[("vgpu_device_sm_quota_ratio", dev)] == 1.6
-    assert v[("vgpu_device_containers", dev)] == 2
+    assert v[("vgpu_device_slices", dev)] == 2
     assert v[("vgpu_nvml_up", ())] == 0
     assert ("vgpu_sm_used_ratio", cd("train")) not in v       # no earlier scrape, no NVML: not known yet
 
@@ -102,11 +99,32 @@ def test_scrape_reports_every_container_and_device_from_the_slice_files(tmp_path
         assert name.startswith("vgpu_") and f.documentation
         if f.type == "counter":
             assert all(s.name.endswith("_total") for s in f.samples), name
-        if "memory" in name and f.type == "gauge" and not name.endswith(("containers", "_info")):
+        if "memory" in name and f.type == "gauge" and not name.endswith(("slices", "containers", "_info")):
             assert name.endswith("_bytes"), name
         if name.startswith(("vgpu_sm_", "vgpu_device_sm", "vgpu_device_util")) and f.type == "gauge" and \
                 not name.endswith("_info"):
             assert name.endswith("_ratio"), name
+
+
+def test_the_old_label_and_the_old_device_metric_are_still_served_with_the_same_values(tmp_path, server):
+    # renamed in this release, the old names kept until the next: label container (now
+    # slice) and vgpu_device_containers (now vgpu_device_slices)
+    d = tmp_path / "vgpu"
+    slices.create(d, "train", {0: slices.device_quota(10 * GiB, 5000)}, overcommit=True)
+    slices.create(d, "infer", {0: slices.device_quota(4 * GiB, 2000), 1: slices.device_quota(GiB)},
+                  overcommit=True)
+    with urllib.request.urlopen(f"http://127.0.0.1:{server(d)}/metrics", timeout=10) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    sliced = [s for f in fams.values() for s in f.samples if "slice" in s.labels]
+    assert {s.labels["slice"] for s in sliced} == {"train", "infer"}
+    assert all(s.labels["container"] == s.labels["slice"] for s in sliced)
+    assert not [s for f in fams.values() for s in f.samples if "container" in s.labels and "slice" not in s.labels]
+    quota = {(s.labels["container"], s.labels["device"]): s.value for s in fams["vgpu_memory_quota_bytes"].samples}
+    assert quota == {("train", "0"): 10 * GiB, ("infer", "0"): 4 * GiB, ("infer", "1"): GiB}
+    assert "container: the old name of slice" in fams["vgpu_memory_quota_bytes"].documentation
+    old = {s.labels["device"]: s.value for s in fams["vgpu_device_containers"].samples}
+    assert old == {s.labels["device"]: s.value for s in fams["vgpu_device_slices"].samples} == {"0": 2, "1": 1}
+    assert "old name of vgpu_device_slices" in fams["vgpu_device_containers"].documentation
 
 
 def test_slices_that_come_and_go_appear_and_disappear(tmp_path, server):
@@ -150,7 +168,7 @@ def test_serve_on_simgpu_reports_the_device_from_nvml_and_the_slice_from_its_fil
                    capture_output=True)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(GiB)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True,
-                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d), "VGPU_CONTAINER": "c1"})
+                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d), "VGPU_SLICE": "c1"})
     serve = subprocess.Popen([CTL, "serve", "--port", "0", "--address", "127.0.0.1", "--dir", str(d)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -165,7 +183,7 @@ def test_serve_on_simgpu_reports_the_device_from_nvml_and_the_slice_from_its_fil
         assert len(info) == 1 and ("name", "NVIDIA A10") in info[0][1]
         assert v[("vgpu_memory_used_bytes", cd("c1"))] == GiB
         assert v[("vgpu_memory_quota_bytes", cd("c1"))] == 2 * GiB
-        assert v[("vgpu_processes", (("container", "c1"),))] == 1
+        assert v[("vgpu_processes", (("slice", "c1"),))] == 1
         assert v[("vgpu_sm_used_ratio", cd("c1"))] == 0          # at 100%: NVML's per-process view
     finally:
         holder.stdin.close()
@@ -193,7 +211,8 @@ def test_autoscale_serves_its_decisions_alongside_the_slices(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
-    assert v[("vgpu_autoscale_decisions_total", (("action", "shrink"), *cd("idle"), ("resource", "memory")))] >= 1
-    assert v[("vgpu_resize_events_total", (("container", "idle"),))] >= 1
+    assert v[("vgpu_autoscale_decisions_total", (("action", "shrink"), ("device", "0"), ("resource", "memory"),
+                                                ("slice", "idle")))] >= 1
+    assert v[("vgpu_resize_events_total", (("slice", "idle"),))] >= 1
     assert v[("vgpu_autoscale_ticks_total", ())] >= 3
     assert 0 <= v[("vgpu_autoscale_tick_cpu_seconds", ())] < 1

@@ -103,7 +103,7 @@ def test_create_on_device_1_denies_device_0(ctl):
 def test_create_twice_is_refused_and_leaves_the_first(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     r = ctl("create", "c1", "--memory", "2Gi")
-    one_line_error(r, 1, "container c1 already exists", "hint: resize it")
+    one_line_error(r, 1, "slice c1 already exists", "hint: resize it")
     assert slices.read_quota(ctl.dir, "c1").devices[0].memory_max == GiB
 
 
@@ -126,7 +126,7 @@ def test_bad_quantities_are_usage_errors(ctl, args, what):
 def test_names_with_path_tricks_are_usage_errors_and_create_nothing(ctl, name):
     r = CliRunner().invoke(main, ["create", "--dir", str(ctl.dir), "--memory", "1Gi", "--", name])
     assert r.exit_code == 2, r.output
-    assert "not a valid container name" in r.stderr
+    assert "not a valid slice name" in r.stderr
     assert not ctl.dir.exists() or [p.name for p in ctl.dir.iterdir()] in ([], [".sm-board"])   # the node's share board stays
 
 
@@ -153,7 +153,7 @@ def test_create_on_a_device_the_node_lacks_is_refused(ctl):
 
 def test_list_shows_each_slice_and_device(ctl):
     ctl.dir.mkdir()
-    assert ctl("list").stdout.strip() == f"no containers in {ctl.dir}"
+    assert ctl("list").stdout.strip() == f"no slices in {ctl.dir}"
     assert json.loads(ctl("list", "--json").stdout) == []
     ctl("create", "b", "--memory", "2Gi", "--request", "1Gi", "--sm", "30%")
     ctl("create", "a", "--memory", "1Gi")
@@ -173,7 +173,7 @@ def test_delete_removes_the_slice(ctl):
     r = ctl("delete", "c1", "--json")
     assert json.loads(r.stdout) == {"name": "c1", "deleted": True, "live_processes": []}
     assert [p.name for p in ctl.dir.iterdir()] == [".sm-board"]   # the node's, not the slice's
-    one_line_error(ctl("delete", "c1"), 1, f"container c1 not found in {ctl.dir}", "hint: `vgpu-ctl list`")
+    one_line_error(ctl("delete", "c1"), 1, f"slice c1 not found in {ctl.dir}", "hint: `vgpu-ctl list`")
 
 
 def test_delete_leaves_files_it_did_not_make(ctl):
@@ -210,15 +210,15 @@ def test_resize_keeps_an_explicit_request_and_limit(ctl):
 
 
 def test_resize_errors(ctl):
-    one_line_error(ctl("resize", "nope", "--memory", "1Gi"), 1, "container nope not found: node directory",
+    one_line_error(ctl("resize", "nope", "--memory", "1Gi"), 1, "slice nope not found: node directory",
                    "hint:")
     ctl("create", "other")
-    one_line_error(ctl("resize", "nope", "--memory", "1Gi"), 1, f"container nope not found in {ctl.dir}", "hint:")
+    one_line_error(ctl("resize", "nope", "--memory", "1Gi"), 1, f"slice nope not found in {ctl.dir}", "hint:")
     ctl("create", "c1", "--memory", "1Gi")
     r = ctl("resize", "c1")
     assert r.exit_code == 2 and "nothing to change" in r.stderr
     one_line_error(ctl("resize", "c1", "--memory", "2Gi", "--device", "1"), 2,
-                   "container c1 does not hold device 1 (it holds 0)")
+                   "slice c1 does not hold device 1 (it holds 0)")
     one_line_error(ctl("resize", "c1", "--memory", "25Gi"), 1, "would be overcommitted")
     assert ctl("resize", "c1", "--memory", "25Gi", "--overcommit").exit_code == 0
 
@@ -229,24 +229,24 @@ def test_status_reports_slices_and_devices_as_json(ctl):
     ctl("create", "c1", "--memory", "4Gi", "--sm", "50%")
     ctl("create", "c2", "--memory", "2Gi", "--request", "1Gi", "--sm", "20%")
     data = json.loads(ctl("status", "--json").stdout)
-    assert [c["name"] for c in data["containers"]] == ["c1", "c2"]
-    d = data["containers"][0]["devices"][0]
+    assert [c["name"] for c in data["slices"]] == ["c1", "c2"]
+    d = data["slices"][0]["devices"][0]
     assert (d["index"], d["memory_max"], d["memory_current"], d["sm_max"], d["sm_used"], d["throttled_ns"]) == \
         (0, 4 * GiB, 0, 5000, 0, 0)
     assert data["devices"] == [{"index": 0, "name": "Fake A10", "uuid": "GPU-0", "memory_total": 24 * GiB,
                                 "memory_used": 3 * GiB, "gpu_util": 4000, "memory_allocated": 6 * GiB,
                                 "memory_unlimited": 0, "memory_guaranteed": 5 * GiB, "memory_in_use": 0,
                                 "sm_allocated": 7000, "sm_guaranteed": 7000, "sm_ceilings": False,
-                                "containers": 2, "health": None}]   # (health: no agent watching)
+                                "slices": 2, "health": None}]   # (health: no agent watching)
     only = json.loads(ctl("status", "c2", "--json").stdout)
-    assert [c["name"] for c in only["containers"]] == ["c2"]
+    assert [c["name"] for c in only["slices"]] == ["c2"]
     assert only["devices"] == data["devices"]          # a device's allocation is always the whole node's
 
 
 def test_status_table_has_kubectl_style_columns(ctl):
     ctl("create", "c1", "--memory", "4Gi", "--sm", "50%")
     lines = ctl("status").stdout.splitlines()
-    assert lines[0].split() == ["CONTAINER", "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL", "THROTTLED", "OOM",
+    assert lines[0].split() == ["SLICE", "DEVICE", "GPU-MEMORY", "DRIVER", "GPU-UTIL", "THROTTLED", "OOM",
                                 "PROCESSES", "GEN"]
     assert lines[1].split() == ["c1", "0", "0/4Gi", "(0%)", "0", "0%/50%", "0s", "0", "0", "2"]
     assert lines[3].split()[:3] == ["DEVICE", "NAME", "MEMORY-ALLOCATED"]
@@ -263,7 +263,7 @@ def test_status_without_nvml_says_so_and_still_works(ctl, fake_nvml):
                                          "here)): no device capacity, real usage or per-process GPU-UTIL")
     data = json.loads(ctl("status", "--json").stdout)
     assert data["nvml"] == {"available": False, "note": fake_nvml.broken, "driver": None}
-    assert data["containers"][0]["devices"][0]["sm_used"] is None
+    assert data["slices"][0]["devices"][0]["sm_used"] is None
 
 
 def test_status_watch_refreshes_count_times(ctl):
@@ -271,14 +271,14 @@ def test_status_watch_refreshes_count_times(ctl):
     r = ctl("status", "--watch", "--count", "3", "--interval", "0.05", "--json")
     assert r.exit_code == 0
     frames = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(frames) == 3 and all(f["containers"][0]["name"] == "c1" for f in frames)
+    assert len(frames) == 3 and all(f["slices"][0]["name"] == "c1" for f in frames)
     text = ctl("status", "-w", "--count", "2", "--interval", "0.05").stdout
-    assert text.count("CONTAINER  DEVICE") == 2
+    assert text.count("SLICE  DEVICE") == 2
 
 
 def test_status_of_an_unknown_container_is_an_error(ctl):
     ctl.dir.mkdir()
-    one_line_error(ctl("status", "nope"), 1, "container nope not found", "hint:")
+    one_line_error(ctl("status", "nope"), 1, "slice nope not found", "hint:")
 
 
 def test_status_shows_a_damaged_slice_as_an_error_row(ctl):
@@ -298,7 +298,7 @@ def test_reap_with_nothing_dead(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     assert ctl("reap").stdout.strip() == "nothing to reap"
     assert json.loads(ctl("reap", "--json").stdout) == []
-    one_line_error(ctl("reap", "nope"), 1, "container nope not found")
+    one_line_error(ctl("reap", "nope"), 1, "slice nope not found")
 
 
 def test_reap_returns_a_dead_slots_memory(ctl):
@@ -326,10 +326,10 @@ def test_env_shell_exports_put_the_shim_in_front_of_ld_preload(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     out = ctl("env", "c1").stdout
     assert out.splitlines() == [f'export LD_PRELOAD={SHIM}"${{LD_PRELOAD:+:$LD_PRELOAD}}"',
-                                f"export VGPU_DIR={ctl.dir}", "export VGPU_CONTAINER=c1",
+                                f"export VGPU_DIR={ctl.dir}", "export VGPU_SLICE=c1", "export VGPU_CONTAINER=c1",
                                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
     for before, after in [("", f"{SHIM}"), ("libm.so.6", f"{SHIM}:libm.so.6")]:
-        got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_CONTAINER"'],
+        got = subprocess.run(["bash", "-c", out + 'printf "%s|%s" "$LD_PRELOAD" "$VGPU_SLICE"'],
                              env={"PATH": "/usr/bin:/bin", "LD_PRELOAD": before}, capture_output=True,
                              text=True).stdout
         assert got == f"{after}|c1"
@@ -343,8 +343,8 @@ def test_env_docker_mounts_shim_and_quota_read_only_and_usage_writable(ctl):
     assert mounts == [f"{SHIM}:/usr/local/lib/vgpu/libvgpu.so:ro", f"{ctl.dir}/c1/quota:/run/vgpu/c1/quota:ro",
                       f"{ctl.dir}/c1/usage:/run/vgpu/c1/usage:rw", f"{ctl.dir}/c1/identity:/run/vgpu/.slice:ro",
                       f"{ctl.dir}/.sm-board:/run/vgpu/.sm-board:rw"]
-    assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=c1",
-                    "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+    assert envs == ["LD_PRELOAD=/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR=/run/vgpu", "VGPU_SLICE=c1",
+                    "VGPU_CONTAINER=c1", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 
 
 def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
@@ -361,8 +361,8 @@ def test_env_k8s_is_yaml_with_read_only_shim_and_quota(ctl):
         "vgpu-c1-slice": {"path": f"{ctl.dir}/c1/identity", "type": "File"},
         "vgpu-sm-board": {"path": f"{ctl.dir}/.sm-board", "type": "File"}}
     assert {e["name"]: e["value"] for e in doc["env"]} == {
-        "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_CONTAINER": "c1",
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        "LD_PRELOAD": "/usr/local/lib/vgpu/libvgpu.so", "VGPU_DIR": "/run/vgpu", "VGPU_SLICE": "c1",
+        "VGPU_CONTAINER": "c1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def test_k8s_yaml_quotes_values_that_would_change_type():
@@ -375,16 +375,16 @@ def test_k8s_yaml_quotes_values_that_would_change_type():
 def test_env_json_and_unknown_container(ctl):
     ctl("create", "c1", "--memory", "1Gi")
     data = json.loads(ctl("env", "c1", "--json").stdout)
-    assert data["variables"] == {"LD_PRELOAD": str(SHIM), "VGPU_DIR": str(ctl.dir), "VGPU_CONTAINER": "c1",
-                                 "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert data["variables"] == {"LD_PRELOAD": str(SHIM), "VGPU_DIR": str(ctl.dir), "VGPU_SLICE": "c1",
+                                 "VGPU_CONTAINER": "c1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert set(data) == {"variables", "docker", "k8s"}
-    one_line_error(ctl("env", "nope"), 1, "container nope not found")
+    one_line_error(ctl("env", "nope"), 1, "slice nope not found")
 
 
 # === run ===
 
 def test_run_exits_with_the_childs_code_and_removes_its_temporary_slice(ctl):
-    code = "import os, sys; sys.exit(3 if os.environ['VGPU_CONTAINER'].startswith('run-') else 9)"
+    code = "import os, sys; sys.exit(3 if os.environ['VGPU_SLICE'].startswith('run-') else 9)"
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--", sys.executable, "-c", code])
     assert r.exit_code == 3, r.output
     assert not ctl.dir.exists()   # with the node directory and share board it made
@@ -396,7 +396,7 @@ def test_run_in_a_named_slice_keeps_it(ctl):
     assert r.exit_code == 0, r.output
     assert slices.read_quota(ctl.dir, "keep").devices[0].memory_max == GiB
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--memory", "2Gi", "--", "true"])
-    one_line_error(r, 2, "container keep exists with another quota (device 0: memory.max 1Gi")
+    one_line_error(r, 2, "slice keep exists with another quota (device 0: memory.max 1Gi")
     r = CliRunner().invoke(main, ["run", "--dir", str(ctl.dir), "--name", "keep", "--", "/nonexistent/prog"])
     one_line_error(r, 127, "/nonexistent/prog: command not found")
 
@@ -430,7 +430,7 @@ def test_a_slice_made_by_a_standalone_shim_is_listed_shown_and_resizable(ctl):
     (ctl.dir / "solo").mkdir(parents=True)
     (ctl.dir / "solo" / "quota").write_bytes(bytes(ffi.buffer(q)))
     assert [line.split()[:3] for line in ctl("status").stdout.splitlines()[:2]] == \
-        [["CONTAINER", "DEVICE", "GPU-MEMORY"], ["solo", "0", "0/4Gi"]]
+        [["SLICE", "DEVICE", "GPU-MEMORY"], ["solo", "0", "0/4Gi"]]
     r = ctl("resize", "solo", "--memory", "6Gi")        # devices 1..15 do not exist: nothing to overcommit
     assert r.exit_code == 0, r.output
     assert len(r.stdout.splitlines()) == lib.VGPU_MAX_DEVICES + 1

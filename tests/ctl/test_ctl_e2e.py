@@ -69,7 +69,7 @@ class Node:
         return json.loads(self.ctl(*args, "--json").stdout)
 
     def workload_env(self, name):
-        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_CONTAINER": name}
+        return {**self.env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(self.dir), "VGPU_SLICE": name}
 
 
 class Agent(JsonChild):
@@ -103,7 +103,7 @@ def test_create_run_status_resize_down_and_up_without_restart(node, agents):
     assert a.call("busy", 50) == SUCCESS          # 1 s of GPU time, so NVML has something to say
 
     s = node.ctl_json("status", "c1")
-    (c,) = s["containers"]
+    (c,) = s["slices"]
     (d,) = c["devices"]
     assert (c["name"], d["index"], d["memory_max"], d["memory_current"], d["sm_max"]) == \
         ("c1", 0, 2 * GiB, GiB, 5000)
@@ -147,7 +147,7 @@ def test_resize_refuses_to_overcommit_the_device_unless_asked(node):
     out = node.ctl("resize", "b", "--memory", "10Gi", ok=False)
     assert out.returncode == 1
     assert out.stderr.strip() == ("Error: device 0 would be overcommitted: 26Gi guaranteed (b 10Gi + others 16Gi)"
-                                  " > 24Gi physical; hint: shrink other containers, ask for less, or pass "
+                                  " > 24Gi physical; hint: shrink other slices, ask for less, or pass "
                                   "--overcommit")
     assert node.ctl_json("list")[1]["devices"][0]["memory_max"] == 4 * GiB   # untouched
     # a cap above what is guaranteed is fine: only requests are promises
@@ -171,7 +171,7 @@ def test_reap_after_kill_9_returns_the_memory(node, agents):
     usage = read_usage(node.dir, "c1")      # the file as the shim left it: a's slot is dead
     assert {p.pid: p.alive for p in usage.procs} == {a.pid: False, b.pid: True}
     reaped = node.ctl_json("reap")
-    assert [(r["container"], r["pid"], r["memory"]) for r in reaped] == [("c1", a.pid, {"0": GiB})]
+    assert [(r["slice"], r["pid"], r["memory"]) for r in reaped] == [("c1", a.pid, {"0": GiB})]
     usage = read_usage(node.dir, "c1")
     assert usage.devices[0]["memory_current"] == 512 * MiB
     assert [(p.pid, p.memory) for p in usage.procs] == [(b.pid, {0: 512 * MiB})]
@@ -188,7 +188,7 @@ def test_status_reaps_what_it_reads(node, agents):
     assert a.call("alloc", GiB) == SUCCESS and b.call("alloc", 512 * MiB) == SUCCESS
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(10)
-    c = node.ctl_json("status", "c1")["containers"][0]
+    c = node.ctl_json("status", "c1")["slices"][0]
     assert [p["pid"] for p in c["processes"]] == [b.pid]
     assert c["devices"][0]["memory_current"] == 512 * MiB
     assert node.ctl("reap").stdout.strip() == "nothing to reap"
@@ -216,7 +216,7 @@ def test_delete_is_refused_while_processes_run(node, agents):
     assert a.call("alloc", MiB) == SUCCESS
     out = node.ctl("delete", "c1", ok=False)
     assert out.returncode == 1
-    assert out.stderr.strip() == (f"Error: container c1 has 1 live process(es) (pid {a.pid}); "
+    assert out.stderr.strip() == (f"Error: slice c1 has 1 live process(es) (pid {a.pid}); "
                                   "hint: stop them first, or pass --force")
     a.kill()
     assert node.ctl("delete", "c1").stdout.strip() == "deleted c1"
@@ -228,7 +228,7 @@ def test_run_sim_passes_the_exit_code_through_and_keeps_an_existing_preload(node
     child = ("import json, os, sys\n"
              "from cuda.bindings import driver as cu\n"
              "cu.cuInit(0); cu.cuCtxSetCurrent(cu.cuDevicePrimaryCtxRetain(cu.cuDeviceGet(0)[1])[1])\n"
-             "json.dump({'preload': os.environ['LD_PRELOAD'], 'ctr': os.environ['VGPU_CONTAINER'],\n"
+             "json.dump({'preload': os.environ['LD_PRELOAD'], 'ctr': os.environ['VGPU_SLICE'],\n"
              "           'info': [int(x) for x in cu.cuMemGetInfo()[1:]],\n"
              "           'over': int(cu.cuMemAlloc(1 << 30)[0])}, open(sys.argv[1], 'w'))\n"
              "sys.exit(7)\n")

@@ -165,7 +165,7 @@ def test_a_node_directory_that_is_a_file_is_named(tmp_path):
 
 def test_run_name_of_a_missing_slice_is_an_error_and_creates_nothing(node):
     node.mkdir()
-    one_line(ctl("run", "--name", "typo", "--dir", node, "--", "true"), 1, "container typo not found in",
+    one_line(ctl("run", "--name", "typo", "--dir", node, "--", "true"), 1, "slice typo not found in",
              "--create")
     assert slices.list_names(node) == []
     one_line(ctl("run", "--create", "--dir", node, "--", "true"), 2, "--create needs --name")
@@ -178,7 +178,7 @@ def test_run_create_makes_a_kept_slice_and_a_rerun_of_the_same_command_works(nod
     q = slices.read_quota(node, "job").devices[0]
     assert (q.memory_max, q.sm_max) == (GiB, 5000)
     one_line(ctl("run", "--name", "job", "--create", "--memory", "2Gi", "--dir", node, "--", "true"), 2,
-             "container job exists with another quota", "vgpu-ctl resize job")
+             "slice job exists with another quota", "vgpu-ctl resize job")
 
 
 @pytest.mark.parametrize("make,code,what", [
@@ -287,7 +287,7 @@ def test_throttled_rate_is_the_wait_per_second_of_the_interval(node):
     write_usage_counters(str(node), "c1", throttled_ns=10**8, gpu_time_ns=5 * 10**7)
     second = status_mod.collect(node, previous=first, use_nvml=False)
     dt = second["_t"] - first["_t"]
-    d = second["containers"][0]["devices"][0]
+    d = second["slices"][0]["devices"][0]
     assert d["throttled_ns_per_s"] == round(10**8 / dt)
     assert d["sm_used"] == round(5 * 10**7 / (dt * 1e9) * 10000)
     row = status_mod.render(second).splitlines()[1].split()

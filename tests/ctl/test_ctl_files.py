@@ -64,7 +64,7 @@ def test_create_for_a_user_makes_the_usage_file_theirs_alone(tmp_path):
 
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "-x", "..", ".", "", "x" * 64, "a\0b", "a\nb"])
 def test_names_with_path_tricks_are_rejected_before_touching_disk(tmp_path, name):
-    with pytest.raises(slices.InvalidRequest, match="not a valid container name"):
+    with pytest.raises(slices.InvalidRequest, match="not a valid slice name"):
         make(tmp_path / "node", name)
     assert not (tmp_path / "node").exists()
     assert not (tmp_path / "x").exists()

@@ -129,8 +129,8 @@ def test_dir_before_the_command_is_taken_by_every_command_that_has_one(node):
     node.ok("--dir", d, "create", "a", "--memory", "1Gi", "--request", "512Mi", "--limit", "2Gi")
     assert slices.list_names(node.dir) == ["a"]
     assert [c["name"] for c in json.loads(node.ok("--dir", d, "list", "--json").stdout)] == ["a"]
-    assert json.loads(node.ok("--dir", d, "status", "--json").stdout)["containers"][0]["name"] == "a"
-    assert "VGPU_CONTAINER=a" in node.ok("--dir", d, "env", "a").stdout
+    assert json.loads(node.ok("--dir", d, "status", "--json").stdout)["slices"][0]["name"] == "a"
+    assert "VGPU_SLICE=a" in node.ok("--dir", d, "env", "a").stdout
     assert node.ok("--dir", d, "resize", "a", "--memory", "2Gi").stdout.splitlines()[-1] == "generation 4"
     assert node.ok("--dir", d, "reap").stdout == "nothing to reap\n"
     assert node.ok("--dir", d, "export").stdout.endswith("  a:\n    memory: 2Gi\n    request: 512Mi\n")
@@ -257,6 +257,6 @@ def test_status_json_lines_carry_when_they_were_read_as_the_agents_do(node):
     assert before - datetime.timedelta(seconds=1) <= stamps[0] and stamps[-1] <= after + datetime.timedelta(seconds=1)
     assert (stamps[-1] - stamps[0]).total_seconds() >= 0.15      # one per interval, not one time for all
     one = json.loads(node.ok("status", "--json", "--dir", node.dir).stdout)
-    assert _utc(one["ts"]) >= stamps[-1] and one["containers"][0]["name"] == "a"
+    assert _utc(one["ts"]) >= stamps[-1] and one["slices"][0]["name"] == "a"
     agent = node.ok("agent", "--once", "--dir", node.dir).stdout.splitlines()
     assert all(_utc(json.loads(line)["ts"]) for line in agent)   # one format for all

@@ -265,7 +265,7 @@ def test_two_mig_slices_side_by_side_each_sees_its_own_instance(node, workloads)
     assert wb.call("alloc", 30 * GiB) == SUCCESS       # the other instance's memory is its own
     assert wb.call("alloc", 10 * GiB) == OUT_OF_MEMORY  # ... and bounded by it
     status = n.ctl_json("status")
-    migs = {c["name"]: c["mig"] for c in status["containers"]}
+    migs = {c["name"]: c["mig"] for c in status["slices"]}
     assert migs["a"]["memory_used"] == 30 * GiB and [p["host_pid"] for p in migs["a"]["processes"]] == [wa.pid]
     assert migs["b"]["memory_used"] == 30 * GiB and [p["host_pid"] for p in migs["b"]["processes"]] == [wb.pid]
     assert [d.get("mig_slices") for d in status["devices"]] == [2]
@@ -319,7 +319,7 @@ def test_a_software_slice_inside_an_instance_is_capped_within_it(node, workloads
     assert w.call("alloc", 2 * GiB) == OUT_OF_MEMORY      # the shim's cap, well inside the 19.6 GiB instance
     uuid, total, used = w.call("nvml")
     assert (uuid, total, used) == (n.ctl_json("list")[0]["mig"]["uuid"], 4 * GiB, 3 * GiB)   # its MIG handle
-    (c,) = n.ctl_json("status")["containers"]
+    (c,) = n.ctl_json("status")["slices"]
     (d,) = c["devices"]
     assert (d["index"], d["gpu"], d["memory_max"], d["memory_current"], d["memory_driver"], d["sm_used"]) == \
         (0, 0, 4 * GiB, 3 * GiB, 3 * GiB, None)   # no utilization on a MIG GPU
@@ -396,7 +396,7 @@ n.nvmlDeviceCreateGpuInstance(h, 5)
 print(json.dumps(0))
 """, n.env)
     assert n.nvml_view()["gis"] == [[2, 5, 0, 4, []]]
-    (c,) = n.ctl_json("status")["containers"]
+    (c,) = n.ctl_json("status")["slices"]
     assert c["mig"]["present"] is False
     assert "t          0       3g.20gb  0:4        2   0   instance not found" in n.ctl("status").stdout
     out = n.ctl("delete", "t")

@@ -97,7 +97,7 @@ def test_env_k8s_with_ld_so_preload_mounts_it_read_only_and_leaves_ld_preload_al
     assert mounts["vgpu-preload"] == ("/etc/ld.so.preload", True)
     assert {v["name"]: v["hostPath"] for v in fragment["volumes"]}["vgpu-preload"] == {
         "path": "/opt/vgpu/ld.so.preload", "type": "File"}
-    assert [e["name"] for e in fragment["env"]] == ["VGPU_DIR", "VGPU_CONTAINER", "CUDA_DEVICE_ORDER"]
+    assert [e["name"] for e in fragment["env"]] == ["VGPU_DIR", "VGPU_SLICE", "VGPU_CONTAINER", "CUDA_DEVICE_ORDER"]
 
 
 def test_env_docker_with_ld_so_preload(node):
@@ -107,7 +107,7 @@ def test_env_docker_with_ld_so_preload(node):
         "/run/vgpu/infer/usage:/run/vgpu/infer/usage:rw", "/run/vgpu/infer/identity:/run/vgpu/.slice:ro",
         "/run/vgpu/.sm-board:/run/vgpu/.sm-board:rw", "/opt/vgpu/ld.so.preload:/etc/ld.so.preload:ro"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "-e"] == [
-        "VGPU_DIR=/run/vgpu", "VGPU_CONTAINER=infer", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+        "VGPU_DIR=/run/vgpu", "VGPU_SLICE=infer", "VGPU_CONTAINER=infer", "CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 
 
 def test_env_json_carries_the_installed_shim_too(node):

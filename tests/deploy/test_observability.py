@@ -187,7 +187,7 @@ SLICES = {   # name: (vgpu-ctl create flags, the pod it serves)
     "etl": (["--memory", "2Gi", "--sm", "10%"], ("team-a", "etl-0", "worker")),
 }
 # the alerts this node raises, each with a label naming what it is about
-EXPECTED_ALERTS = {("VgpuSliceOutOfMemory", "container", "notebook"), ("VgpuSliceStarved", "container", "train"),
+EXPECTED_ALERTS = {("VgpuSliceOutOfMemory", "slice", "notebook"), ("VgpuSliceStarved", "slice", "train"),
                    ("VgpuViolation", "kind", "unsliced"), ("VgpuViolation", "kind", "over-cap"),
                    ("VgpuUnslicedProcess", "device", "0"), ("VgpuSmGuaranteesOvercommitted", "device", "0"),
                    ("VgpuGpuUnhealthy", "device", "0")}
@@ -203,7 +203,7 @@ def node(tmp_path_factory):
 
     def tenant(name=None):
         t = Tenant(env if name is None else {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(d),
-                                             "VGPU_CONTAINER": name})
+                                             "VGPU_SLICE": name})
         started.append(t.proc)
         return t
     try:
@@ -236,9 +236,9 @@ def node(tmp_path_factory):
             assert loose.call(alloc=512 * MiB) == 0
             assert t["etl"].call(hide=GiB // 2, usage=str(d / "etl" / "usage"))["old"] == 3 * GiB // 2
             assert t["etl"].call(alloc=GiB) == 0      # the shim thinks 1.5Gi of 2Gi; the driver has 2.5Gi
-            for done in ('vgpu_memory_oom_refusals_total{container="notebook"} > 0',
+            for done in ('vgpu_memory_oom_refusals_total{slice="notebook"} > 0',
                          'vgpu_agent_actions_total{kind="over-cap", action="kill"} > 0',
-                         'vgpu_resize_events_total{container="infer"} > 0',
+                         'vgpu_resize_events_total{slice="infer"} > 0',
                          'vgpu_violations_active{kind="unsliced"} > 0',
                          f'count_over_time(vgpu_nvml_up[{RATE_INTERVAL}]) >= 8'):
                 prom.wait_for(done)

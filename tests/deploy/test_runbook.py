@@ -82,7 +82,7 @@ def test_two_containers_from_the_runbook_each_held_to_its_slice(tmp_path):
         # outside: the controller sees both slices and their processes
         status = json.loads(ctl("status", "--json", "--dir", run_dir))
         seen = {c["name"]: (c["devices"][0]["memory_current"], [p["host_pid"] for p in c["processes"]])
-                for c in status["containers"]}
+                for c in status["slices"]}
         assert seen == {"train": (768 * MiB, [train.hello["pid"]]), "infer": (1536 * MiB, [infer.hello["pid"]])}
     finally:
         for c in started:

@@ -132,7 +132,7 @@ def test_the_units_commands_bring_the_slices_back_after_a_reboot_and_run_the_age
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-        quota = {s.labels["container"]: s.value for f in text_string_to_metric_families(text)
+        quota = {s.labels["slice"]: s.value for f in text_string_to_metric_families(text)
                  for s in f.samples if s.name == "vgpu_memory_quota_bytes"}
         assert quota == {"train": 16 * GiB, "infer": 4 * GiB}
         agent.send_signal(signal.SIGTERM)                # systemctl stop

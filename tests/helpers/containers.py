@@ -30,7 +30,7 @@ check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtx
 check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 free, total = ctypes.c_size_t(), ctypes.c_size_t()
 check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo")
-slice_dir = os.path.join(os.environ["VGPU_DIR"], os.environ["VGPU_CONTAINER"])
+slice_dir = os.path.join(os.environ["VGPU_DIR"], os.environ["VGPU_SLICE"])
 
 def writable(path):
     try:

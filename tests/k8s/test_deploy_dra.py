@@ -16,7 +16,7 @@ from kubernetes.utils import parse_quantity
 from tests.helpers.k8s.models import roundtrip
 from tests.helpers.paths import ROOT
 from vgpu import cli
-from vgpu.k8s.agent import default_plugin_dir
+from vgpu.k8s.plugin_main import default_plugin_dir
 
 DRA = ROOT / "deploy" / "dra"
 NODE_AGENT = ROOT / "deploy" / "daemonset.yaml"

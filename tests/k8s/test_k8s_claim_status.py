@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import exposition
 from tests.helpers.k8s.fake_api import FakeApiServer, allocated_claim
 from tests.helpers.k8s.node import CTL, DRIVER, NODE, NS, Node
 from tests.helpers.paths import ROOT
@@ -238,9 +238,9 @@ def test_a_prepared_claim_labels_its_slice_with_namespace_pod_and_container(tmp_
     out = subprocess.run([CTL, "status", "--dir", str(node.slice_dir)], env=node.env, capture_output=True,
                          text=True, timeout=60)
     header, row = out.stdout.splitlines()[:2]
-    assert header.split()[:3] == ["CONTAINER", "POD", "DEVICE"]
+    assert header.split()[:3] == ["SLICE", "POD", "DEVICE"]
     assert row.split()[:2] == [share, f"{NS}/train-0/trainer"]
-    [c] = json.loads(node.ctl("status", "--json"))["containers"]
+    [c] = json.loads(node.ctl("status", "--json"))["slices"]
     assert c["labels"]["pod"] == "train-0"
     # unprepare removes the slice with its labels
     node.kubelets[0].unprepare(claim)
@@ -287,13 +287,12 @@ def test_metrics_of_a_dra_slice_carry_namespace_pod_and_pod_container(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
-    series = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for f in text_string_to_metric_families(text) for s in f.samples}
-    dra = (("container", "c0ffee00-0000-4000-8000-000000000001"), ("device", "0"), ("namespace", "team-a"),
-           ("pod", "train-0"), ("pod_container", "trainer"))
+    series = exposition.series(text)
+    dra = (("device", "0"), ("namespace", "team-a"), ("pod", "train-0"), ("pod_container", "trainer"),
+           ("slice", "c0ffee00-0000-4000-8000-000000000001"))
     assert series[("vgpu_memory_quota_bytes", dra)] == 4 * GiB
     assert series[("vgpu_processes", tuple(x for x in dra if x[0] != "device"))] == 0
-    assert series[("vgpu_memory_quota_bytes", (("container", "by-hand"), ("device", "0")))] == 2 * GiB
+    assert series[("vgpu_memory_quota_bytes", (("device", "0"), ("slice", "by-hand")))] == 2 * GiB
 
 
 def test_labels_files_that_are_hostile_are_no_labels(tmp_path):
@@ -321,7 +320,7 @@ def test_the_node_agents_verdict_becomes_the_violating_condition(tmp_path, api):
     n.start("--claim-status-interval", "200ms")
     claim, share = pod_claim(n, "judged")
     n.kubelet().prepare(claim)
-    violations = [{"kind": "gap", "container": share, "device": 0, "action": "report", "offenders": [],
+    violations = [{"kind": "gap", "slice": share, "device": 0, "action": "report", "offenders": [],
                    "memory_driver": 2 * GiB, "memory_current": GiB, "memory_max": 4 * GiB}]
     stop = threading.Event()
 

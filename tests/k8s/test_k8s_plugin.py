@@ -102,7 +102,8 @@ def test_prepare_makes_the_slice_and_cdi_spec_unprepare_removes_both(node):
     [cdev] = spec["devices"]
     assert cdev["name"] == "train-share-0"
     env = dict(e.split("=", 1) for e in cdev["containerEdits"]["env"])
-    assert env["VGPU_CONTAINER"] == "train-share-0" and env["LD_PRELOAD"] == "/usr/local/lib/vgpu/libvgpu.so"
+    assert env["VGPU_SLICE"] == env["VGPU_CONTAINER"] == "train-share-0"
+    assert env["LD_PRELOAD"] == "/usr/local/lib/vgpu/libvgpu.so"
     mounts = {m["containerPath"]: m for m in cdev["containerEdits"]["mounts"]}
     assert "ro" in mounts["/run/vgpu/train-share-0/quota"]["options"]
     assert "rw" in mounts["/run/vgpu/train-share-0/usage"]["options"]
@@ -348,7 +349,7 @@ def test_the_measured_context_cost_goes_into_the_cdi_spec_and_a_bad_measurement_
 # === keeping the ResourceSlice current ===
 
 def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
-    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.plugin_main import api_client
     from vgpu.k8s.resourceslice import Gpu, Publisher
     gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB), Gpu(1, "NVIDIA H200", "GPU-1", 141 * GiB)]
     events = []
@@ -371,7 +372,7 @@ def test_the_slice_follows_gpus_that_appear_and_vanish(tmp_path):
 
 
 def test_a_server_without_consumable_capacity_is_told_once_not_rewritten_forever(tmp_path):
-    from vgpu.k8s.agent import api_client
+    from vgpu.k8s.plugin_main import api_client
     from vgpu.k8s.resourceslice import Gpu, Publisher
     gpus = [Gpu(0, "NVIDIA H200", "GPU-0", 141 * GiB)]
     events = []
@@ -430,7 +431,7 @@ def test_a_first_available_claim_gives_its_devices_to_the_container_naming_the_m
     # a container's resources.claims[].request names the main request, matched exactly
     ids, edits = kubelet.container((claim[1], "gpu"))
     assert ids == [f"{DRIVER}/slice=prio-share-0"]             # once, though two devices serve "gpu"
-    assert dict(e.split("=", 1) for e in edits["env"])["VGPU_CONTAINER"] == "prio-share-0"
+    assert dict(e.split("=", 1) for e in edits["env"])["VGPU_SLICE"] == "prio-share-0"
     assert kubelet.cdi_devices(claim[1]) == ids                # naming only the claim: the same
     assert kubelet.cdi_devices(claim[1], "other") == []
     seen = node.status()["prio-share-0"]["devices"]
@@ -450,7 +451,7 @@ def test_the_default_cdi_spec_is_accepted_by_containerd_2_0s_cdi_library(node):
     assert [cdi_spec(node, c[1])["cdiVersion"] for c in (named, numbered)] == ["0.4.0", "0.5.0"]
     ids, edits = kubelet.container((named[1], "gpu"), (numbered[1], "gpu"))
     assert ids == [f"{DRIVER}/slice=named-share-0", f"{DRIVER}/slice={uuid_share}"]
-    assert {dict(e.split("=", 1) for e in edits["env"][i * 4:i * 4 + 4]).get("VGPU_CONTAINER")
+    assert {dict(e.split("=", 1) for e in edits["env"][i * 5:i * 5 + 5]).get("VGPU_SLICE")
             for i in range(2)} >= {"named-share-0"}
     for runtime in RUNTIMES:                                  # and by every runtime in the table
         assert Registry([node.cdi_dir], runtime).inject(ids), runtime

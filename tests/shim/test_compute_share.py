@@ -29,7 +29,7 @@ MARGIN = 5.0
 
 def tenant_env(tmp_path, container, share=None, **extra):
     env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
-                       VGPU_CONTAINER=container, **extra)
+                       VGPU_SLICE=container, **extra)
     if share is not None:
         env["VGPU_SM_LIMIT"] = share
     return env
@@ -168,7 +168,7 @@ def test_a_device_the_slice_was_not_given_refuses_launches_instead_of_waiting(tm
                                   "--overcommit", "--dir", str(tmp_path / "vgpu")])   # no NVML here
     assert r.exit_code == 0, r.output
     env = make_sim_env(tmp_path / "node", devices=2, LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
-                       VGPU_CONTAINER="c1")
+                       VGPU_SLICE="c1")
     out = run_python("""
         import time
         from cuda.bindings import driver as cu
@@ -195,7 +195,7 @@ def test_a_device_the_slice_was_not_given_refuses_launches_instead_of_waiting(tm
 def slice_env(tmp_path, name, *args):
     r = CliRunner().invoke(main, ["create", name, *args, "--overcommit", "--dir", str(tmp_path / "vgpu")])
     assert r.exit_code == 0, r.output
-    return make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER=name)
+    return make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE=name)
 
 
 def test_burst_lends_idle_time_and_ceiling_mode_does_not(tmp_path, c_program):
@@ -269,7 +269,7 @@ def test_status_shows_the_mode_the_guarantee_and_the_share_paced_at_now(tmp_path
     r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
                            env=make_sim_env(tmp_path / "node"))
     assert p.wait(timeout=30) == 0
-    [c] = json.loads(r.output)["containers"]
+    [c] = json.loads(r.output)["slices"]
     [d] = c["devices"]
     assert c["sm_mode"] == "burst" and d["sm_guaranteed"] == 2000 and d["sm_max"] == 8000
     assert d["sm_allowance"] == 8000, d      # alone on the device: lent everything up to its ceiling
@@ -372,5 +372,5 @@ def test_a_broken_board_is_no_crash_and_a_burst_slice_runs_at_its_guarantee(tmp_
     r = CliRunner().invoke(main, ["status", "--json", "--dir", str(tmp_path / "vgpu")],
                            env=make_sim_env(tmp_path / "node"))
     assert r.exit_code == 0, r.output
-    [d] = json.loads(r.output)["containers"][0]["devices"]
+    [d] = json.loads(r.output)["slices"][0]["devices"]
     assert d["sm_allowance"] is None and d["sm_guaranteed"] == 4000

@@ -104,7 +104,7 @@ def test_a_process_holding_the_old_shim_keeps_running_it_after_a_reinstall(tmp_p
     install.install_shim(dest, source=old)
     lib = dest / "libvgpu.so"
     old_inode = lib.stat().st_ino
-    env = {**sim_env, "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_CONTAINER": "c1", "VGPU_MEMORY_LIMIT": "1Gi"}
+    env = {**sim_env, "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_SLICE": "c1", "VGPU_MEMORY_LIMIT": "1Gi"}
     child = start_python(DLOPEN_CHILD, env, args=[str(lib)])
     try:
         assert child.stdout.readline().split() == ["0", str(1 << 30)]   # the shim's view: the cap

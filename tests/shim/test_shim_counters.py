@@ -19,7 +19,7 @@ CTL = str(Path(sys.executable).parent / "vgpu-ctl")
 
 
 def run_counted(tmp_path, c_program, *counts):
-    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER="t")
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE="t")
     # a slice the controller made: it outlives its processes (a standalone one goes with its last)
     subprocess.run([CTL, "create", "t", "--sm", "50%", "--dir", tmp_path / "vgpu"], env=env | {"LD_PRELOAD": ""},
                    check=True, capture_output=True, timeout=60)

@@ -39,7 +39,7 @@ print(json.dumps(out))
 
 
 def shim_env(env, tmp_path, **extra):
-    return dict(env, LD_PRELOAD=str(SHIM), VGPU_DIR=str(tmp_path / "vgpu"), VGPU_CONTAINER="c1",
+    return dict(env, LD_PRELOAD=str(SHIM), VGPU_DIR=str(tmp_path / "vgpu"), VGPU_SLICE="c1",
                 VGPU_MEMORY_LIMIT="1Gi", **extra)
 
 

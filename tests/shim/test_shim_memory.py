@@ -57,7 +57,7 @@ class Node:
 
     def env(self, container="c1", limit="4Gi", **extra):
         """A process of `container` under the shim; limit=None sets no limit variable."""
-        env = self.bare_env(LD_PRELOAD=str(SHIM), VGPU_DIR=self.dir, VGPU_CONTAINER=container, **extra)
+        env = self.bare_env(LD_PRELOAD=str(SHIM), VGPU_DIR=self.dir, VGPU_SLICE=container, **extra)
         if limit is not None:
             env["VGPU_MEMORY_LIMIT"] = limit
         return env
@@ -1257,9 +1257,23 @@ def test_no_configuration_passes_through_untouched(node):
 
 
 def test_container_name_with_path_tricks_is_refused(node, tmp_path):
-    assert_fails_closed(node.env("../evil", limit="1Gi"), "VGPU_CONTAINER=../evil")
+    assert_fails_closed(node.env("../evil", limit="1Gi"), "VGPU_SLICE=../evil")
     assert not (tmp_path / "evil").exists()
     assert not node.dir.exists() or list(node.dir.iterdir()) == []
+
+
+def test_the_old_variable_vgpu_container_names_the_slice_where_vgpu_slice_is_unset(node):
+    # VGPU_CONTAINER: VGPU_SLICE's old name, still read until the next release (an image's
+    # older tools may set only it); where both are set VGPU_SLICE wins
+    node.create("old", memory="1Gi")
+    node.create("new", memory="2Gi")
+    shim = dict(LD_PRELOAD=str(SHIM), VGPU_DIR=node.dir)
+    for names, cap in [({"VGPU_CONTAINER": "old"}, GiB), ({"VGPU_SLICE": "", "VGPU_CONTAINER": "old"}, GiB),
+                       ({"VGPU_SLICE": "new", "VGPU_CONTAINER": "old"}, 2 * GiB), ({"VGPU_SLICE": "new"}, 2 * GiB)]:
+        result, stderr = probe(node.bare_env(**shim, **names), 768 * MiB, 768 * MiB)
+        assert (result["total"], result["allocs"]) == (cap, [SUCCESS, SUCCESS if cap > GiB else OUT_OF_MEMORY]), names
+        assert stderr == [], names
+    assert_fails_closed(node.bare_env(**shim, VGPU_CONTAINER="../evil"), "VGPU_CONTAINER=../evil")
 
 
 @pytest.mark.parametrize("limit, cap", [("1G", 10**9), ("900M", 900 * 10**6), ("1000000k", 10**9),

@@ -98,7 +98,7 @@ NOT_HOOKED = [("cuMemAlloc", 2000, 0), ("cuMemGetInfo", 2000, 0), ("cuDeviceTota
 
 def shim_env(tmp_path, limit="4Gi", **extra):
     return make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu",
-                        VGPU_CONTAINER="c1", VGPU_MEMORY_LIMIT=limit, **extra)
+                        VGPU_SLICE="c1", VGPU_MEMORY_LIMIT=limit, **extra)
 
 
 def fixture_rows():

@@ -186,7 +186,7 @@ def test_a_signalled_holder_s_charge_is_back_within_a_second(node, lifecycle, sp
     h.wait(10)
     t0 = time.monotonic()
     data = status.collect(node.dir, "c1", use_nvml=False)
-    assert data["containers"][0]["devices"][0]["memory_current"] == 0
+    assert data["slices"][0]["devices"][0]["memory_current"] == 0
     while other.call("info")[1] != 4 * GiB:
         assert time.monotonic() - t0 < 1.0, "a live process of the slice still sees the memory taken"
         time.sleep(0.02)

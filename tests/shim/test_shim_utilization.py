@@ -25,7 +25,7 @@ print(json.dumps([u.gpu, u.memory]))
 
 
 def slice_env(tmp_path, name, sm=None, memory="2Gi"):
-    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER=name,
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE=name,
                        VGPU_MEMORY_LIMIT=memory)
     if sm:
         env["VGPU_SM_LIMIT"] = sm

@@ -61,7 +61,7 @@ SHOWS_A_RUNNING_PROCESS = ("compute", "compute_v2", "detail", "utilization", "ut
 
 
 def slice_env(env, tmp_path, name, device):
-    return dict(env, LD_PRELOAD=str(SHIM), VGPU_DIR=str(tmp_path / "vgpu"), VGPU_CONTAINER=name,
+    return dict(env, LD_PRELOAD=str(SHIM), VGPU_DIR=str(tmp_path / "vgpu"), VGPU_SLICE=name,
                 VGPU_MEMORY_LIMIT="1Gi", CUDA_VISIBLE_DEVICES=str(device))
 
 

@@ -29,7 +29,7 @@ def have(module):
 
 
 def slice_env(tmp_path, name="t", memory="4Gi", sm=None, **extra):
-    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_CONTAINER=name,
+    env = make_sim_env(tmp_path / "node", LD_PRELOAD=str(SHIM), VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE=name,
                        VGPU_MEMORY_LIMIT=memory, **extra)
     if sm:
         env["VGPU_SM_LIMIT"] = sm

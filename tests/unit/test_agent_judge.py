@@ -64,7 +64,7 @@ def test_a_gap_becomes_a_violation_after_the_grace_period_with_the_settings_acti
         assert (started, ended) == ([], [])
         assert list(judge.pending) == [("gap", ("a", 0))] and not judge.active
     [v] = judge.update(snapshot(100.5, slice_device(st, [hider])), observer)[0]
-    assert (v.kind, v.container, v.device, v.since, v.started, v.action) == ("gap", "a", 0, 100.0, 100.5, "kill")
+    assert (v.kind, v.slice, v.device, v.since, v.started, v.action) == ("gap", "a", 0, 100.0, 100.5, "kill")
     assert v.offenders == [(101, 1010)]
     assert (v.detail["gap"], v.detail["memory_driver"], v.detail["memory_current"]) == (256 * MiB, GiB + 256 * MiB, GiB)
     assert judge.counts[("a", "gap")] == 1 and not judge.pending

@@ -41,5 +41,5 @@ case "$shim" in
 esac
 test -f "$shim"
 echo "shim: $shim"
-"$prefix/bin/python" -c "import vgpu.k8s.agent, vgpu.k8s.plugin"
+"$prefix/bin/python" -c "import vgpu.k8s.plugin_main, vgpu.k8s.plugin"
 echo "k8s-plugin: loads"

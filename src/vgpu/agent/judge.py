@@ -15,7 +15,7 @@ from .settings import FORGED_CHARGE, SLACK_S
 class Violation:
     kind: str
     key: tuple               # what it is about: (slice, device) or ("", host pid, start)
-    container: str
+    slice: str
     device: int
     since: float             # monotonic time the condition was first seen
     started: float = None    # when it became a violation (after the grace period / window)
@@ -26,7 +26,7 @@ class Violation:
     wall: float = None
 
     def to_json(self):
-        return {"kind": self.kind, "container": self.container or None, "device": json_device(self.device),
+        return {"kind": self.kind, "slice": self.slice or None, "device": json_device(self.device),
                 "since": round(self.wall, 3) if self.wall else None, "action": self.action,
                 "offenders": [p for p, _ in self.offenders], **self.detail}
 
@@ -120,19 +120,19 @@ class Judge:
         self.active = {}         # (kind, key) -> Violation
         self.compute = collections.defaultdict(_Ring)   # (slice, device) -> its window of (t, nvml, charged)
         self._gpu = {}           # (slice, device) -> (t, gpu_time_ns)
-        self.counts = collections.Counter()   # (container, kind) -> violations started
+        self.counts = collections.Counter()   # (slice, kind) -> violations started
         # (slice device) -> a bracketed look (Observer.confirm_gap), or None: the snapshot's
         # figures are taken as they are (status and metrics report; only the agent acts)
         self.confirm = None
         # (slice device, slot numbers) -> host pids of its processes holding those slots'
         # locks (Observer.slot_lock_holders); None: none are looked for
         self.lock_holders = None
-        self.unjudged = collections.Counter()   # (container, device) -> gaps left unjudged: charges moving
+        self.unjudged = collections.Counter()   # (slice, device) -> gaps left unjudged: charges moving
         self.history = ChargeHistory()
         self._fit = {}           # (slice, device) -> {host pid: driver figure} at its last look within its cap
 
     def conditions(self, snap: Snapshot) -> dict:
-        """(kind, key) -> (container, device, detail, offenders) true in this snapshot."""
+        """(kind, key) -> (slice, device, detail, offenders) true in this snapshot."""
         st = self.settings
         out = {}
         compute, gpu = self.compute, self._gpu

@@ -111,7 +111,7 @@ class CgroupLimits:
                 continue
             self.applied[name] = (path, quota.generation, devices)
             self.refused.pop(name, None)
-            self.log("driver-limit", container=name, cgroup=path,
+            self.log("driver-limit", slice=name, cgroup=path,
                      devices={str(d): {"soft": s, "hard": h} for d, (s, h) in sorted(devices.items())},
                      result="resized" if old is not None and old[0] == path else "set")
 
@@ -120,13 +120,13 @@ class CgroupLimits:
             self._clear(name)
         if self.refused.get(name) != reason:
             self.refused[name] = reason
-            self.log("driver-limit", container=name, result="shim only", why=reason)
+            self.log("driver-limit", slice=name, result="shim only", why=reason)
 
     def _clear(self, name):
         path, _, devices = self.applied.pop(name)
         if os.path.isdir(path):
             driverlimits.clear(path, list(devices))
-        self.log("driver-limit", container=name, cgroup=path, result="cleared")
+        self.log("driver-limit", slice=name, cgroup=path, result="cleared")
 
     def state(self) -> dict:
         """For `status`: {slice: {"cgroup": path}} held by the driver, {slice: {"why": ...}} not."""

@@ -44,7 +44,7 @@ class Agent:
         self.health = health.Watcher(self._health_event) if use_nvml else None
         self.cgroup_limits = CgroupLimits(self.observer, self.log) if use_nvml else None
         self.on_violation = on_violation or (lambda v, record: None)
-        self.on_action = on_action or (lambda container, kind, action, pid, result: None)
+        self.on_action = on_action or (lambda slice_name, kind, action, pid, result: None)
         self.reap_enabled = reap
         self.latest = None
         self.iterations = 0
@@ -108,7 +108,7 @@ class Agent:
         for v in ended:
             if v.action == "stop":
                 self.holder.release(("compute", v.key))
-            self.log("violation-end", kind=v.kind, container=v.container or None, device=v.device,
+            self.log("violation-end", kind=v.kind, slice=v.slice or None, device=v.device,
                      lasted_s=round(now - v.started, 3))
         self._steer(snap, now)
         if self.cgroup_limits is not None:
@@ -134,7 +134,7 @@ class Agent:
                 continue
             key = (p.attribution.slice, p.host_pid)
             if key not in self._held_seen and key not in seen:
-                self.log("held-slot", container=p.attribution.slice, device=p.device,
+                self.log("held-slot", slice=p.attribution.slice, device=p.device,
                          nvml_device=p.place.label if p.place is not None else None, pid=p.host_pid,
                          memory_driver=p.driver, slot=p.slot, memory_charged=p.charge,
                          note=f"{p.attribution.note}: its memory counts in the slice; never acted on")
@@ -147,7 +147,7 @@ class Agent:
                 continue
             key = (p.host_pid, a.state, a.candidates)
             if key not in self._reused_seen:
-                self.log("pid-reused", container=a.slice, candidates=list(a.candidates) or None, state=a.state,
+                self.log("pid-reused", slice=a.slice, candidates=list(a.candidates) or None, state=a.state,
                          device=p.device, nvml_device=p.place.label if p.place is not None else None,
                          pid=p.host_pid, memory_driver=p.driver, memory_charged=p.charge,
                          note=a.note + ("; never acted on" if a.state == "ambiguous" else ""))
@@ -171,17 +171,17 @@ class Agent:
         except slices.NotFound:
             pass
         except (slices.VgpuError, OSError) as e:
-            self.log("error", container=name, error=f"reap: {e}")
+            self.log("error", slice=name, error=f"reap: {e}")
         return False
 
     def _log_reaped(self, name, recs):
         for rec in recs:
             self.reaped_total += 1
-            self.log("reaped", container=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
+            self.log("reaped", slice=name, slot=rec["slot"], pid=rec["pid"], comm=rec["comm"],
                      memory=rec["memory"])
 
     def _started(self, v, snap):
-        record = {"kind": v.kind, "container": v.container or None, "device": v.device, "action": v.action,
+        record = {"kind": v.kind, "slice": v.slice or None, "device": v.device, "action": v.action,
                   **v.detail, "offenders": [pid for pid, _ in v.offenders],
                   "processes": [p.to_json() for p in (snap.slices[v.key].processes if v.key in snap.slices else [])]}
         self.log("violation", **record)
@@ -196,21 +196,21 @@ class Agent:
                     self.holder.start()
                 for pid, _ in v.offenders:
                     self.actions_total[(v.kind, "stop")] += 1
-                    self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device, pid=pid,
+                    self.log("action", action="stop", kind=v.kind, slice=v.slice, device=v.device, pid=pid,
                              result="held to its share with SIGSTOP/SIGCONT", target=sd.sm_max)
-                    self.on_action(v.container, v.kind, "stop", pid, f"held to its share ({sd.sm_max / 100:g}%)")
+                    self.on_action(v.slice, v.kind, "stop", pid, f"held to its share ({sd.sm_max / 100:g}%)")
             else:
-                self.log("action", action="stop", kind=v.kind, container=v.container, device=v.device,
+                self.log("action", action="stop", kind=v.kind, slice=v.slice, device=v.device,
                          result="no process the agent is sure of: reported only")
 
     def _kill(self, v):
         for pid in v.detail.get("gone", ()):
-            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
+            self.log("action", action="kill", kind=v.kind, slice=v.slice or None, device=v.device, pid=pid,
                      result="not killed: the process is gone (its memory is kept by a process that holds its slot)")
         if not v.offenders:
             why = ("charges rewritten in the usage file, by a process the kernel does not name"
                    if v.detail.get("rewritten") else "no process the agent is sure of")
-            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device,
+            self.log("action", action="kill", kind=v.kind, slice=v.slice or None, device=v.device,
                      result=f"{why}: reported only")
             return
         for pid, start in v.offenders:
@@ -219,9 +219,9 @@ class Agent:
             result = self._kill_one(v, pid, start)
             self._acted.add((pid, start))
             self.actions_total[(v.kind, "kill")] += result == "killed"
-            self.log("action", action="kill", kind=v.kind, container=v.container or None, device=v.device, pid=pid,
+            self.log("action", action="kill", kind=v.kind, slice=v.slice or None, device=v.device, pid=pid,
                      result=result)
-            self.on_action(v.container, v.kind, "kill", pid, result)
+            self.on_action(v.slice, v.kind, "kill", pid, result)
 
     def _kill_one(self, v, pid, start):
         """SIGKILL through a pidfd, after checking once more that it is the same process and
@@ -244,7 +244,7 @@ class Agent:
             finally:
                 t.close()
             wanted = ("unsliced",) if v.kind == "unsliced" else ("sliced",)
-            if a.state not in wanted or (v.kind != "unsliced" and a.slice != v.container):
+            if a.state not in wanted or (v.kind != "unsliced" and a.slice != v.slice):
                 return f"not killed: no longer attributed with certainty ({a.state})"
             _signal(fd, signal.SIGKILL)
             return "killed"
@@ -268,12 +268,12 @@ class Agent:
             if g["full_since"] is not None and now - g["full_since"] >= self.settings.window:
                 self.holder.release(key)
                 self.judge.active.pop(key, None)
-                self.log("violation-end", kind="compute", container=sk[0], device=sk[1],
+                self.log("violation-end", kind="compute", slice=sk[0], device=sk[1],
                          note="released: within its share without being held for a whole window")
             elif all(procfs.start_ticks(pid) != start for pid, (_, start) in g["pidfds"].items()):
                 self.holder.release(key)
                 self.judge.active.pop(key, None)
-                self.log("violation-end", kind="compute", container=sk[0], device=sk[1],
+                self.log("violation-end", kind="compute", slice=sk[0], device=sk[1],
                          note="released: the held processes ended")
 
     # --- orphans ---
@@ -297,13 +297,13 @@ class Agent:
                 continue         # `run` may be deleting it itself right now
             try:
                 slices.delete(self.directory, name)
-                self.log("orphan-removed", container=name, owner_pid=owner.pid,
+                self.log("orphan-removed", slice=name, owner_pid=owner.pid,
                          reason="temporary slice (vgpu-ctl run's, or a standalone shim's) whose owner is gone, "
                                 "with no process left")
             except slices.NotFound:
                 pass
             except (slices.VgpuError, OSError) as e:
-                self.log("error", container=name, error=f"orphan not removed: {e}")
+                self.log("error", slice=name, error=f"orphan not removed: {e}")
             self._orphan_seen.pop(name, None)
 
     # --- state for status ---
@@ -315,7 +315,7 @@ class Agent:
                 "gpus": self.health.gpus() if self.health is not None else {},
                 "driver_limits": self.cgroup_limits.state() if self.cgroup_limits is not None else {},
                 "held": [{"pid": p, "start_ticks": s} for p, s in self.holder.held_pids()],
-                "violations_total": [{"container": c or None, "kind": k, "count": n}
+                "violations_total": [{"slice": c or None, "kind": k, "count": n}
                                      for (c, k), n in sorted(self.judge.counts.items())]}
 
     def _write_state(self, now, force=False):

@@ -64,7 +64,7 @@ class Attribution:
         return self.state == "sliced" and self.method in CERTAIN or self.state == "unsliced"
 
     def to_json(self):
-        out = {"state": self.state, "container": self.slice, "method": self.method}
+        out = {"state": self.state, "slice": self.slice, "method": self.method}
         if self.note:
             out["note"] = self.note
         if self.candidates:
@@ -178,7 +178,7 @@ class SliceDevice:
         return self.settings.tolerance_for(self.memory_max, len(self.processes))
 
     def to_json(self):
-        return {"container": self.name, "device": json_device(self.device),
+        return {"slice": self.name, "device": json_device(self.device),
                 "memory_max": None if self.memory_max == UNLIMITED
                 else self.memory_max, "memory_current": self.memory_current, "memory_driver": self.driver,
                 "tolerance": self.tolerance, "sm_max": self.sm_max, "sm_nvml": self.sm_nvml,

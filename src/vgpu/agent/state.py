@@ -61,7 +61,7 @@ def agent_running(state, now=None) -> bool:
 # === for status ===
 
 def annotate(data: dict, use_nvml=True):
-    """Add the driver's view to `vgpu-ctl status`'s data: per container device
+    """Add the driver's view to `vgpu-ctl status`'s data: per slice device
     memory_driver, per process how it was attributed; unsliced and unknown GPU processes;
     and the agent's violations (when an agent runs)."""
     obs = Observer(data["dir"], use_nvml=use_nvml and data["nvml"]["available"])
@@ -69,7 +69,7 @@ def annotate(data: dict, use_nvml=True):
         snap = obs.observe()
     finally:
         obs.close()
-    for c in data["containers"]:
+    for c in data["slices"]:
         c["driver_only"] = []    # its processes the driver lists that hold no slot of its own (no shim)
         for cd in c["devices"]:
             sd = snap.slices.get((c["name"], cd["index"]))
@@ -88,7 +88,7 @@ def annotate(data: dict, use_nvml=True):
     data["agent"] = {"running": running, "pid": state.get("pid") if running else None}
     data["violations"] = state.get("violations", []) if running else None
     limits = state.get("driver_limits") if running and isinstance(state.get("driver_limits"), dict) else {}
-    for c in data["containers"]:
+    for c in data["slices"]:
         mine, layer = limits.get(c["name"]), c.get("memory_layer")
         if not isinstance(mine, dict) or not layer or layer.get("layer") != "shim" or \
                 layer.get("why") != "no cgroup of its own":

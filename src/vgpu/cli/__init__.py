@@ -6,7 +6,7 @@ one command family -- the agent, autoscaler, metrics server, MIG, Kubernetes, in
 are imported inside their commands, so a command loads only what it runs).  Errors are
 one line with a hint: runtime failures exit 1, usage errors exit 2 (click's convention).
 """
-from . import (container_commands, manifest_commands, plan_commands, service_commands,  # noqa: F401
+from . import (manifest_commands, plan_commands, run_commands, service_commands,  # noqa: F401
                sim_commands, slice_commands)   # (imported for their commands, which join `main`)
 from .common import main
 

@@ -13,7 +13,7 @@ from .. import sim as simgpu
 from .. import slices
 from .. import status as status_mod
 from ..paths import shim_path
-from ..quantities import format_share, parse_memory, parse_share
+from ..quantities import SHARE_FULL, format_share, parse_memory, parse_share
 
 
 # === errors ===
@@ -145,7 +145,7 @@ class Name(click.ParamType):
 
     def convert(self, value, param, ctx):
         if not slices.valid_name(value):
-            self.fail(f"{value!r} is not a valid container name (letters, digits, '-', '_', '.'; not starting "
+            self.fail(f"{value!r} is not a valid slice name (letters, digits, '-', '_', '.'; not starting "
                       "with '.' or '-'; under 64 characters)", param, ctx)
         return value
 
@@ -284,7 +284,7 @@ def warn_sm_ceilings(directory, devices):
     device cannot all be given at once: say so."""
     for d, shares in sorted(status_mod.sm_shares(directory).items()):
         total = sum(shares.values())
-        if d in devices and total > 10000:
+        if d in devices and total > SHARE_FULL:
             each = ", ".join(f"{n} {format_share(v)}" for n, v in sorted(shares.items()))
             print_warning(f"SM shares on device {d} add up to {format_share(total)} ({each}): more than the device, so "
                   "they cannot all be guaranteed; when every slice wants its share at once, each gets less")

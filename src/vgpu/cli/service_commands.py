@@ -257,11 +257,11 @@ def agent(ctx, interval, grace, compute_window, tolerance, tolerance_ratio, proc
     if kubernetes_events:
         if not node_name:
             raise click.UsageError("--kubernetes-events needs --node-name (or NODE_NAME): the Events' source")
-        from ..k8s import agent as k8s_agent
+        from ..k8s import plugin_main
         try:
-            k8s_agent._require_extras()
+            plugin_main._require_extras()
             from ..k8s import events
-            sink = events.EventSink(slices.node_dir(directory), node_name, api=k8s_agent.api_client(kubeconfig),
+            sink = events.EventSink(slices.node_dir(directory), node_name, api=plugin_main.api_client(kubeconfig),
                                     log=lambda e: click.echo(json.dumps(e), err=True))
         except slices.VgpuError as e:
             raise click.ClickException(error_line(e)) from None
@@ -284,8 +284,8 @@ def agent(ctx, interval, grace, compute_window, tolerance, tolerance_ratio, proc
 def serve(port, address, directory):
     """Serve Prometheus metrics for the node's slices at /metrics.
 
-    Per container and device: memory used/quota/request/limit (bytes), SM share
-    used/quota (ratio), throttled and GPU seconds, launches, OOM refusals; per container:
+    Per slice and device: memory used/quota/request/limit (bytes), SM share
+    used/quota (ratio), throttled and GPU seconds, launches, OOM refusals; per slice:
     resize events and processes; per device: capacity and NVML's usage.  Read on each
     scrape, nothing in between.
 
@@ -350,15 +350,15 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
     Example (what deploy/dra/daemonset.yaml runs):
       vgpu-ctl k8s-plugin --node-name "$NODE_NAME" --shim-dir /opt/vgpu
     """
-    from ..k8s import agent, versions
+    from ..k8s import plugin_main, versions
     try:
         mig_gpus = versions.parse_mig_gpus(mig_gpus)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--mig-gpus") from None
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = agent.Config(node_name=node_name, driver_name=driver_name,
-                          plugin_dir=plugin_dir or agent.default_plugin_dir(driver_name),
+    config = plugin_main.Config(node_name=node_name, driver_name=driver_name,
+                          plugin_dir=plugin_dir or plugin_main.default_plugin_dir(driver_name),
                           registry_dir=registry_dir, cdi_dir=cdi_dir, cdi_version=cdi_version,
                           slice_dir=slices.node_dir(directory),
                           shim_dir=shim_dir, ld_so_preload=ld_so_preload,
@@ -366,8 +366,8 @@ def k8s_plugin(node_name, driver_name, plugin_dir, registry_dir, cdi_dir, cdi_ve
                           lend_memory=lend_memory, kubeconfig=kubeconfig, rescan=rescan,
                           claim_status_interval=claim_status_interval, mig_gpus=mig_gpus)
     try:
-        agent.run(config, stop, log=lambda line: click.echo(line, err=True))
-    except agent.AgentError as e:
+        plugin_main.run(config, stop, log=lambda line: click.echo(line, err=True))
+    except plugin_main.PluginError as e:
         raise click.ClickException(error_line(e)) from None
     except KeyboardInterrupt:
         pass
@@ -411,13 +411,13 @@ def k8s_webhook(tls_cert_file, tls_private_key_file, port, address, driver_name,
       vgpu-ctl k8s-webhook --tls-cert-file /tls/tls.crt --tls-private-key-file /tls/tls.key
     """
     import ssl
-    from ..k8s import agent, webhook
-    agent._require_extras()
+    from ..k8s import plugin_main, webhook
+    plugin_main._require_extras()
     config = webhook.Config(driver_name=driver_name, device_class=device_class, memory_resource=memory_resource,
                             utilization_resource=utilization_resource, hami=hami, template_grace=template_gc_grace)
     try:
-        api = agent.api_client(kubeconfig)
-    except agent.AgentError as e:
+        api = plugin_main.api_client(kubeconfig)
+    except plugin_main.PluginError as e:
         raise click.ClickException(error_line(e)) from None
 
     def log(event):

@@ -8,7 +8,7 @@ import click
 from .. import driverlimits, nvml
 from .. import slices
 from .. import status as status_mod
-from ..quantities import UNLIMITED, format_memory, format_share, format_utc
+from ..quantities import SHARE_FULL, UNLIMITED, format_memory, format_share, format_utc
 from . import common
 from .common import (DURATION, NAME, Owner, UsageFailure, change_arrow, check_sim_state, dir_option, emit_json,
                      existing_node_dir, json_option, main, node_dir_for_create, print_warning, quota_options,
@@ -16,7 +16,7 @@ from .common import (DURATION, NAME, Owner, UsageFailure, change_arrow, check_si
 
 
 def devices_arg(device, memory, sm, request, limit, sm_request, sm_limit):
-    q = slices.device_quota(UNLIMITED if memory is None else memory, 10000 if sm is None else sm,
+    q = slices.device_quota(UNLIMITED if memory is None else memory, SHARE_FULL if sm is None else sm,
                             request, limit, sm_request, sm_limit)
     return {d: q for d in (device or (0,))}
 
@@ -48,7 +48,7 @@ def create(name, memory, sm, request, limit, sm_request, sm_limit, sm_mode, over
     """Create a slice: its quota and usage files under the node directory.
 
     The slice holds --device (default 0) with the given caps; in its quota every other
-    device has memory.max 0, so the container is denied the devices it was not given.
+    device has memory.max 0, so the slice is denied the devices it was not given.
     Without --memory there is no memory cap (and nothing guaranteed); without --sm the
     share is 100%.  The node directory is made if its parent exists (with --parents,
     the whole path).  In burst mode (the default) a slice is guaranteed --sm-request and
@@ -226,7 +226,7 @@ def list_cmd(directory, as_json):
         emit_json(out)
         return
     if not out:
-        click.echo(f"no containers in {slices.node_dir(directory)}")
+        click.echo(f"no slices in {slices.node_dir(directory)}")
         return
     rows = []
     migs = any("mig" in c for c in out)   # a MIG column only where there are MIG slices
@@ -336,11 +336,11 @@ def describe_changes(old, new, arrow) -> str:
 @dir_option
 @json_option
 def status(name, watch, interval, count, directory, as_json):
-    """Who uses what: per container and per device, like `kubectl get -o wide`.
+    """Who uses what: per slice and per device, like `kubectl get -o wide`.
 
-    Per container and device: GPU-MEMORY used/cap, GPU-UTIL (SM time used/cap over the
+    Per slice and device: GPU-MEMORY used/cap, GPU-UTIL (SM time used/cap over the
     last window), time throttled, allocations refused (OOM), processes; then each
-    process (pid in the container, host pid, command); then each device: memory and SM
+    process (pid in its container, host pid, command); then each device: memory and SM
     allocated against capacity, and what NVML says is really used.  Without NVML the
     slice files still tell most of it (a note says what is missing).  THROTTLED is the
     time launches waited for their share: in total, or with --watch per second of the
@@ -419,7 +419,7 @@ def reap(names, directory, as_json):
         click.echo("nothing to reap")
     for r in reaped:
         if "error" in r:
-            click.echo(f"{r['container']}: not reaped: {r['error']}", err=True)
+            click.echo(f"{r['slice']}: not reaped: {r['error']}", err=True)
             continue
         mem = ", ".join(f"{format_memory(b)} on device {d}" for d, b in r["memory"].items()) or "no memory"
-        click.echo(f"{r['container']}: slot {r['slot']} pid {r['pid']} ({r['comm']}) gone; returned {mem}")
+        click.echo(f"{r['slice']}: slot {r['slot']} pid {r['pid']} ({r['comm']}) gone; returned {mem}")

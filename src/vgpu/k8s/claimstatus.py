@@ -56,13 +56,13 @@ def device_index(device_name: str):
     return int(tail) if head == "gpu" and tail.isdigit() else None
 
 
-def figures(container: dict, index: int, driver_memory=None) -> dict:
-    """A slice's live figures on one GPU (a vgpu.status.collect container entry);
+def figures(found: dict, index: int, driver_memory=None) -> dict:
+    """A slice's live figures on one GPU (a vgpu.status.collect slice entry);
     driver_memory: {host pid: bytes} as NVML lists the GPU's processes, None without NVML."""
-    row = next((d for d in container.get("devices") or [] if d["index"] == index), None)
-    data = {"slice": container["name"]}
-    if container.get("problem"):
-        data["problem"] = container["problem"][:500]
+    row = next((d for d in found.get("devices") or [] if d["index"] == index), None)
+    data = {"slice": found["name"]}
+    if found.get("problem"):
+        data["problem"] = found["problem"][:500]
     if row is None:
         return data
     data.update({"memory.max": row["memory_max"], "memory.current": row["memory_current"],
@@ -74,15 +74,15 @@ def figures(container: dict, index: int, driver_memory=None) -> dict:
         if row["memory_driver"] is not None:
             data["memory.driver"] = row["memory_driver"]
     elif driver_memory is not None:   # else NVML's own list, for the slice's processes
-        hosts = [p.get("host_pid") for p in container.get("processes") or [] if p.get("alive")]
+        hosts = [p.get("host_pid") for p in found.get("processes") or [] if p.get("alive")]
         data["memory.driver"] = sum(driver_memory.get(h) or 0 for h in hosts if h is not None)
-    layer = container.get("memory_layer") or {}
+    layer = found.get("memory_layer") or {}
     if layer.get("layer"):      # who holds the cap: driver+shim, or shim and why (vgpu.driverlimits)
         data["memory.layer"] = layer["layer"]
         if layer.get("why"):
             data["memory.layer.why"] = layer["why"][:200]
     procs = []
-    for p in container.get("processes") or []:
+    for p in found.get("processes") or []:
         if not p.get("alive"):
             continue
         memory = (p.get("memory") or {}).get(str(index), (p.get("memory") or {}).get(index, 0))
@@ -197,7 +197,7 @@ class Writer:
             return
         data = status_mod.collect(self.slice_dir, previous=self.previous, use_nvml=self.use_nvml)
         self.previous = data
-        by_slice = {c["name"]: c for c in data["containers"]}
+        by_slice = {c["name"]: c for c in data["slices"]}
         self._violations = data.get("violations")   # None: no node agent (vgpu-ctl agent) judging
         self._driver_memory = {}
         self._nvml = data["nvml"]["available"]
@@ -210,7 +210,7 @@ class Writer:
                 continue
             self.write(uid, entry, devices)
 
-    def entries(self, entry, container) -> list:
+    def entries(self, entry, found) -> list:
         """Our status.devices entries of a prepared claim, each with `ready` and `message`
         (what its Ready condition says) and, while the node agent judges, `violations`."""
         out = []
@@ -224,14 +224,14 @@ class Writer:
                 out.append(e)
                 continue
             index = device_index(d["device_name"])
-            if container is not None and index is not None:
-                e.update(data=figures(container, index, self.driver_memory(index)), ready=True,
+            if found is not None and index is not None:
+                e.update(data=figures(found, index, self.driver_memory(index)), ready=True,
                          message=f"slice {entry['slice']}")
             else:
                 e.update(data={"slice": entry["slice"], "problem": "the slice is gone from this node"}, ready=False,
                          message="the slice is gone from this node")
             if self._violations is not None:
-                e["violations"] = [v for v in self._violations if v.get("container") == entry["slice"] and
+                e["violations"] = [v for v in self._violations if v.get("slice") == entry["slice"] and
                                    v.get("device", index) == index]
             out.append(e)
         return out

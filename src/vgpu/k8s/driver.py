@@ -1,6 +1,6 @@
 """Preparing and unpreparing ResourceClaims on this node: claims become slices.
 
-A claim's devices from this driver become ONE slice (one VGPU_CONTAINER per container),
+A claim's devices from this driver become ONE slice (one VGPU_SLICE per container),
 named by the share ID of its first device -- for the usual one-GPU claim, exactly its
 share ID.  Each device's quota is what the scheduler allocated (consumedCapacity; a
 device allocated without it is taken whole): memory.max = memory.request = the bytes,

@@ -52,21 +52,21 @@ class EventSink:
         self.sent = self.dropped = 0
         threading.Thread(target=self._run, name="vgpu-events", daemon=True).start()
 
-    def _pod(self, container):
+    def _pod(self, name):
         """(namespace, pod, pod uid) the slice serves; pod None when it serves none."""
-        labels = podlabels.read(self.directory, container) if container else {}
+        labels = podlabels.read(self.directory, name) if name else {}
         return (labels.get("namespace"), labels.get("pod"), labels.get("pod_uid")) if labels.get("pod") else \
             (None, None, None)
 
     def violation(self, v, record):
-        namespace, pod, uid = self._pod(v.container)
+        namespace, pod, uid = self._pod(v.slice)
         if pod:
             self._put(event(namespace, pod, REASONS.get(v.kind, "VgpuViolation"),
-                            f"slice {v.container} device {v.device}: {describe_violation(record)}", self.node,
+                            f"slice {v.slice} device {v.device}: {describe_violation(record)}", self.node,
                             pod_uid=uid))
 
-    def action(self, container, kind, action, pid, result):
-        namespace, pod, uid = self._pod(container)
+    def action(self, name, kind, action, pid, result):
+        namespace, pod, uid = self._pod(name)
         if pod:
             self._put(event(namespace, pod, "VgpuAction", f"{action} pid {pid} ({kind}): {result}", self.node,
                             pod_uid=uid))

@@ -69,7 +69,7 @@ def _read_quota_fd(fd, shown) -> Quota:
             time.sleep(0.0005)
     if snap.device_count > MAX_DEVICES:
         raise BadFile(f"{shown} claims {snap.device_count} devices (max {MAX_DEVICES})",
-                      "delete the container and create it again")
+                      "delete the slice and create it again")
     return _quota_from(snap)
 
 
@@ -93,7 +93,7 @@ def _open_quota(cfd, directory, name, flags):
     try:
         return _open_in(cfd, QUOTA, flags, shown), shown
     except FileNotFoundError:
-        raise NotFound(f"container {name} has no quota file ({shown})",
+        raise NotFound(f"slice {name} has no quota file ({shown})",
                        "delete it and create it again") from None
 
 
@@ -191,7 +191,7 @@ def _check_overcommit(directory, name, old: dict, new: dict, capacity):
                 f"device {d} would be overcommitted: {format_memory(want)} guaranteed "
                 f"({name} {format_memory(q.guaranteed_memory)} + others {format_memory(others.get(d, 0))}) "
                 f"> {format_memory(cap)} physical",
-                "shrink other containers, ask for less, or pass --overcommit")
+                "shrink other slices, ask for less, or pass --overcommit")
 
 
 def _check_exists(devices, capacity, count_hint):
@@ -241,7 +241,7 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
     check_name(name)
     check_sm_mode(sm_mode or BURST)
     if not devices:
-        raise InvalidRequest("a container needs at least one device", "pass --device")
+        raise InvalidRequest("a slice needs at least one device", "pass --device")
     for d, q in devices.items():
         if not 0 <= d < MAX_DEVICES:
             raise InvalidRequest(f"device {d} is out of range (0..{MAX_DEVICES - 1})", "pass --device 0, 1, ...")
@@ -268,7 +268,7 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
             os.fchmod(cfd, 0o755)
             shown = os.path.join(path, name)
             if _exists(cfd, QUOTA):
-                raise Exists(f"container {name} already exists in {path}",
+                raise Exists(f"slice {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first")
             # usage first: the quota's appearance is what makes the slice usable
             usage = ffi.new("struct vgpu_usage *")
@@ -286,7 +286,7 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
             try:
                 _place(cfd, QUOTA, quota_bytes(name, devices, temporary, sm_mode), 0o644, os.path.join(shown, QUOTA))
             except FileExistsError:
-                raise Exists(f"container {name} already exists in {path}",
+                raise Exists(f"slice {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
             return _read_slice_quota(cfd, directory, name)
 
@@ -366,7 +366,7 @@ def delete(directory, name, force=False) -> dict:
         with _fd(_open_slice(node_fd, directory, name)) as cfd:
             live = _live_pids(cfd, directory, name)
             if live and not force:
-                raise Busy(f"container {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
+                raise Busy(f"slice {name} has {len(live)} live process(es) (pid {', '.join(map(str, live))})",
                            "stop them first, or pass --force")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(IDENTITY, dir_fd=cfd)
@@ -409,21 +409,21 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
             current = _read_quota_fd(fd, shown)
             if expect_generation is not None and current.generation != expect_generation:
                 # someone (an operator's resize) changed it after the caller decided
-                raise Changed(f"container {name}'s quota changed (generation {expect_generation} -> "
+                raise Changed(f"slice {name}'s quota changed (generation {expect_generation} -> "
                               f"{current.generation}) since it was read", "decide again from the new quota")
             held = current.held()
             targets = held if devices is None else list(devices)
             for d in targets:
                 if d not in held:
-                    raise InvalidRequest(f"container {name} does not hold device {d} (it holds "
+                    raise InvalidRequest(f"slice {name} does not hold device {d} (it holds "
                                          f"{', '.join(map(str, held)) or 'none'})",
-                                         "resize one of its devices, or create a container for that device")
+                                         "resize one of its devices, or create a slice for that device")
             old = {d: current.devices[d] for d in targets}
             new = {d: _resized(old[d], memory, sm, request, limit, sm_request, sm_limit) for d in targets}
             for d, q in new.items():
                 if not q.held:
                     raise InvalidRequest(f"device {d}: a memory cap and SM share of 0 hold nothing",
-                                         f"delete the container (vgpu-ctl delete {name}) instead")
+                                         f"delete the slice (vgpu-ctl delete {name}) instead")
                 _check_order(d, q)
             if not overcommit:
                 _check_overcommit(directory, name, old, new, capacity)

@@ -53,7 +53,7 @@ def valid_name(name: str) -> bool:
 
 def check_name(name: str) -> str:
     if not valid_name(name):
-        raise InvalidRequest(f"{name!r} is not a valid container name",
+        raise InvalidRequest(f"{name!r} is not a valid slice name",
                              "use letters, digits, '-', '_' and '.', not starting with '.' or '-', "
                              f"under {lib.VGPU_NAME_MAX} characters")
     return name
@@ -112,7 +112,7 @@ def _open_node(directory, create=False, name=None):
             os.makedirs(path, 0o755, exist_ok=True)
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise NotFound(f"{f'container {name} not found: ' if name else ''}node directory {path} does not exist",
+        raise NotFound(f"{f'slice {name} not found: ' if name else ''}node directory {path} does not exist",
                        "create a slice first (vgpu-ctl create), or set --dir / VGPU_DIR") from None
     except PermissionError:
         raise _permission(path, "create" if create else "open") from None
@@ -140,25 +140,25 @@ def _open_slice(node_fd, directory, name):
     try:
         return _open_in(node_fd, name, _DIR, shown)
     except FileNotFoundError:
-        raise NotFound(f"container {name} not found in {node_dir(directory)}",
-                       "`vgpu-ctl list` shows the containers; `vgpu-ctl create` makes one") from None
+        raise NotFound(f"slice {name} not found in {node_dir(directory)}",
+                       "`vgpu-ctl list` shows the slices; `vgpu-ctl create` makes one") from None
 
 
 def _check_regular(fd, shown, size):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         raise BadFile(f"{shown} is not a plain file with one link; refusing it",
-                      "remove it and create the container again")
+                      "remove it and create the slice again")
     if st.st_size != size:
         raise BadFile(f"{shown} has {st.st_size} bytes, not {size}: not a vgpu file of ABI version "
-                      f"{lib.VGPU_ABI_VERSION}", "delete the container and create it again")
+                      f"{lib.VGPU_ABI_VERSION}", "delete the slice and create it again")
 
 
 def _check_header(p, magic, size, shown):
     if (p.magic, p.abi_version, p.size) != (magic, lib.VGPU_ABI_VERSION, size):
         raise BadFile(f"{shown} is not a vgpu file of ABI version {lib.VGPU_ABI_VERSION} "
                       f"(magic {p.magic:#x}, version {p.abi_version})",
-                      "delete the container and create it again")
+                      "delete the slice and create it again")
 
 
 @contextlib.contextmanager

@@ -17,17 +17,17 @@ from .usage import _read_usage_fd
 def reap(directory, names=None) -> list:
     """Clear the process slots of dead processes (lock free, pid or charge still set):
     their memory goes back to the slice.  Returns what was reclaimed.  A slice whose
-    usage file is broken is skipped and reported ({"container", "error"}), never fatal:
+    usage file is broken is skipped and reported ({"slice", "error"}), never fatal:
     the file is writable from inside the container."""
     out = []
     for name in (list_names(directory) if names is None else names):
         try:
-            out += [{"container": name, **rec} for rec in reap_slice(directory, name)]
+            out += [{"slice": name, **rec} for rec in reap_slice(directory, name)]
         except NotFound:
             if names is not None:
                 raise
         except VgpuError as e:
-            out.append({"container": name, "error": str(e)})
+            out.append({"slice": name, "error": str(e)})
     return out
 
 

@@ -97,12 +97,12 @@ class Proc:
 
 def check_header(head, shown):
     if len(head) < HEADER.size:
-        raise BadFile(f"{shown} is cut short", "its container's processes recreate it; `vgpu-ctl delete` and "
+        raise BadFile(f"{shown} is cut short", "its slice's processes recreate it; `vgpu-ctl delete` and "
                       "`create` resets it")
     magic, version, size = HEADER.unpack_from(head)
     if (magic, version, size) != (lib.VGPU_USAGE_MAGIC, lib.VGPU_ABI_VERSION, SIZE):
         raise BadFile(f"{shown} is not a vgpu file of ABI version {lib.VGPU_ABI_VERSION} (magic {magic:#x}, version "
-                      f"{version})", "delete the container and create it again")
+                      f"{version})", "delete the slice and create it again")
 
 
 def parse(head, procs, devices):
@@ -163,7 +163,7 @@ def _read_usage_fd(fd, shown) -> Usage:
     data = os.pread(fd, USAGE_SIZE, 0)     # (a copy: see the module's doc)
     if len(data) < USAGE_SIZE:
         raise BadFile(f"{shown} is truncated ({len(data)} bytes, need {USAGE_SIZE})",
-                      "the container's processes recreate it; `vgpu-ctl delete` and `create` resets it")
+                      "the slice's processes recreate it; `vgpu-ctl delete` and `create` resets it")
     check_header(data, shown)
     records = data[PROCS_AT:PROCS_AT + MAX_PROCS * PROC.size]
     current, counters, procs = parse(data, records, range(MAX_DEVICES))

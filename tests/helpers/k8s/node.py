@@ -141,4 +141,4 @@ class Node:
     def status(self):
         if not os.path.isdir(self.slice_dir):     # no slice was ever made here
             return {}
-        return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["containers"]}
+        return {c["name"]: c for c in json.loads(self.ctl("status", "--json"))["slices"]}

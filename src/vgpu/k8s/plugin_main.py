@@ -1,7 +1,8 @@
-"""The node agent's main loop: publish the GPUs, serve the kubelet, keep both current.
+"""The DRA driver's main loop (`vgpu-ctl k8s-plugin`; the node agent, `vgpu-ctl agent`, is
+vgpu.agent): publish the GPUs, serve the kubelet, keep both current.
 
 Fail closed where a mistake would break isolation or lose claims (a checkpoint that
-cannot be read, a socket another agent holds, no GPUs to publish: refuse to start);
+cannot be read, a socket another driver holds, no GPUs to publish: refuse to start);
 carry on where the next round repairs it (the API server unreachable: logged and
 retried every --rescan, the kubelet's calls keep working).
 
@@ -28,7 +29,7 @@ API_TIMEOUT = 10     # seconds per API request: a black-holed API server must no
 API_RETRIES = 1      # urllib3 retries a failed connection once (a kept-alive one the server closed)
 
 
-class AgentError(slices.VgpuError):
+class PluginError(slices.VgpuError):
     pass
 
 
@@ -74,7 +75,7 @@ def api_client(kubeconfig=None):
         else:
             config.load_incluster_config(client_configuration=configuration)
     except (config.ConfigException, OSError) as e:
-        raise AgentError(f"cannot configure the Kubernetes client: {e}",
+        raise PluginError(f"cannot configure the Kubernetes client: {e}",
                          "run it in a pod with a service account, or pass --kubeconfig") from None
     configuration.retries = API_RETRIES
     return client.ApiClient(configuration)
@@ -104,12 +105,12 @@ def claim_reader(api):
 def _shim_files(config):
     shim = os.path.join(os.path.abspath(config.shim_dir), install.SHIM_NAME)
     if not os.path.isfile(shim):
-        raise AgentError(f"no shim in {config.shim_dir}", f"vgpu-ctl install-shim {config.shim_dir}")
+        raise PluginError(f"no shim in {config.shim_dir}", f"vgpu-ctl install-shim {config.shim_dir}")
     preload = None
     if config.ld_so_preload:
         preload = os.path.join(os.path.abspath(config.shim_dir), install.PRELOAD_NAME)
         if not os.path.isfile(preload):
-            raise AgentError(f"no {install.PRELOAD_NAME} in {config.shim_dir}",
+            raise PluginError(f"no {install.PRELOAD_NAME} in {config.shim_dir}",
                              f"vgpu-ctl install-shim {config.shim_dir} --preload-file")
     return shim, preload
 
@@ -118,7 +119,7 @@ def _gpus(ours=frozenset()):
     try:
         return resourceslice.inventory(ours)
     except Exception as e:   # NvmlUnavailable, or an NVMLError from a driver in trouble
-        raise AgentError(f"cannot list this node's GPUs: {e}",
+        raise PluginError(f"cannot list this node's GPUs: {e}",
                          "run on a GPU node with the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES=all)") from None
 
 
@@ -144,7 +145,7 @@ def _require_extras():
             return True
     missing = [m for m in ("grpc", "kubernetes", "google.protobuf") if absent(m)]
     if missing:
-        raise AgentError(f"the DRA driver needs the k8s extra ({', '.join(missing)} missing)",
+        raise PluginError(f"the DRA driver needs the k8s extra ({', '.join(missing)} missing)",
                          "pip install 'vgpu[k8s]'")
 
 
@@ -163,11 +164,11 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                         shim, preload, claim_reader(api), gpu_health.healthy, gpu_cdi_devices=config.gpu_cdi_devices,
                         lend_memory=config.lend_memory, cdi_version=config.cdi_version, log=emit)
     except checkpoint.CheckpointError as e:
-        raise AgentError(str(e), e.hint) from None
+        raise PluginError(str(e), e.hint) from None
     driver.unhealthy, gpu_health.driver = gpu_health.sick, driver
     gpus[:] = _gpus(driver.mig_instances())
     if not gpus:
-        raise AgentError("this node has no GPUs to publish", "run the agent on GPU nodes only (nodeSelector)")
+        raise PluginError("this node has no GPUs to publish", "run the DRA driver on GPU nodes only (nodeSelector)")
     publisher = resourceslice.Publisher(api, config.node_name, config.driver_name, emit, timeout=API_TIMEOUT,
                                         mig_gpus=config.mig_gpus)
     threading.Thread(target=lambda: (stop.wait(), kick.set()), name="stop", daemon=True).start()
@@ -175,7 +176,7 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
         servers = plugin.Servers(driver, config.driver_name, config.dra_socket, config.registration_socket, emit,
                                  on_registered=kick.set, health_feed=gpu_health.feed)
     except plugin.SocketBusy as e:
-        raise AgentError(str(e), "stop the other agent first") from None
+        raise PluginError(str(e), "stop the other DRA driver first") from None
     claimstatus.start(api, driver, config.slice_dir, config.claim_status_interval, stop, emit)
     emit({"event": "serving", "driver": config.driver_name, "node": config.node_name,
           "dra_socket": config.dra_socket, "registration_socket": config.registration_socket,
@@ -201,7 +202,7 @@ def run(config: Config, stop, log=lambda line: print(line, file=sys.stderr, flus
                 try:   # GPUs that appeared or vanished, MIG instances made or destroyed by hand; under the
                     with driver.lock:   # driver's lock, so an instance being made is already in its checkpoint
                         gpus[:] = _gpus(driver.mig_instances())
-                except AgentError as e:  # keep the last good list: claims on healthy GPUs go on
+                except PluginError as e:  # keep the last good list: claims on healthy GPUs go on
                     emit({"event": "rescan_failed", "error": str(e)})
     finally:
         gpu_health.stop()

@@ -209,8 +209,8 @@ def run(ctx, memory, sm, device, name, create_slice, sim, overcommit, directory,
     exists = not temporary and name in slices.list_names(directory)
     if not temporary and not exists and not create_slice:
         raise click.ClickException(
-            f"container {name} not found in {slices.node_dir(directory)}; hint: `vgpu-ctl list` shows the "
-            f"containers; pass --create to make it (kept afterwards), or leave --name out for a temporary slice")
+            f"slice {name} not found in {slices.node_dir(directory)}; hint: `vgpu-ctl list` shows the "
+            f"slices; pass --create to make it (kept afterwards), or leave --name out for a temporary slice")
     if exists and (memory is not None or sm is not None or device):
         _same_quota_or_fail(directory, name, memory, sm, device)
     made = {}
@@ -295,7 +295,7 @@ def _same_quota_or_fail(directory, name, memory, sm, device):
         for d in held)
     if not same:
         now = "; ".join(f"device {d}: {describe_device(quota.devices[d].to_json())}" for d in held)
-        raise UsageFailure(f"container {name} exists with another quota ({now}); hint: change it with "
+        raise UsageFailure(f"slice {name} exists with another quota ({now}); hint: change it with "
                            f"`vgpu-ctl resize {name}`, or run without --memory/--sm/--device")
 
 
