@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
@@ -155,7 +156,13 @@ static inline void ensure_init(void)
         init_slow();
 }
 void nvml_resolve(void);
-uint64_t now_ns(void);
+/* CLOCK_MONOTONIC in ns; inline: it is on the paced launch's path (a vDSO call, no syscall) */
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 int create_file_once(const char *path, const void *data, size_t len, mode_t mode);   /* 1: made it */
 int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
 int take_free_slot(void);     /* with S.lock held: a free slot, locked and drained; -1: none */
@@ -287,5 +294,6 @@ int board_entry(int dev);          /* 1: the slice has an entry for dev (claimed
 uint32_t board_update(int dev, uint32_t guarantee, uint32_t ceiling, uint64_t now,
                       const struct vgpu_usage_device *u);   /* u: the slice's usage of dev (what it used) */
 void board_note_wait(int dev, uint64_t ns);   /* this process's launches waited for its queue */
+uint64_t board_period(int dev);    /* when this process's current period on dev began (board_update) */
 
 #endif

@@ -642,13 +642,6 @@ void reap_dead(void)
     pthread_mutex_unlock(&S.lock);
 }
 
-uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* For views: reap at most every REAP_INTERVAL_NS, so a dead process's memory shows
  * as free again within a fraction of a second without a syscall storm. */
 void maybe_reap(void)
