@@ -644,13 +644,10 @@ void reap_dead(void)
 
 /* For views: reap at most every REAP_INTERVAL_NS, so a dead process's memory shows
  * as free again within a fraction of a second without a syscall storm. */
-void maybe_reap(void)
+void reap_due(uint64_t t)
 {
-    uint64_t t = now_ns();
-    if (t >= LOAD(&S.next_reap_ns)) {
-        STORE(&S.next_reap_ns, t + REAP_INTERVAL_NS);
-        reap_dead();
-    }
+    STORE(&S.next_reap_ns, t + REAP_INTERVAL_NS);
+    reap_dead();
 }
 
 /* nvml_resolve's own lock, not S.lock: it is called with S.lock held (a reaper asking NVML
