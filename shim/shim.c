@@ -590,6 +590,38 @@ int take_free_slot(void)
     return -1;
 }
 
+/* slots_used comes down past the free slots at its top, so that the sum in every admission
+ * covers the slots that may be charged, not every slot ever used (a slice whose processes
+ * came and went once summed all 64 on each allocation).  With S.lock held.  The top slot
+ * is let go only with its lock held here (no process owns it, and none can claim it
+ * meanwhile), drained first when its process is gone (as a reap does), and slots_used
+ * moves down by a compare-and-swap: a claim widening it at the same time (take_free_slot,
+ * before its first charge) either comes after and widens again, or makes this one fail.
+ * Every slot at or above slots_used is therefore uncharged, and stays so until a claim
+ * has widened past it. */
+static void shrink_slots_used(void)
+{
+    for (;;) {
+        uint32_t n = LOAD(&S.usage->slots_used);
+        if (n == 0 || n > VGPU_MAX_PROCS)
+            return;
+        int i = (int)n - 1, ok = 1;
+        if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+            return;   /* ours, or a live process's */
+        if (slot_in_use(i)) {
+            if ((ok = slot_owner_gone(i))) {
+                INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
+                drain_slot(i);
+            }
+        }
+        ok = ok && __atomic_compare_exchange_n(&S.usage->slots_used, &n, n - 1, 0, __ATOMIC_SEQ_CST,
+                                               __ATOMIC_SEQ_CST);
+        slot_lock(S.usage_fd, i, F_UNLCK);
+        if (!ok)
+            return;
+    }
+}
+
 int claim_slot(void)
 {
     int i = take_free_slot();
@@ -607,6 +639,7 @@ int claim_slot(void)
         p->state = 0;                  /* NVML's pid for it: the node agent's to write */
         STORE(&p->pid, (int32_t)getpid());   /* last: a reader that sees the pid sees the rest */
         S.slot = i;
+        shrink_slots_used();   /* (the slots above it that processes before left) */
         return 0;
     }
     static int said;
@@ -633,6 +666,7 @@ void reap_dead_locked(void)
         drain_slot(i);
         slot_lock(S.usage_fd, i, F_UNLCK);
     }
+    shrink_slots_used();
 }
 
 void reap_dead(void)
