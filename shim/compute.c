@@ -617,17 +617,16 @@ static int pace(int dev, uint64_t key)
 }
 
 /* A paced launch before the driver's call, once the hook has seen the quota limit something:
- * pace, maybe start a sample (*sp).  Out of line, with few arguments: the hooks stay small. */
-enum { GATE_DIRECT, GATE_SAMPLE, GATE_REFUSED };
+ * pace, maybe start a sample.  NULL: launch; REFUSED: do not; else the sample to end after
+ * the launch.  Out of line, with few arguments: the hooks stay small. */
+#define REFUSED ((struct sample *)&samples[MAX_SAMPLES])   /* (one past the samples: no sample) */
 #define UNPAREN(...) __VA_ARGS__
-static __attribute__((noinline)) int launch_gate(uint64_t key, CUstream stream, int per_thread, struct sample **sp)
+static __attribute__((noinline)) struct sample *launch_gate(uint64_t key, CUstream stream, int per_thread)
 {
     int paced = pace(launch_device(), key);
     if (UNLIKELY(paced < 0))
-        return GATE_REFUSED;
-    if (paced && (*sp = sample_begin(key, stream, per_thread)))
-        return GATE_SAMPLE;
-    return GATE_DIRECT;
+        return REFUSED;
+    return paced ? sample_begin(key, stream, per_thread) : NULL;
 }
 
 /* Every launch hook: unpaced, straight on to the driver (a tail call); paced, the gate, then
@@ -640,9 +639,8 @@ static __attribute__((noinline)) int launch_gate(uint64_t key, CUstream stream, 
         ENTER(sym, UNPAREN args);                                                           \
         if (!sm_limited())                                                                  \
             return real_##sym args;                                                         \
-        struct sample *sp_ = NULL;                                                          \
-        int gate_ = launch_gate((key), (stream), (per_thread), &sp_);                       \
-        if (gate_ == GATE_REFUSED)                                                          \
+        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
+        if (sp_ == REFUSED)                                                                 \
             return CUDA_ERROR_NOT_PERMITTED;                                                \
         CUresult r_ = real_##sym args;                                                      \
         if (sp_)                                                                            \
@@ -660,11 +658,10 @@ static __attribute__((noinline)) int launch_gate(uint64_t key, CUstream stream, 
             return unready_##sym args;                                                      \
         if (LIKELY(!LOAD(&sm_any_limited)))                                                 \
             return real_##sym args;                                                         \
-        struct sample *sp_ = NULL;                                                          \
-        int gate_ = launch_gate((key), (stream), (per_thread), &sp_);                       \
-        if (LIKELY(gate_ == GATE_DIRECT))                                                   \
+        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
+        if (LIKELY(!sp_))                                                                   \
             return real_##sym args;                                                         \
-        if (gate_ == GATE_REFUSED)                                                          \
+        if (sp_ == REFUSED)                                                                 \
             return CUDA_ERROR_NOT_PERMITTED;                                                \
         CUresult r_ = real_##sym args;                                                      \
         sample_end(sp_, (stream), (per_thread), r_);                                        \
