@@ -655,8 +655,12 @@ void reap_dead_locked(void)
 {
     if (S.usage_fd < 0)
         return;
+    uint32_t used = LOAD(&S.usage->slots_used);
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
-        if (i == S.slot || memory_holds_slot(i) || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+        /* above slots_used a slot is uncharged (shrink_slots_used): only a process there
+         * (a claim in progress, or one a tenant wrote) needs the look below */
+        if (((uint32_t)i >= used && !LOAD(&S.usage->procs[i].pid)) || i == S.slot || memory_holds_slot(i) ||
+            !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
         if (!slot_owner_gone(i)) {
             slot_lock(S.usage_fd, i, F_UNLCK);
