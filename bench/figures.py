@@ -7,7 +7,14 @@ docs/benchmarks.md between two markers, so the docs cannot drift from the code.
 
 `make bench` writes them first; bench/test_figures_in_docs.py fails when the block differs
 from a fresh measurement.  Per call = the slope between runs of N and 3N calls (start-up
-costs cancel).  Needs valgrind and a C compiler.
+costs cancel; a warm-up run first, so that no measured run is the node's or the
+slice's first).  Needs valgrind and a C compiler.
+
+The second row's slice had CROWD processes at once, each holding memory in a slot of its
+own, all gone before its warm-up run (which finds their slots and gives them back): what an
+allocation costs must not grow with the processes that ever ran in a slice.  Before
+slots_used came down again it did, by 7 instructions a slot: 297 / 351 / 519 / 738 after
+1 / 8 / 32 / 64 processes.
 """
 import argparse
 import os
@@ -23,8 +30,10 @@ BEGIN = "<!-- bench/figures.py: begin (generated: do not edit by hand) -->"
 END = "<!-- bench/figures.py: end -->"
 
 # (row, program, argument after N, environment, N)
+CROWD = 64   # the "crowd" slice: this many processes ran in it (at once, each holding memory) and exited
 CALLS = (
     ("`cuMemAlloc` + `cuMemFree` pair (1 MiB)", "overhead", "alloc", "capped", 1000),
+    (f"`cuMemAlloc` + `cuMemFree` pair, after {CROWD} processes ran in the slice", "overhead", "alloc", "crowd", 1000),
     ("`cuMemGetInfo`", "overhead", "info", "capped", 1000),
     ("`cuLaunchKernel`, sm 100% (unpaced)", "launch", None, "full", 10000),
     ("`cuLaunchKernel`, sm 90% ceiling (paced, within budget)", "launch", None, "paced", 10000),
@@ -46,10 +55,28 @@ def _environments(tmp):
     base.update(sim_environment("a10", 1, str(tmp / "node"), base_env=base))
     made = tmp / "vgpu"
     slices.create(made, "capped", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
+    slices.create(made, "crowd", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
     slices.create(made, "full", {0: slices.device_quota()}, overcommit=True)
     slices.create(made, "paced", {0: slices.device_quota(sm=9000)}, overcommit=True, sm_mode="ceiling")
     shim = {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made)}
-    return base, {name: {**shim, "VGPU_CONTAINER": name} for name in ("capped", "full", "paced")}
+    return base, {name: {**shim, "VGPU_CONTAINER": name} for name in ("capped", "crowd", "full", "paced")}
+
+
+def crowd(exe, env, n=CROWD):
+    """n processes of the slice at once, each holding memory (a slot each), then gone: what
+    the processes that ran in a slice leave behind for the next ones."""
+    procs = [subprocess.Popen([str(exe), "1", "hold"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+             for _ in range(n)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != b"held":
+                raise RuntimeError("a crowd process did not get its memory")
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            p.wait()
+            p.stdout.close()
 
 
 def _instructions(exe, arg, env, n, out):
@@ -60,7 +87,11 @@ def _instructions(exe, arg, env, n, out):
 
 
 def per_call(exe, arg, env, n, out):
-    """Instructions per call: the slope between n and 3n calls."""
+    """Instructions per call: the slope between n and 3n calls.  A plain run comes first, so
+    that what only a first process pays (simgpu making its node, the shim its slice's
+    board) falls in neither: before it, the first measured run of the node paid 567k
+    instructions the second did not, and the alloc row's "without" column read 283 low."""
+    subprocess.run([str(exe), "1", *([arg] if arg else [])], env=env, capture_output=True, check=True)
     lo, hi = (_instructions(exe, arg, env, k, out) for k in (n, 3 * n))
     return (hi - lo) / (2 * n)
 
@@ -71,6 +102,7 @@ def measure():
         tmp = Path(d)
         base, shimmed = _environments(tmp)
         exes = {name: _build(name, tmp) for name in {c[1] for c in CALLS}}
+        crowd(exes["overhead"], shimmed["crowd"])
         rows = []
         for row, program, arg, slice_, n in CALLS:
             without = per_call(exes[program], arg, base, n, tmp)
@@ -90,7 +122,9 @@ def render(rows):
 
 # Not quite deterministic: the shim reaps dead slots at most every 0.2 s of wall time on
 # its view path, and under callgrind a run takes long enough for a few more of those
-# (cuMemGetInfo read 277-291 in three runs).  A figure is as documented within this.
+# (cuMemGetInfo read 277-291 in three runs when a reap looked at all 64 slots; the same
+# 194 in three since it looks at those that can be charged); a start-up reading /proc moves
+# the alloc+free pair by about 5.  A figure is as documented within this.
 TOLERANCE = 0.05
 
 

@@ -24,10 +24,8 @@
  * rounding up would wrap, which no device can hold). */
 static inline uint64_t vgpu_alloc_footprint(uint64_t size)
 {
-    uint64_t unit = size >= VGPU_LARGE_FROM ? VGPU_LARGE_PAGE : VGPU_SMALL_ALIGN;
-    if (size > UINT64_MAX - (unit - 1))
-        return UINT64_MAX;
-    return (size + unit - 1) & ~(unit - 1);
+    uint64_t mask = (size >= VGPU_LARGE_FROM ? VGPU_LARGE_PAGE : VGPU_SMALL_ALIGN) - 1, end = size + mask;
+    return end < size ? UINT64_MAX : end & ~mask;   /* (end < size: rounding up wrapped) */
 }
 
 #endif

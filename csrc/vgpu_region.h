@@ -125,7 +125,10 @@ struct vgpu_usage {
     uint64_t magic;
     uint32_t abi_version;
     uint32_t size;
-    uint32_t slots_used;        /* slots ever claimed (a bound on the sum, 0..VGPU_MAX_PROCS) */
+    uint32_t slots_used;        /* a bound on the sum, 0..VGPU_MAX_PROCS: every slot at or above it is
+                                   uncharged.  A claim widens it (compare-and-swap) before its first
+                                   charge; a shim that holds the top slot's lock with its process
+                                   gone lowers it past that slot (shim/shim.c: shrink_slots_used) */
     uint32_t flags;
     struct vgpu_usage_device devices[VGPU_MAX_DEVICES];
     uint64_t charge[VGPU_MAX_DEVICES][VGPU_MAX_PROCS];

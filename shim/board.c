@@ -202,6 +202,11 @@ void board_note_wait(int dev, uint64_t ns)
         __atomic_add_fetch(&mine[dev].backlog_ns, ns, __ATOMIC_RELAXED);
 }
 
+uint64_t board_period(int dev)
+{
+    return LOAD(&mine[dev].period_ns);
+}
+
 /* Water-filling: what the live entries leave of the device, shared by guarantee among
  * those that want more, none given more than it asked for. */
 static uint32_t allowance_from(const struct vgpu_board_slice *e, int self, uint64_t now)

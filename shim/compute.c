@@ -36,6 +36,9 @@
 #define MAX_SAMPLES 16
 #define ESTIMATE_BITS 12
 #define CORR_ONE 65536ull
+#define BACKLOG_NS 40000000ull        /* bound_backlog: a queue this far behind its launches waits */
+#define BACKLOG_POLL_NS 500000ull
+#define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
 
 struct estimate { uint64_t key, ns, sampled_at; uint32_t launches, sampling; };
 static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
@@ -49,11 +52,33 @@ static int in_flight;   /* samples with busy == 2 */
 
 static uint64_t first_paced_ns;   /* this process's first paced launch (the correction's) */
 
+/* The allowance and the cost scale as a paced launch uses them, per device and process:
+ * looked up once per board period (without a board, as often), and at the correction's
+ * check (maybe_correct is asked then), with the wall time's factor worked out, so that a
+ * launch neither calls into the board nor divides.  wall = corr * SM_FULL / allowance in
+ * 32.32 fixed point, rounded up (a wall time a few nanoseconds long at most, never short).  Written by
+ * whichever thread finds it stale (expired, or reset: a new quota generation, a fork): inv
+ * and allowed first, then expires (release), read in the other order; a race only has two
+ * threads look it up. */
+static struct lane {
+    uint64_t expires;   /* CLOCK_MONOTONIC: the board's period's end, the correction's next check */
+    uint64_t corr;      /* the cost scale (usage file: sm_correction), 16.16 */
+    uint64_t wall;      /* corr * SM_FULL / allowance, 32.32: an estimate's wall time on the clock */
+    uint32_t allowed;
+} lanes[VGPU_MAX_DEVICES];
+
+/* When bound_backlog next needs to look (CLOCK_MONOTONIC): the oldest sample in flight
+ * comes of age then; 0: look now.  Lowered by every sample sent, raised only by a look. */
+static uint64_t backlog_due;
+
+
 void compute_atfork_child(void)   /* the samples' events are the parent's; NVML sees a new pid */
 {
     memset(samples, 0, sizeof samples);
     in_flight = 0;
     first_paced_ns = 0;
+    memset(lanes, 0, sizeof lanes);
+    backlog_due = 0;
 }
 
 /* Derived from the quota, recomputed only when its generation moves. */
@@ -65,35 +90,55 @@ static uint32_t sm_guarantee[VGPU_MAX_DEVICES], sm_ceiling[VGPU_MAX_DEVICES];
 static int sm_only_device = -1;              /* the device, when the process sees just one */
 #define SM_FLOOR 100u   /* the least a paced slice is allowed (1%): a launch never waits for ever */
 
-/* Any device paced?  One load and a branch while the quota does not change.  A device is
- * paced when its ceiling (sm.max) is below the device, or, in burst mode, its guarantee
- * (sm.request) is below its ceiling: then it bursts only into time nobody guaranteed
- * wants, and must yield the moment they do. */
+/* Any device paced?  While the quota does not change: its generation, compared with the one
+ * last seen, and one load (inline: the unpaced launch is a handful of instructions).  A
+ * device is paced when its ceiling (sm.max) is below the device, or, in burst mode, its
+ * guarantee (sm.request) is below its ceiling: then it bursts only into time nobody
+ * guaranteed wants, and must yield the moment they do. */
+static __attribute__((noinline, cold)) int sm_recompute(uint64_t g)
+{
+    int any = 0, count = 0, burst = !(LOAD(&S.quota->flags) & VGPU_QUOTA_SM_CEILING);
+    /* devices the process cannot see take no launch: only the visible ones decide whether
+     * any launch is paced (all of them when the driver cannot say how many there are) */
+    if (!real_cuDeviceGetCount || real_cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= 0 ||
+        count > VGPU_MAX_DEVICES)
+        count = VGPU_MAX_DEVICES;
+    for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
+        uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : 0;
+        uint32_t req = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_request) : 0;
+        uint32_t floor = burst && req < sm ? req : sm;
+        sm = sm > SM_FULL ? SM_FULL : sm;
+        floor = floor < SM_FLOOR ? SM_FLOOR : floor > sm ? sm : floor;
+        STORE(&sm_ceiling[d], sm);
+        STORE(&sm_guarantee[d], floor);
+        int pacing = sm == 0 ? SM_DENIED : sm < SM_FULL || floor < sm ? SM_PACED : SM_FREE;
+        STORE(&sm_pacing[d], pacing);
+        any |= d < (uint32_t)count && pacing != SM_FREE;
+    }
+    /* with one visible device (the usual container), launches need not ask which */
+    STORE(&sm_only_device, count == 1 ? 0 : -1);
+    STORE(&sm_any_limited, any);
+    __atomic_store_n(&sm_gen_seen, (uint32_t)g, __ATOMIC_SEQ_CST);
+    for (int d = 0; d < VGPU_MAX_DEVICES; d++)   /* allowances looked up under the old quota */
+        __atomic_store_n(&lanes[d].expires, 0, __ATOMIC_SEQ_CST);
+    return any;
+}
+
+/* Known to pace nothing, without a call (the hook's fast path must make none: a call there
+ * would have the compiler save every argument first); 0 also when the quota moved. */
+static inline int sm_known_free(void)
+{
+    return S.mode != MODE_ENFORCE ||
+           ((uint32_t)LOAD(&S.quota->generation) == LOAD(&sm_gen_seen) && !LOAD(&sm_any_limited));
+}
+
 static inline int sm_limited(void)
 {
     if (S.mode != MODE_ENFORCE)
         return 0;
     uint64_t g = LOAD(&S.quota->generation);
-    if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen))) {
-        int any = 0, count = 0, burst = !(LOAD(&S.quota->flags) & VGPU_QUOTA_SM_CEILING);
-        for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
-            uint32_t sm = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_max) : 0;
-            uint32_t req = d < S.quota->device_count ? LOAD(&S.quota->devices[d].sm_request) : 0;
-            uint32_t floor = burst && req < sm ? req : sm;
-            sm = sm > SM_FULL ? SM_FULL : sm;
-            floor = floor < SM_FLOOR ? SM_FLOOR : floor > sm ? sm : floor;
-            STORE(&sm_ceiling[d], sm);
-            STORE(&sm_guarantee[d], floor);
-            int pacing = sm == 0 ? SM_DENIED : sm < SM_FULL || floor < sm ? SM_PACED : SM_FREE;
-            STORE(&sm_pacing[d], pacing);
-            any |= pacing != SM_FREE;
-        }
-        /* with one visible device (the usual container), launches need not ask which */
-        STORE(&sm_only_device, real_cuDeviceGetCount && real_cuDeviceGetCount(&count) == CUDA_SUCCESS &&
-                                   count == 1 ? 0 : -1);
-        STORE(&sm_any_limited, any);
-        STORE(&sm_gen_seen, (uint32_t)g);
-    }
+    if (UNLIKELY((uint32_t)g != LOAD(&sm_gen_seen)))
+        return sm_recompute(g);
     return LOAD(&sm_any_limited);
 }
 
@@ -117,13 +162,14 @@ static inline int launch_device(void)
  * cost more than the pacing itself.  Each thread batches in a block of its own, and every
  * block is on one list, so that what is still batched is flushed at exit (a destructor),
  * before fork (a prepare handler: the child starts with nothing batched) and when a thread
- * ends (a key destructor; its block is then reused by a later thread).  The owner adds with
- * relaxed atomics to its own cache line, a flusher takes with atomic exchanges: a launch is
- * counted once, whichever thread flushes it. */
+ * ends (a key destructor; its block is then reused by a later thread).  The owner alone
+ * writes its block's running totals (plain stores, no locked instruction); a flusher moves
+ * a total's flushed mark up to it with a compare-and-swap and adds the difference: a launch
+ * is counted once, whichever thread flushes it. */
 #define BATCH 64
 struct pending {
-    uint64_t launches[VGPU_MAX_DEVICES], gpu_time_ns[VGPU_MAX_DEVICES];
-    uint32_t batched;             /* launches since the owner last flushed */
+    uint64_t launches[VGPU_MAX_DEVICES], gpu_time_ns[VGPU_MAX_DEVICES];   /* totals (owner) */
+    uint64_t launches_flushed[VGPU_MAX_DEVICES], gpu_time_flushed[VGPU_MAX_DEVICES];
     int in_use;                   /* owned by a live thread */
     struct pending *next;         /* never unlinked: blocks are reused, not freed */
 } __attribute__((aligned(64)));
@@ -132,18 +178,43 @@ static TLS struct pending *my_pending;
 static pthread_key_t pending_key;
 static pthread_once_t pending_once = PTHREAD_ONCE_INIT;
 
+/* what `total` holds beyond `flushed`, taken (the flushed mark moved up to it) */
+static uint64_t take_unflushed(const uint64_t *total, uint64_t *flushed)
+{
+    uint64_t t = LOAD(total), f = LOAD(flushed);
+    while (f < t && !__atomic_compare_exchange_n(flushed, &f, t, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        ;
+    return f < t ? t - f : 0;
+}
+
 static void flush_block(struct pending *p)
 {
     if (!S.usage)
         return;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
-        if (!LOAD(&p->launches[d]) && !LOAD(&p->gpu_time_ns[d]))
+        if (LOAD(&p->launches[d]) == LOAD(&p->launches_flushed[d]) &&
+            LOAD(&p->gpu_time_ns[d]) == LOAD(&p->gpu_time_flushed[d]))
             continue;
-        uint64_t n = __atomic_exchange_n(&p->launches[d], 0, __ATOMIC_ACQ_REL);
-        uint64_t ns = __atomic_exchange_n(&p->gpu_time_ns[d], 0, __ATOMIC_ACQ_REL);
-        __atomic_add_fetch(&S.usage->devices[d].launches, n, __ATOMIC_RELAXED);
-        __atomic_add_fetch(&S.usage->devices[d].gpu_time_ns, ns, __ATOMIC_RELAXED);
+        uint64_t n = take_unflushed(&p->launches[d], &p->launches_flushed[d]);
+        uint64_t ns = take_unflushed(&p->gpu_time_ns[d], &p->gpu_time_flushed[d]);
+        if (n)
+            __atomic_add_fetch(&S.usage->devices[d].launches, n, __ATOMIC_RELAXED);
+        if (ns)
+            __atomic_add_fetch(&S.usage->devices[d].gpu_time_ns, ns, __ATOMIC_RELAXED);
     }
+}
+
+/* The owner's flush of one device, its batch full */
+static __attribute__((noinline)) void flush_device(struct pending *p, int d)
+{
+    uint64_t n = take_unflushed(&p->launches[d], &p->launches_flushed[d]);
+    uint64_t ns = take_unflushed(&p->gpu_time_ns[d], &p->gpu_time_flushed[d]);
+    if (!S.usage)
+        return;
+    if (n)
+        __atomic_add_fetch(&S.usage->devices[d].launches, n, __ATOMIC_RELAXED);
+    if (ns)
+        __atomic_add_fetch(&S.usage->devices[d].gpu_time_ns, ns, __ATOMIC_RELAXED);
 }
 
 static void flush_all(void)
@@ -156,7 +227,6 @@ static void thread_ends(void *block)
 {
     struct pending *p = block;
     flush_block(p);
-    STORE(&p->batched, 0);
     STORE(&p->in_use, 0);
 }
 
@@ -167,7 +237,8 @@ static void pending_atfork_child(void)
     for (struct pending *p = LOAD(&pending_list); p; p = p->next) {
         memset(p->launches, 0, sizeof p->launches);
         memset(p->gpu_time_ns, 0, sizeof p->gpu_time_ns);
-        p->batched = 0;
+        memset(p->launches_flushed, 0, sizeof p->launches_flushed);
+        memset(p->gpu_time_flushed, 0, sizeof p->gpu_time_flushed);
         p->in_use = p == my_pending;
     }
 }
@@ -180,11 +251,9 @@ static void pending_setup(void)
 
 __attribute__((destructor)) static void flush_at_exit(void) { flush_all(); }
 
-static struct pending *pending_block(void)
+static __attribute__((noinline)) struct pending *pending_claim(void)
 {
-    struct pending *p = my_pending;
-    if (LIKELY(p != NULL))
-        return p;
+    struct pending *p;
     pthread_once(&pending_once, pending_setup);
     for (p = LOAD(&pending_list); p; p = p->next) {
         int idle = 0;
@@ -205,19 +274,20 @@ static struct pending *pending_block(void)
     return my_pending = p;
 }
 
-/* Count one launch on `dev`; flush the batch when it is full or the caller is about to
- * sleep anyway. */
-static void count_launch(int dev, uint64_t cost, int flush_now)
+/* Count one launch on `dev`; flush the device's batch when it is full (BATCH launches), or
+ * every device's when the caller is about to sleep anyway. */
+static inline void count_launch(int dev, uint64_t cost, int flush_now)
 {
-    struct pending *p = pending_block();
-    if (!p)
+    struct pending *p = my_pending;
+    if (UNLIKELY(!p) && !(p = pending_claim()))
         return;
-    __atomic_add_fetch(&p->launches[dev], 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&p->gpu_time_ns[dev], cost, __ATOMIC_RELAXED);
-    if (flush_now || ++p->batched >= BATCH) {
-        p->batched = 0;
+    uint64_t n = p->launches[dev] + 1;
+    __atomic_store_n(&p->launches[dev], n, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->gpu_time_ns[dev], p->gpu_time_ns[dev] + cost, __ATOMIC_RELAXED);
+    if (UNLIKELY(flush_now))
         flush_block(p);
-    }
+    else if (UNLIKELY(n - LOAD(&p->launches_flushed[dev]) >= BATCH))
+        flush_device(p, dev);
 }
 
 static struct estimate *estimate_for(uint64_t key)
@@ -317,9 +387,13 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
 {
     CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
     if (launched == CUDA_SUCCESS && record(sp->end, stream) == CUDA_SUCCESS) {
-        sp->launched_ns = now_ns();
+        uint64_t t = now_ns(), due = LOAD(&backlog_due);
+        sp->launched_ns = t;
         __atomic_add_fetch(&in_flight, 1, __ATOMIC_RELAXED);
         STORE(&sp->busy, 2);
+        while (t + BACKLOG_NS < due &&   /* (after busy: a look that sees this due sees the sample) */
+               !__atomic_compare_exchange_n(&backlog_due, &due, t + BACKLOG_NS, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            ;
     } else {
         STORE(&sp->busy, 0);
     }
@@ -330,12 +404,9 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
  * underestimated, or the device is oversubscribed), and more work queued now would only
  * sit in front of the neighbours'.  Wait (sleeping) until it is done.  Estimates do not
  * enter into it: it holds while the correction is still learning. */
-#define BACKLOG_NS 40000000ull
-#define BACKLOG_POLL_NS 500000ull
-#define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
 static uint64_t bound_backlog(int dev, uint64_t now)
 {
-    uint64_t waited = 0;
+    uint64_t waited = 0, due = LOAD(&backlog_due), next = UINT64_MAX;
     int b = board_entry(dev);
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
@@ -354,6 +425,11 @@ static uint64_t bound_backlog(int dev, uint64_t now)
             }
         }
     }
+    for (int i = 0; i < MAX_SAMPLES; i++)   /* when to look again: the oldest still in flight comes of age */
+        if (LOAD(&samples[i].busy) == 2 && LOAD(&samples[i].launched_ns) + BACKLOG_NS < next)
+            next = LOAD(&samples[i].launched_ns) + BACKLOG_NS;
+    /* (a sample sent since lowered it: that stays) */
+    __atomic_compare_exchange_n(&backlog_due, &due, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     return waited;
 }
 
@@ -457,11 +533,34 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
           100.0 * raw / window, (double)corr / CORR_ONE);
 }
 
+static __attribute__((noinline)) void lane_refresh(int dev, struct vgpu_usage_device *u, uint64_t now)
+{
+    struct lane *l = &lanes[dev];
+    uint32_t gen = __atomic_load_n(&sm_gen_seen, __ATOMIC_SEQ_CST);
+    if (UNLIKELY(!LOAD(&first_paced_ns)))   /* (lanes start expired, and again in a forked child) */
+        STORE(&first_paced_ns, now);
+    if (now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS)
+        maybe_correct(dev, u, now);
+    int b = board_entry(dev);
+    uint32_t a = allowance(dev, b, now);
+    uint64_t corr = LOAD(&u->sm_correction), check = LOAD(&u->sm_check_ns) + SM_CHECK_NS;
+    corr = corr ? corr : CORR_ONE;
+    uint64_t expires = b ? board_period(dev) + BOARD_PERIOD_NS : now + BOARD_PERIOD_NS;
+    STORE(&l->allowed, a);
+    STORE(&l->corr, corr);
+    STORE(&l->wall, ((corr * SM_FULL << 16) + a - 1) / a);
+    __atomic_store_n(&l->expires, check > now && check < expires ? check : expires, __ATOMIC_SEQ_CST);
+    /* a quota that moved meanwhile (sm_recompute: generation, then every lane reset) may
+     * have been read half old: look again at the next launch */
+    if (__atomic_load_n(&sm_gen_seen, __ATOMIC_SEQ_CST) != gen)
+        __atomic_store_n(&l->expires, 0, __ATOMIC_SEQ_CST);
+}
+
 /* Wait for the container's share, charge the launch, and say whether to sample it
  * (1), not (0), or that the launch is refused (-1: a device the slice was not given). */
 static int pace(int dev, uint64_t key)
 {
-    int pacing = dev >= 0 && dev < VGPU_MAX_DEVICES ? LOAD(&sm_pacing[dev]) : SM_FREE;
+    int pacing = (unsigned)dev < VGPU_MAX_DEVICES ? LOAD(&sm_pacing[dev]) : SM_FREE;
     if (pacing == SM_FREE)
         return 0;
     if (pacing == SM_DENIED)
@@ -473,11 +572,10 @@ static int pace(int dev, uint64_t key)
         await_first_sample(key);
         raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
     }
-    uint32_t n = __atomic_add_fetch(&e->launches, 1, __ATOMIC_RELAXED);
+    uint32_t n = __atomic_load_n(&e->launches, __ATOMIC_RELAXED) + 1;   /* (a race loses one: a blur) */
+    __atomic_store_n(&e->launches, n, __ATOMIC_RELAXED);
     uint64_t now = now_ns();
-    if (UNLIKELY(!LOAD(&first_paced_ns)))
-        STORE(&first_paced_ns, now);
-    if (LOAD(&in_flight) && bound_backlog(dev, now))
+    if (LOAD(&in_flight) && now >= LOAD(&backlog_due) && bound_backlog(dev, now))
         now = now_ns();
     /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
      * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
@@ -485,10 +583,11 @@ static int pace(int dev, uint64_t key)
                  !LOAD(&e->sampling);
     if (!raw)
         raw = LOAD(&typical_ns);
-    uint64_t corr = LOAD(&u->sm_correction);
-    uint64_t cost = corr ? raw * corr >> 16 : raw;
-    uint32_t allowed = allowance(dev, board_entry(dev), now);
-    uint64_t wall = cost * SM_FULL / allowed;
+    struct lane *l = &lanes[dev];
+    if (UNLIKELY(now >= LOAD(&l->expires)))
+        lane_refresh(dev, u, now);
+    uint64_t cost = raw * LOAD(&l->corr) >> 16;
+    uint64_t wall = (uint64_t)(((unsigned __int128)raw * LOAD(&l->wall)) >> 32);   /* cost * SM_FULL / allowance */
 
     uint64_t t = LOAD(&u->sm_vtime_ns), next, floor = now - SM_BURST_NS;   /* late: keeps a burst */
     do
@@ -504,12 +603,10 @@ static int pace(int dev, uint64_t key)
         uint64_t waited = next - SM_BURST_NS - now;
         /* held at its own ceiling (what the autoscaler can raise), or below it for the
          * neighbours' guarantees (what it cannot) */
-        __atomic_add_fetch(allowed < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns, waited,
+        __atomic_add_fetch(LOAD(&l->allowed) < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns, waited,
                            __ATOMIC_RELAXED);
         now = next - SM_BURST_NS;
     }
-    if (UNLIKELY(now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS))
-        maybe_correct(dev, u, now);
     if (!sample && LOAD(&in_flight) && n % 8 == 0)
         harvest();   /* finished samples are collected every few launches, not each */
     if (sample) {
@@ -519,90 +616,99 @@ static int pace(int dev, uint64_t key)
     return sample;
 }
 
-/* The body of every launch hook: pace, maybe measure, launch. */
-#define PACED_LAUNCH(sym, per_thread, key, stream, ...)                                 \
-    ENTER(sym, __VA_ARGS__);                                                            \
-    if (LIKELY(!sm_limited()))                                                          \
-        return real_##sym(__VA_ARGS__);                                                 \
-    int dev_ = launch_device(), paced_ = pace(dev_, (key));                            \
-    if (UNLIKELY(paced_ < 0))                                                           \
-        return CUDA_ERROR_NOT_PERMITTED;                                                \
-    struct sample *sp_ = paced_ ? sample_begin((key), (stream), (per_thread)) : NULL;   \
-    CUresult r_ = real_##sym(__VA_ARGS__);                                              \
-    if (sp_)                                                                            \
-        sample_end(sp_, (stream), (per_thread), r_);                                    \
-    return r_
+/* A paced launch before the driver's call, once the hook has seen the quota limit something:
+ * pace, maybe start a sample.  NULL: launch; REFUSED: do not; else the sample to end after
+ * the launch.  Out of line, with few arguments: the hooks stay small. */
+#define REFUSED ((struct sample *)&samples[MAX_SAMPLES])   /* (one past the samples: no sample) */
+#define UNPAREN(...) __VA_ARGS__
+static __attribute__((noinline)) struct sample *launch_gate(uint64_t key, CUstream stream, int per_thread)
+{
+    int paced = pace(launch_device(), key);
+    if (UNLIKELY(paced < 0))
+        return REFUSED;
+    return paced ? sample_begin(key, stream, per_thread) : NULL;
+}
+
+/* Every launch hook: unpaced, straight on to the driver (a tail call); paced, the gate, then
+ * the driver.  Before init, or when the quota moved since it was last read, ENTER's way
+ * (unready_<sym>).  `linkage name`: the hook (SHIM_EXPORT and the symbol), or a static
+ * helper (the graph launches, wrapped by graph_launch). */
+#define LAUNCH_HOOK(linkage, name, sym, per_thread, key, stream, params, args)              \
+    static __attribute__((noinline)) CUresult unready_##sym params                          \
+    {                                                                                       \
+        ENTER(sym, UNPAREN args);                                                           \
+        if (!sm_limited())                                                                  \
+            return real_##sym args;                                                         \
+        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
+        if (sp_ == REFUSED)                                                                 \
+            return CUDA_ERROR_NOT_PERMITTED;                                                \
+        CUresult r_ = real_##sym args;                                                      \
+        if (sp_)                                                                            \
+            sample_end(sp_, (stream), (per_thread), r_);                                    \
+        return r_;                                                                          \
+    }                                                                                       \
+    linkage CUresult name params                                                            \
+    {                                                                                       \
+        /* ready: init is done and no thread is in it (in_init is set only before) */       \
+        if (UNLIKELY(!LOAD(&S.ready) || !real_##sym))                                       \
+            return unready_##sym args;                                                      \
+        if (S.mode != MODE_ENFORCE)                                                         \
+            return real_##sym args;                                                         \
+        if (UNLIKELY((uint32_t)LOAD(&S.quota->generation) != LOAD(&sm_gen_seen)))          \
+            return unready_##sym args;                                                      \
+        if (LIKELY(!LOAD(&sm_any_limited)))                                                 \
+            return real_##sym args;                                                         \
+        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
+        if (LIKELY(!sp_))                                                                   \
+            return real_##sym args;                                                         \
+        if (sp_ == REFUSED)                                                                 \
+            return CUDA_ERROR_NOT_PERMITTED;                                                \
+        CUresult r_ = real_##sym args;                                                      \
+        sample_end(sp_, (stream), (per_thread), r_);                                        \
+        return r_;                                                                          \
+    }
 
 static inline uint64_t kernel_key(CUfunction f, uint64_t blocks) { return (uint64_t)(uintptr_t)f * 1000003ull ^ blocks; }
 
-SHIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
-                                    unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
-                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
-{
-    PACED_LAUNCH(cuLaunchKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f, gridDimX,
-                 gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra);
-}
+#define GRID_KEY kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ)
+#define KERNEL_PARAMS                                                                                       \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,             \
+     void **kernelParams, void **extra)
+#define KERNEL_ARGS \
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra)
+#define COOPERATIVE_PARAMS                                                                                  \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, unsigned int blockDimX, \
+     unsigned int blockDimY, unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,             \
+     void **kernelParams)
+#define COOPERATIVE_ARGS \
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams)
 
-SHIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                         unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                         unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                         void **kernelParams, void **extra)
-{
-    PACED_LAUNCH(cuLaunchKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
-                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                 kernelParams, extra);
-}
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchKernel, cuLaunchKernel, 0, GRID_KEY, hStream, KERNEL_PARAMS, KERNEL_ARGS)
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchKernel_ptsz, cuLaunchKernel_ptsz, 1, GRID_KEY, hStream, KERNEL_PARAMS, KERNEL_ARGS)
 
 static inline uint64_t config_key(const CUlaunchConfig *c, CUfunction f)
 {
     return c ? kernel_key(f, (uint64_t)c->gridDimX * c->gridDimY * c->gridDimZ) : kernel_key(f, 0);
 }
 
-SHIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    PACED_LAUNCH(cuLaunchKernelEx, 0, config_key(config, f), config ? config->hStream : NULL, config, f,
-                 kernelParams, extra);
-}
-
-SHIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                           void **extra)
-{
-    PACED_LAUNCH(cuLaunchKernelEx_ptsz, 1, config_key(config, f), config ? config->hStream : NULL, config, f,
-                 kernelParams, extra);
-}
-
-SHIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                               unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                               unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                               void **kernelParams)
-{
-    PACED_LAUNCH(cuLaunchCooperativeKernel, 0, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream, f,
-                 gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                 kernelParams);
-}
-
-SHIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                                    unsigned int gridDimZ, unsigned int blockDimX,
-                                                    unsigned int blockDimY, unsigned int blockDimZ,
-                                                    unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
-{
-    PACED_LAUNCH(cuLaunchCooperativeKernel_ptsz, 1, kernel_key(f, (uint64_t)gridDimX * gridDimY * gridDimZ), hStream,
-                 f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
-                 kernelParams);
-}
+#define EX_PARAMS (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+#define EX_ARGS (config, f, kernelParams, extra)
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchKernelEx, cuLaunchKernelEx, 0, config_key(config, f),
+            config ? config->hStream : NULL, EX_PARAMS, EX_ARGS)
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchKernelEx_ptsz, cuLaunchKernelEx_ptsz, 1, config_key(config, f),
+            config ? config->hStream : NULL, EX_PARAMS, EX_ARGS)
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel, 0, GRID_KEY, hStream,
+            COOPERATIVE_PARAMS, COOPERATIVE_ARGS)
+LAUNCH_HOOK(SHIM_EXPORT, cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel_ptsz, 1, GRID_KEY, hStream,
+            COOPERATIVE_PARAMS, COOPERATIVE_ARGS)
 
 /* A graph costs its measured duration, learnt per executable graph like a kernel. */
-static CUresult paced_graph_launch(CUgraphExec hGraphExec, CUstream hStream)
-{
-    PACED_LAUNCH(cuGraphLaunch, 0, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
-                 hStream);
-}
-
-static CUresult paced_graph_launch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    PACED_LAUNCH(cuGraphLaunch_ptsz, 1, kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40), hStream, hGraphExec,
-                 hStream);
-}
+#define GRAPH_KEY kernel_key((CUfunction)(void *)hGraphExec, 1ull << 40)
+LAUNCH_HOOK(static, paced_graph_launch, cuGraphLaunch, 0, GRAPH_KEY, hStream, (CUgraphExec hGraphExec, CUstream hStream),
+            (hGraphExec, hStream))
+LAUNCH_HOOK(static, paced_graph_launch_ptsz, cuGraphLaunch_ptsz, 1, GRAPH_KEY, hStream,
+            (CUgraphExec hGraphExec, CUstream hStream), (hGraphExec, hStream))
 
 /* A graph's memory nodes allocate at launch: admitted before it (what its allocation nodes
  * need), then the charge follows the graph reserve. */

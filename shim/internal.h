@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
@@ -155,7 +156,13 @@ static inline void ensure_init(void)
         init_slow();
 }
 void nvml_resolve(void);
-uint64_t now_ns(void);
+/* CLOCK_MONOTONIC in ns; inline: it is on the paced launch's path (a vDSO call, no syscall) */
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 int create_file_once(const char *path, const void *data, size_t len, mode_t mode);   /* 1: made it */
 int claim_slot(void);         /* with S.lock held; 0, or -1 when every slot is taken */
 int take_free_slot(void);     /* with S.lock held: a free slot, locked and drained; -1: none */
@@ -163,15 +170,30 @@ int slot_lock(int fd, int slot, short type);   /* the OFD lock of a usage slot (
 void drain_slot(int i);       /* with slot i's lock held: its charges and pid to 0 */
 void reap_dead(void);
 void reap_dead_locked(void);  /* with S.lock held */
-void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
+void reap_due(uint64_t now);  /* maybe_reap's reap: the next one REAP_INTERVAL_NS from now */
+static inline void maybe_reap(void)   /* reap_dead at most every REAP_INTERVAL_NS */
+{
+    uint64_t t = now_ns();
+    if (UNLIKELY(t >= LOAD(&S.next_reap_ns)))
+        reap_due(t);
+}
 
 /* Start of every CUDA hook: init, a missing driver symbol is an error, unmanaged
  * programs (and calls made while initialising) go straight to the driver. */
-#define ENTER(sym, ...)                                 \
-    ensure_init();                                      \
-    if (UNLIKELY(!real_##sym))                          \
-        return CUDA_ERROR_NOT_FOUND;                    \
-    if (UNLIKELY(S.mode == MODE_PASS || in_init))       \
+/* (in_init is set only while S.ready is not: a call made during init finds ready unset, and
+ * the init it starts returns at once in that thread; any other thread's init_slow returns
+ * with ready set.  So in_init is asked only when ready was not set.) */
+static inline int enter_slow(void)   /* init; 1: this thread is initialising (pass through) */
+{
+    init_slow();
+    return in_init;
+}
+#define ENTER(sym, ...)                                                 \
+    if (UNLIKELY(!LOAD(&S.ready)) && enter_slow())                      \
+        return real_##sym ? real_##sym(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND; \
+    if (UNLIKELY(!real_##sym))                                          \
+        return CUDA_ERROR_NOT_FOUND;                                    \
+    if (UNLIKELY(S.mode == MODE_PASS))                                  \
         return real_##sym(__VA_ARGS__)
 
 #define NVML_ENTER(sym, ...)                                     \
@@ -192,6 +214,14 @@ void maybe_reap(void);        /* reap_dead at most every REAP_INTERVAL_NS */
 #define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
 #define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings), */
 #define KEY_GRAPH (1ull << 62)  /* and what an executable graph's allocation nodes need on a device */
+
+/* memory_cap of a device known to be 0..VGPU_MAX_DEVICES-1, as admissions have it */
+static inline uint64_t device_cap(int dev)
+{
+    if (UNLIKELY(S.mode != MODE_ENFORCE) || UNLIKELY((uint32_t)dev >= S.quota->device_count))
+        return 0;
+    return LOAD(&S.quota->devices[dev].memory_max);
+}
 
 static inline uint64_t memory_cap(int dev)
 {
@@ -287,5 +317,6 @@ int board_entry(int dev);          /* 1: the slice has an entry for dev (claimed
 uint32_t board_update(int dev, uint32_t guarantee, uint32_t ceiling, uint64_t now,
                       const struct vgpu_usage_device *u);   /* u: the slice's usage of dev (what it used) */
 void board_note_wait(int dev, uint64_t ns);   /* this process's launches waited for its queue */
+uint64_t board_period(int dev);    /* when this process's current period on dev began (board_update) */
 
 #endif

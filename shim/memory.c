@@ -31,18 +31,24 @@
 /* The container's bytes on dev: the sum of its slots' charges (seq_cst loads: the
  * admission below relies on them).  A row whose sum passes 2^64 was written by hand (a
  * tenant writing a negative charge into a slot to make room): UINT64_MAX, so that nothing
- * more is admitted against it -- it never wraps around to a small figure. */
-uint64_t memory_used(int dev)
+ * more is admitted against it -- it never wraps around to a small figure.  Inline: the
+ * allocation's path sums twice. */
+static inline __attribute__((always_inline)) uint64_t row_sum(int dev)
 {
     uint32_t n = LOAD(&S.usage->slots_used);
-    if (n > VGPU_MAX_PROCS)
+    if (UNLIKELY(n > VGPU_MAX_PROCS))
         n = VGPU_MAX_PROCS;   /* the file is the container's to scribble on */
     const uint64_t *row = S.usage->charge[dev];
     uint64_t used = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (__builtin_add_overflow(used, __atomic_load_n(&row[i], __ATOMIC_SEQ_CST), &used))
+        if (UNLIKELY(__builtin_add_overflow(used, __atomic_load_n(&row[i], __ATOMIC_SEQ_CST), &used)))
             return UINT64_MAX;
     return used;
+}
+
+uint64_t memory_used(int dev)
+{
+    return row_sum(dev);
 }
 
 /* This process's slot, claimed on its first allocation after a fork (forked helpers
@@ -64,12 +70,17 @@ static int have_slot(void)
     return S.slot >= 0;
 }
 
-void note_peak(struct vgpu_usage_device *u, uint64_t now)
+static inline void peak_at_least(struct vgpu_usage_device *u, uint64_t now)
 {
     uint64_t peak = LOAD(&u->memory_peak);
     while (peak < now &&
            !__atomic_compare_exchange_n(&u->memory_peak, &peak, now, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         ;
+}
+
+void note_peak(struct vgpu_usage_device *u, uint64_t now)
+{
+    peak_at_least(u, now);
 }
 
 /* === context overhead ===
@@ -229,7 +240,10 @@ static void overhead_refund(int dev)
  * and the retries (after a reap of dead processes, then a yield) sort it out.  A kill at
  * any instruction leaves the slot holding exactly what its process may have allocated,
  * and a dead process's slot is drained whole: there is no second counter to drift. */
-CUresult admit(int dev, uint64_t bytes)
+static uint64_t seen[VGPU_MAX_DEVICES];   /* admit_inline's; relaxed: a race only costs a look, or skips one */
+
+/* admit from attempt `first` on (the inline path below made attempt 0) */
+static __attribute__((noinline)) CUresult admit_slow(int dev, uint64_t bytes, int first)
 {
     if (UNLIKELY(!have_slot()))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -237,7 +251,7 @@ CUresult admit(int dev, uint64_t bytes)
         charge_overhead(dev);
     struct vgpu_usage_device *u = &S.usage->devices[dev];
     uint64_t cap = memory_cap(dev), used = 0;
-    for (int attempt = 0; bytes <= cap && attempt < ADMIT_TRIES; attempt++) {
+    for (int attempt = first; bytes <= cap && attempt < ADMIT_TRIES; attempt++) {
         if (attempt == 1) {
             reap_dead();
             pools_settle(1);   /* reserve kept for reuse is given back first */
@@ -246,16 +260,19 @@ CUresult admit(int dev, uint64_t bytes)
             sched_yield();   /* let a racing admission finish or retreat */
         }
         /* a look first: what plainly does not fit is refused without ever showing in
-         * the counters (only a true race leaves a transient that is taken back) */
-        if ((used = memory_used(dev)) <= cap - bytes) {
+         * the counters (only a race, or a stale `seen` below, leaves a transient that is
+         * taken back) */
+        if ((used = row_sum(dev)) <= cap - bytes) {
             charge_add(dev, S.slot, bytes);
-            used = memory_used(dev);
+            used = row_sum(dev);
+            __atomic_store_n(&seen[dev], used, __ATOMIC_RELAXED);
             if (used <= cap) {
-                note_peak(u, used);
+                peak_at_least(u, used);
                 return CUDA_SUCCESS;
             }
             charge_sub(dev, S.slot, bytes);
         } else {
+            __atomic_store_n(&seen[dev], used, __ATOMIC_RELAXED);
             used += bytes;
         }
         cap = memory_cap(dev);
@@ -266,11 +283,49 @@ CUresult admit(int dev, uint64_t bytes)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* The common case inline: a slot, the context's overhead charged, and room at the first
+ * try; anything else (and every retry) is admit_slow's.  The look before publishing is for
+ * requests that plainly do not fit, and it costs a second sum on every allocation: it is
+ * taken when the sum this process last saw on the device (`seen`, after its last
+ * admission or refusal there) leaves less than the request; otherwise the bytes are
+ * published at once and the sum after them decides, as always.  What the look would
+ * have kept out of the counters then (a neighbour filled the cap since this process last
+ * looked) shows there for an instant, as a racing request's does: the device, and the
+ * cap, are as before. */
+
+static inline __attribute__((always_inline)) CUresult admit_inline(int dev, uint64_t bytes)
+{
+    /* (a device's overhead bit is set only with a slot, and cleared with it at a fork) */
+    if (UNLIKELY(!(LOAD(&overhead_devices) & 1u << dev)))
+        return admit_slow(dev, bytes, 0);
+    uint64_t cap = device_cap(dev);
+    if (UNLIKELY(bytes > cap || __atomic_load_n(&seen[dev], __ATOMIC_RELAXED) > cap - bytes))
+        return admit_slow(dev, bytes, 0);   /* (it looks first) */
+    charge_add(dev, S.slot, bytes);
+    uint64_t used = row_sum(dev);
+    __atomic_store_n(&seen[dev], used, __ATOMIC_RELAXED);
+    if (LIKELY(used <= cap)) {
+        peak_at_least(&S.usage->devices[dev], used);
+        return CUDA_SUCCESS;
+    }
+    charge_sub(dev, S.slot, bytes);
+    return admit_slow(dev, bytes, 1);
+}
+
+CUresult admit(int dev, uint64_t bytes)
+{
+    return admit_inline(dev, bytes);
+}
+
+static inline void refund_inline(int dev, uint64_t bytes)
+{
+    if (LIKELY(S.slot >= 0 && bytes))
+        charge_sub(dev, S.slot, bytes);
+}
+
 void refund(int dev, uint64_t bytes)
 {
-    if (S.slot < 0 || !bytes)
-        return;
-    charge_sub(dev, S.slot, bytes);
+    refund_inline(dev, bytes);
 }
 
 /* The allocation table is private to the process (a forked child gets a fresh one). */
@@ -354,13 +409,8 @@ static int context_lookup(CUcontext c, int dev)   /* with vmm_lock held */
     return id;
 }
 
-int current_device(void)
+static __attribute__((noinline)) int current_device_lookup(CUcontext c)
 {
-    CUcontext c = NULL;
-    if (!real_cuCtxGetCurrent || real_cuCtxGetCurrent(&c) != CUDA_SUCCESS || !c)
-        return -1;
-    if (LIKELY(c == cur.ctx && cur.gen == LOAD(&contexts_gen)))
-        return cur.dev;
     CUdevice d;
     if (!real_cuCtxGetDevice || real_cuCtxGetDevice(&d) != CUDA_SUCCESS || d < 0 || d >= VGPU_MAX_DEVICES)
         return -1;
@@ -371,6 +421,21 @@ int current_device(void)
     cur.dev = d;
     cur.gen = LOAD(&contexts_gen);
     return d;
+}
+
+static inline __attribute__((always_inline)) int current_device_inline(void)
+{
+    CUcontext c = NULL;
+    if (UNLIKELY(!real_cuCtxGetCurrent) || real_cuCtxGetCurrent(&c) != CUDA_SUCCESS || UNLIKELY(!c))
+        return -1;
+    if (LIKELY(c == cur.ctx && cur.gen == LOAD(&contexts_gen)))
+        return cur.dev;
+    return current_device_lookup(c);
+}
+
+int current_device(void)
+{
+    return current_device_inline();
 }
 
 /* The context of the allocation the calling thread is making (current_device() came
@@ -514,13 +579,13 @@ SHIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 /* Lock-free open-addressing table: what each live allocation was charged, and where. */
 static inline uint32_t slot_of(uint64_t key) { return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - TABLE_BITS)); }
 
-int remember_in(uint64_t key, int dev, uint64_t bytes, int ctx)
+static inline __attribute__((always_inline)) int table_insert(uint64_t key, int dev, uint64_t bytes, int ctx)
 {
-    if (!S.table)
+    if (UNLIKELY(!S.table))
         return -1;
     for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
         uint64_t k = LOAD(&S.table[i].key);
-        if ((k == 0 || k == TOMBSTONE) &&
+        if (k <= TOMBSTONE &&   /* free, or a tombstone */
             __atomic_compare_exchange_n(&S.table[i].key, &k, key, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             STORE(&S.table[i].value, bytes << 8 | (uint64_t)ctx << 4 | (uint64_t)dev);
             return 0;
@@ -529,21 +594,20 @@ int remember_in(uint64_t key, int dev, uint64_t bytes, int ctx)
     return -1;
 }
 
-int remember(uint64_t key, int dev, uint64_t bytes)
+int remember_in(uint64_t key, int dev, uint64_t bytes, int ctx)
 {
-    return remember_in(key, dev, bytes, context_id());
+    return table_insert(key, dev, bytes, ctx);
 }
 
-int forget(uint64_t key, int *dev, uint64_t *bytes)
+int remember(uint64_t key, int dev, uint64_t bytes)
 {
-    int ctx;
-    return forget_in(key, dev, bytes, &ctx);
+    return table_insert(key, dev, bytes, context_id());
 }
 
 /* The index of key's entry, or -1 when there is none. */
-static int64_t table_find(uint64_t key)
+static inline __attribute__((always_inline)) int64_t table_find(uint64_t key)
 {
-    if (!S.table)   /* failed closed before the table existed: nothing was charged */
+    if (UNLIKELY(!S.table))   /* failed closed before the table existed: nothing was charged */
         return -1;
     for (uint32_t i = slot_of(key), n = 0; n < TABLE_SIZE; i = (i + 1) & (TABLE_SIZE - 1), n++) {
         uint64_t k = LOAD(&S.table[i].key);
@@ -565,11 +629,12 @@ int recall(uint64_t key, uint64_t *bytes)
     return 0;
 }
 
-int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
+static inline __attribute__((always_inline)) int table_take(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
 {
     for (int64_t i; (i = table_find(key)) >= 0;) {
         uint64_t k = key, v = LOAD(&S.table[i].value);
-        if (__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        if (LIKELY(__atomic_compare_exchange_n(&S.table[i].key, &k, TOMBSTONE, 0, __ATOMIC_ACQ_REL,
+                                               __ATOMIC_ACQUIRE))) {
             *dev = (int)(v & 15);
             *ctx = (int)(v >> 4 & 15);
             *bytes = v >> 8;
@@ -577,6 +642,17 @@ int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
         }   /* (another thread took it first: look again) */
     }
     return -1;
+}
+
+int forget_in(uint64_t key, int *dev, uint64_t *bytes, int *ctx)
+{
+    return table_take(key, dev, bytes, ctx);
+}
+
+int forget(uint64_t key, int *dev, uint64_t *bytes)
+{
+    int ctx;
+    return table_take(key, dev, bytes, &ctx);
 }
 
 
@@ -598,13 +674,13 @@ int stream_device(CUstream stream)
 /* Charge `bytes` on `dev`, run the real allocation, remember the result under `key`. */
 #define CHARGED(dev, bytes, real_call, key)                                                    \
     do {                                                                                       \
-        CUresult r_ = admit((dev), (bytes));                                                   \
+        CUresult r_ = admit_inline((dev), (bytes));                                            \
         if (r_ != CUDA_SUCCESS)                                                                \
             return r_;                                                                         \
         r_ = (real_call);                                                                      \
         if (r_ != CUDA_SUCCESS)                                                                \
-            refund((dev), (bytes));                                                            \
-        else if (remember((key), (dev), (bytes)))                                              \
+            refund_inline((dev), (bytes));                                                     \
+        else if (table_insert((key), (dev), (bytes), context_id()))                            \
             ERR("allocation table full: %llu bytes stay charged", (unsigned long long)(bytes)); \
         return r_;                                                                             \
     } while (0)
@@ -628,7 +704,7 @@ int stream_device(CUstream stream)
 SHIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     ENTER(cuMemAlloc_v2, dptr, bytesize);
-    int dev = current_device();
+    int dev = current_device_inline();
     if (dev < 0 || !dptr || !bytesize)
         return real_cuMemAlloc_v2(dptr, bytesize);   /* the driver reports the error */
     CHARGED(dev, vgpu_alloc_footprint(bytesize), real_cuMemAlloc_v2(dptr, bytesize), KEY_PTR | *dptr);
@@ -725,19 +801,19 @@ SHIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUD
 SHIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     ENTER(cuMemFree_v2, dptr);
-    int dev;
+    int dev, ctx;
     uint64_t bytes;
-    if (forget(KEY_PTR | dptr, &dev, &bytes)) {   /* not ours: maybe a pool's (settled), or exported */
+    if (table_take(KEY_PTR | dptr, &dev, &bytes, &ctx)) {   /* not ours: maybe a pool's (settled), or exported */
         CUresult r = real_cuMemFree_v2(dptr);
         if (LOAD(&nexports))
             export_freed(dptr, r);
         return LOAD(&npools) ? after_release(r) : r;
     }
     CUresult r = real_cuMemFree_v2(dptr);
-    if (r == CUDA_SUCCESS)
-        refund(dev, bytes);
+    if (LIKELY(r == CUDA_SUCCESS))
+        refund_inline(dev, bytes);
     else
-        remember(KEY_PTR | dptr, dev, bytes);
+        table_insert(KEY_PTR | dptr, dev, bytes, ctx);   /* (its context, as it was) */
     return r;
 }
 
@@ -756,30 +832,38 @@ SHIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 /* === view: the container's slice, never negative, never above the device === */
 
 /* total = min(cap, device); used = the container's; free = min(total - used, device free) */
-int slice(int dev, uint64_t dev_total, uint64_t dev_free, uint64_t *total, uint64_t *free, uint64_t *used)
+static inline __attribute__((always_inline)) int slice_inline(int dev, uint64_t dev_total, uint64_t dev_free,
+                                                             uint64_t *total, uint64_t *free, uint64_t *used)
 {
-    uint64_t cap = memory_cap(dev);
-    if (S.mode == MODE_ENFORCE && cap == VGPU_UNLIMITED)
-        return 0;   /* unlimited: the device as it is */
+    uint64_t cap = memory_cap(dev), u = 0;
     if (S.mode == MODE_ENFORCE) {
+        if (cap == VGPU_UNLIMITED)
+            return 0;   /* unlimited: the device as it is */
         maybe_reap();
-        pools_settle(0);
-        graph_memory_settle(-1);
+        if (LOAD(&npools))   /* (no pool, no graph memory: nothing to settle, no call) */
+            pools_settle(0);
+        if (LOAD(&graph_devices))
+            graph_memory_settle(-1);
+        u = row_sum(dev);
     }
-    uint64_t u = S.mode == MODE_ENFORCE ? memory_used(dev) : 0;
     *total = cap < dev_total ? cap : dev_total;
     *used = u < *total ? u : *total;
     *free = *total - *used < dev_free ? *total - *used : dev_free;
     return 1;
 }
 
+int slice(int dev, uint64_t dev_total, uint64_t dev_free, uint64_t *total, uint64_t *free, uint64_t *used)
+{
+    return slice_inline(dev, dev_total, dev_free, total, free, used);
+}
+
 SHIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
 {
     ENTER(cuMemGetInfo_v2, free, total);
     CUresult r = real_cuMemGetInfo_v2(free, total);
-    int dev = current_device();
+    int dev = current_device_inline();
     uint64_t t, f, u;
-    if (r == CUDA_SUCCESS && dev >= 0 && slice(dev, *total, *free, &t, &f, &u)) {
+    if (r == CUDA_SUCCESS && dev >= 0 && slice_inline(dev, *total, *free, &t, &f, &u)) {
         *total = t;
         *free = f;
     }

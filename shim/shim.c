@@ -590,6 +590,38 @@ int take_free_slot(void)
     return -1;
 }
 
+/* slots_used comes down past the free slots at its top, so that the sum in every admission
+ * covers the slots that may be charged, not every slot ever used (a slice whose processes
+ * came and went once summed all 64 on each allocation).  With S.lock held.  The top slot
+ * is let go only with its lock held here (no process owns it, and none can claim it
+ * meanwhile), drained first when its process is gone (as a reap does), and slots_used
+ * moves down by a compare-and-swap: a claim widening it at the same time (take_free_slot,
+ * before its first charge) either comes after and widens again, or makes this one fail.
+ * Every slot at or above slots_used is therefore uncharged, and stays so until a claim
+ * has widened past it. */
+static void shrink_slots_used(void)
+{
+    for (;;) {
+        uint32_t n = LOAD(&S.usage->slots_used);
+        if (n == 0 || n > VGPU_MAX_PROCS)
+            return;
+        int i = (int)n - 1, ok = 1;
+        if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+            return;   /* ours, or a live process's */
+        if (slot_in_use(i)) {
+            if ((ok = slot_owner_gone(i))) {
+                INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
+                drain_slot(i);
+            }
+        }
+        ok = ok && __atomic_compare_exchange_n(&S.usage->slots_used, &n, n - 1, 0, __ATOMIC_SEQ_CST,
+                                               __ATOMIC_SEQ_CST);
+        slot_lock(S.usage_fd, i, F_UNLCK);
+        if (!ok)
+            return;
+    }
+}
+
 int claim_slot(void)
 {
     int i = take_free_slot();
@@ -607,6 +639,7 @@ int claim_slot(void)
         p->state = 0;                  /* NVML's pid for it: the node agent's to write */
         STORE(&p->pid, (int32_t)getpid());   /* last: a reader that sees the pid sees the rest */
         S.slot = i;
+        shrink_slots_used();   /* (the slots above it that processes before left) */
         return 0;
     }
     static int said;
@@ -622,8 +655,12 @@ void reap_dead_locked(void)
 {
     if (S.usage_fd < 0)
         return;
+    uint32_t used = LOAD(&S.usage->slots_used);
     for (int i = 0; i < VGPU_MAX_PROCS; i++) {
-        if (i == S.slot || memory_holds_slot(i) || !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+        /* above slots_used a slot is uncharged (shrink_slots_used): only a process there
+         * (a claim in progress, or one a tenant wrote) needs the look below */
+        if (((uint32_t)i >= used && !LOAD(&S.usage->procs[i].pid)) || i == S.slot || memory_holds_slot(i) ||
+            !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             continue;
         if (!slot_owner_gone(i)) {
             slot_lock(S.usage_fd, i, F_UNLCK);
@@ -633,6 +670,7 @@ void reap_dead_locked(void)
         drain_slot(i);
         slot_lock(S.usage_fd, i, F_UNLCK);
     }
+    shrink_slots_used();
 }
 
 void reap_dead(void)
@@ -642,22 +680,12 @@ void reap_dead(void)
     pthread_mutex_unlock(&S.lock);
 }
 
-uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* For views: reap at most every REAP_INTERVAL_NS, so a dead process's memory shows
  * as free again within a fraction of a second without a syscall storm. */
-void maybe_reap(void)
+void reap_due(uint64_t t)
 {
-    uint64_t t = now_ns();
-    if (t >= LOAD(&S.next_reap_ns)) {
-        STORE(&S.next_reap_ns, t + REAP_INTERVAL_NS);
-        reap_dead();
-    }
+    STORE(&S.next_reap_ns, t + REAP_INTERVAL_NS);
+    reap_dead();
 }
 
 /* nvml_resolve's own lock, not S.lock: it is called with S.lock held (a reaper asking NVML

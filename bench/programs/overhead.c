@@ -1,5 +1,7 @@
 /* Per-call cost of the hooked memory calls, for bench/test_shim_overhead.py.
  * usage: overhead N [alloc|info]   (default: both loops, N iterations each)
+ *        overhead 1 hold           allocate 1 MiB, print "held", keep it until stdin closes
+ *                                  (bench/figures.py: processes that ran in a slice before)
  * Prints: init_ns=<cuInit> alloc_free_ns=<per pair> meminfo_ns=<per call>
  * The same binary runs with and without LD_PRELOAD; the difference is the shim's.
  * Under callgrind, runs with two values of N give instructions per call. */
@@ -39,6 +41,15 @@ int main(int argc, char **argv)
     set(ctx);
     CUdeviceptr p;
     size_t f, t;
+    if (!strcmp(only, "hold")) {   /* a slot of the slice taken, and memory in it, till told */
+        if (alloc(&p, 1 << 20))
+            return 2;
+        printf("held\n");
+        fflush(stdout);
+        while (getchar() != EOF)
+            ;
+        return 0;   /* (exits holding it: the driver frees it, the slot is reaped) */
+    }
     for (int i = 0; i < 1000; i++) {   /* warm up */
         alloc(&p, 1 << 20);
         mfree(p);
