@@ -6,15 +6,16 @@ A node's fragmentation, for the workload's typical pods: for each typical pod, w
 its share of the workload, the free GPU share of the node that pod could not use -- all of
 it where the pod cannot go there at all (GPU model, CPU, too few GPUs with room), else the
 free share of the GPUs too full for it.  A pod goes where placing it grows that measure
-least: score = sigmoid((before - after) / 1000) x 100 (milli-GPUs) cut to an integer, the top score
-wins, ties to the node whose name sorts first (the artifact's selectHost, changed from the
+least: score = sigmoid((before - after) / 1000) x 100 (milli-GPUs) cut to an integer, the
+top score wins, ties to the node whose name sorts first (the artifact's selectHost, changed from the
 scheduler's random choice "for reproducibility"); a shared pod takes the GPU with the best
 score (the lowest index of equals), whole GPUs the first idle ones.
 
-Typical pods: the GPU pods of the workload grouped by (CPU, GPU share, GPU count, models),
-most common first, taken ten kinds at a time until they cover 60% of the GPU pods
-(DefaultTypicalPodPopularityThreshold, DefaultTypicalPodIncreaseStep), weights renormalised.
-Memory is not part of the measure (the artifact's node resource has CPU and GPUs only).
+Typical pods: the workload's pods (CPU-only ones too) grouped by (CPU, GPU share, GPU
+count, models), most common first, taken one kind at a time until they cover 95% of the
+pods, weights renormalised (the settings below).  To a CPU-only pod all free GPU share is
+fragment.  Memory is not part of the measure (the artifact's node resource has CPU and
+GPUs only).
 """
 import math
 from bisect import bisect_right
