@@ -59,7 +59,7 @@ def _environments(tmp):
     slices.create(made, "full", {0: slices.device_quota()}, overcommit=True)
     slices.create(made, "paced", {0: slices.device_quota(sm=9000)}, overcommit=True, sm_mode="ceiling")
     shim = {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made)}
-    return base, {name: {**shim, "VGPU_CONTAINER": name} for name in ("capped", "crowd", "full", "paced")}
+    return base, {name: {**shim, "VGPU_SLICE": name} for name in ("capped", "crowd", "full", "paced")}
 
 
 def crowd(exe, env, n=CROWD):
@@ -80,7 +80,7 @@ def crowd(exe, env, n=CROWD):
 
 
 def _instructions(exe, arg, env, n, out):
-    cg = out / f"cg.{exe.name}.{arg}.{n}.{env.get('VGPU_CONTAINER', 'base')}"
+    cg = out / f"cg.{exe.name}.{arg}.{n}.{env.get('VGPU_SLICE', 'base')}"
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={cg}", str(exe), str(n),
                     *([arg] if arg else [])], env=env, capture_output=True, check=True)
     return int(re.search(r"^summary: (\d+)", cg.read_text(), re.M).group(1))

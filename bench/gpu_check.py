@@ -75,7 +75,7 @@ def child(code, env, timeout=120):
 
 def under_shim(shim, vgpu_dir, name, **limits):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "CUDA_DEVICE_"))}
-    env.update(LD_PRELOAD=str(shim), VGPU_DIR=str(vgpu_dir), VGPU_CONTAINER=name)
+    env.update(LD_PRELOAD=str(shim), VGPU_DIR=str(vgpu_dir), VGPU_SLICE=name)
     env.update({k: str(v) for k, v in limits.items()})
     return env
 

@@ -41,7 +41,7 @@ def _members(exe, env, directory, layout):
     """Start the processes of `layout` [(slice, bytes)], all under the shim; wait for each."""
     procs = []
     for name, nbytes in layout:
-        e = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory), "VGPU_CONTAINER": name}
+        e = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory), "VGPU_SLICE": name}
         procs.append(subprocess.Popen([str(exe), str(nbytes)], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, text=True))
     for p in procs:
@@ -142,7 +142,7 @@ def test_detection_latency(tmp_path, benchmark):
     latencies = []
     try:
         for trial in range(10):
-            e = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory), "VGPU_CONTAINER": "a"}
+            e = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory), "VGPU_SLICE": "a"}
             t = subprocess.Popen([sys.executable, TENANT], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
             t.stdout.readline()

@@ -129,7 +129,7 @@ def test_window_close_to_quota_enforced_in_a_running_process(tmp_path, benchmark
     slices.create(directory, "hot", {0: slices.device_quota(GiB, request=GiB, limit=8 * GiB)}, overcommit=True)
     probe = subprocess.Popen([sys.executable, "-c", PROBE, str(int(0.95 * GiB))],
                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory),
-                                  "VGPU_CONTAINER": "hot"}, stdout=subprocess.PIPE, text=True)
+                                  "VGPU_SLICE": "hot"}, stdout=subprocess.PIPE, text=True)
 
     def seen(timeout=10):
         ready, _, _ = select.select([probe.stdout], [], [], timeout)

@@ -42,7 +42,7 @@ def _node(tmp_path, tenants, mode):
     for i, (g, c) in enumerate(tenants):
         slices.create(vgpu_dir, f"t{i}", {0: slices.device_quota(sm=c * 100, sm_request=g * 100)},
                       overcommit=True, sm_mode=mode)
-    envs = [sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_CONTAINER=f"t{i}") for i in range(len(tenants))]
+    envs = [sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_SLICE=f"t{i}") for i in range(len(tenants))]
     return state, vgpu_dir, envs
 
 

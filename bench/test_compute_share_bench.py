@@ -33,7 +33,7 @@ def duty(tmp_path_factory):
 
 
 def tenant(state, vgpu_dir, name, share):
-    return sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_CONTAINER=name, VGPU_SM_LIMIT=f"{share}%")
+    return sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_SLICE=name, VGPU_SM_LIMIT=f"{share}%")
 
 
 def shares(duty, tmp_path, tenants, seconds, windows):
@@ -119,8 +119,8 @@ def test_launch_overhead_with_shim_vs_without(bench_program, tmp_path, benchmark
     configs = {
         "without shim": sim_env(tmp_path / "node"),
         "shim, sm 100%": tenant(tmp_path / "node", tmp_path / "vgpu", "full", 100),
-        "shim, 90% ceiling": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_CONTAINER="ceil"),
-        "shim, 30-90% burst": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_CONTAINER="burst"),
+        "shim, 90% ceiling": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_SLICE="ceil"),
+        "shim, 30-90% burst": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_SLICE="burst"),
     }
     times = {k: [] for k in configs}
     for i in range(5):

@@ -57,7 +57,7 @@ def test_resize_reaches_a_running_process_within_50ms(tmp_path, benchmark):
     slices.create(directory, "bench", {0: slices.device_quota(2 * GiB)}, overcommit=True)
     probe = subprocess.Popen([sys.executable, "-c", PROBE, str(1536 * MiB)],
                              env={**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(directory),
-                                  "VGPU_CONTAINER": "bench"},
+                                  "VGPU_SLICE": "bench"},
                              stdout=subprocess.PIPE, text=True)
     try:
         _seen(probe, True, timeout=60)
