@@ -57,9 +57,9 @@ static uint64_t first_paced_ns;   /* this process's first paced launch (the corr
  * check (maybe_correct is asked then), with the wall time's factor worked out, so that a
  * launch neither calls into the board nor divides.  wall = corr * SM_FULL / allowance in
  * 32.32 fixed point, rounded up (a wall time a few nanoseconds long at most, never short).  Written by
- * whichever thread finds it stale (expired, or reset: a new quota generation, a fork): inv
- * and allowed first, then expires (release), read in the other order; a race only has two
- * threads look it up. */
+ * whichever thread finds it stale (expired, or reset: a new quota generation, a fork): corr,
+ * wall and allowed first, then expires (release), read in the other order; a race only has
+ * two threads look it up. */
 static struct lane {
     uint64_t expires;   /* CLOCK_MONOTONIC: the board's period's end, the correction's next check */
     uint64_t corr;      /* the cost scale (usage file: sm_correction), 16.16 */
@@ -122,14 +122,6 @@ static __attribute__((noinline, cold)) int sm_recompute(uint64_t g)
     for (int d = 0; d < VGPU_MAX_DEVICES; d++)   /* allowances looked up under the old quota */
         __atomic_store_n(&lanes[d].expires, 0, __ATOMIC_SEQ_CST);
     return any;
-}
-
-/* Known to pace nothing, without a call (the hook's fast path must make none: a call there
- * would have the compiler save every argument first); 0 also when the quota moved. */
-static inline int sm_known_free(void)
-{
-    return S.mode != MODE_ENFORCE ||
-           ((uint32_t)LOAD(&S.quota->generation) == LOAD(&sm_gen_seen) && !LOAD(&sm_any_limited));
 }
 
 static inline int sm_limited(void)

@@ -386,10 +386,16 @@ _PROFILE_SCAN = 64    # profile enumeration ends at INVALID_ARGUMENT; a bound in
 
 
 def _gpu(n, index=None, uuid=None):
+    """The GPU's handle, by UUID when one is given, else by index; DeviceError when NVML
+    has no such GPU (or neither is given: a record without them)."""
     try:
-        return n.nvmlDeviceGetHandleByUUID(uuid) if uuid is not None else n.nvmlDeviceGetHandleByIndex(index)
+        if uuid is not None:
+            return n.nvmlDeviceGetHandleByUUID(uuid)
+        if index is not None:
+            return n.nvmlDeviceGetHandleByIndex(index)
     except n.NVMLError as e:
         raise _error(n, e) from None
+    raise DeviceError("no GPU named (neither a UUID nor an index)")
 
 
 def gpu_identity(index) -> tuple:
@@ -559,7 +565,7 @@ def instances_by_id(gpu_instance, compute_instance, uuid=None, index=None):
     try:
         h = _gpu(n, uuid=uuid)
     except DeviceError:
-        h = _gpu(n, index)
+        h = _gpu(n, index)      # (indices may change across boots: the UUID first)
     try:
         gi = GpuInstance(n, n.nvmlDeviceGetGpuInstanceById(h, gpu_instance))
     except n.NVMLError:
