@@ -38,6 +38,11 @@ CALLS = (
     ("`cuLaunchKernel`, sm 100% (unpaced)", "launch", None, "full", 10000),
     ("`cuLaunchKernel`, sm 90% ceiling (paced, within budget)", "launch", None, "paced", 10000),
 )
+# (row, program): instructions of a whole process, once (a plain run first), in a slice made
+# on a node where `vgpu-ctl measure-context` ran (contexts costing the A10 profile's 256 MiB)
+STARTUP = (
+    ("start-up, once per process: `exec` to the end of the first `cuMemAlloc` (1 MiB)", "first_alloc"),
+)
 
 
 def _build(name, out):
@@ -60,6 +65,22 @@ def _environments(tmp):
     slices.create(made, "paced", {0: slices.device_quota(sm=9000)}, overcommit=True, sm_mode="ceiling")
     shim = {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made)}
     return base, {name: {**shim, "VGPU_SLICE": name} for name in ("capped", "crowd", "full", "paced")}
+
+
+def _measured_node(tmp):
+    """(without, with the shim): a node of its own whose contexts cost memory, measured by
+    `vgpu-ctl measure-context` before its slice was made (so its quota carries the figure)."""
+    from vgpu import slices
+    from vgpu.paths import SHIM
+    from vgpu.sim import sim_environment
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_"))}
+    base.update(sim_environment("a10", 1, str(tmp / "measured-node"), base_env=base), SIMGPU_CONTEXT_OVERHEAD="profile")
+    made = tmp / "measured"
+    made.mkdir()
+    subprocess.run([str(Path(sys.executable).parent / "vgpu-ctl"), "measure-context", "--dir", str(made)], env=base,
+                   capture_output=True, check=True)
+    slices.create(made, "started", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
+    return base, {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made), "VGPU_SLICE": "started"}
 
 
 def crowd(exe, env, n=CROWD):
@@ -101,19 +122,25 @@ def measure():
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         base, shimmed = _environments(tmp)
-        exes = {name: _build(name, tmp) for name in {c[1] for c in CALLS}}
+        exes = {name: _build(name, tmp) for name in {c[1] for c in CALLS + STARTUP}}
         crowd(exes["overhead"], shimmed["crowd"])
         rows = []
         for row, program, arg, slice_, n in CALLS:
             without = per_call(exes[program], arg, base, n, tmp)
             with_ = per_call(exes[program], arg, shimmed[slice_], n, tmp)
             rows.append((row, round(without), round(with_), round(with_ - without)))
+        for row, program in STARTUP:
+            counts = []
+            for env in _measured_node(tmp):
+                subprocess.run([str(exes[program])], env=env, capture_output=True, check=True)
+                counts.append(_instructions(exes[program], None, env, 0, tmp))
+            rows.append((row, *counts, counts[1] - counts[0]))
         return rows
 
 
 def render(rows):
     lines = [BEGIN,
-             "| per call, instructions (callgrind) | without shim | with shim | added by the shim |",
+             "| instructions (callgrind), per call | without shim | with shim | added by the shim |",
              "|---|---|---|---|"]
     lines += [f"| {row} | {w:,} | {s:,} | {a:,} |" for row, w, s, a in rows]
     lines.append(END)

@@ -55,7 +55,11 @@ struct vgpu_quota_device {
     uint32_t sm_request;
     uint32_t sm_limit;
     uint32_t reserved0;
-    uint64_t reserved[4];
+    uint64_t context_overhead;  /* bytes a context costs on the device, as vgpu-ctl measure-context found
+                                   it (written at create): charged at a process's first allocation
+                                   there without asking NVML; 0 = not known (the shim asks NVML, in the
+                                   host's pid namespace only) */
+    uint64_t reserved[3];
 };
 
 struct vgpu_quota {

@@ -86,8 +86,9 @@ void note_peak(struct vgpu_usage_device *u, uint64_t now)
 /* === context overhead ===
  * A context costs device memory of its own (hundreds of MiB per process on a real
  * card), which no allocation call shows.  On its first allocation on a device a process
- * is charged that overhead: VGPU_CONTEXT_OVERHEAD when set, else what NVML says the
- * process holds there beyond its charge (the driver's own figure), else nothing.  NVML
+ * is charged that overhead: VGPU_CONTEXT_OVERHEAD when set, else the node's measured
+ * figure its quota carries, else what NVML says the process holds there beyond its charge
+ * (the driver's own figure), else nothing.  NVML
  * names processes by their pid in the root pid namespace, so the figure is taken only
  * there, only from the one row under getpid() (two: a gone process's pid, reused, whose
  * memory a forked child keeps) and only up to what a context can cost: anything else is
@@ -176,6 +177,12 @@ static uint64_t measure_overhead(int dev)
 {
     if (S.context_overhead_set)
         return S.context_overhead;
+    /* the node's measured figure, carried in the quota: no NVML to start (on a real driver
+     * its start takes milliseconds; on simgpu it was 112k of a process's start-up's 290k
+     * instructions) */
+    uint64_t known = LOAD(&S.quota->devices[dev].context_overhead);
+    if (known && known <= CONTEXT_OVERHEAD_MAX)
+        return known;
     if (LOAD(&S.usage->procs[S.slot].pid_ns) != ROOT_PID_NS_INODE) {
         INFO("device %d: in a pid namespace of its own NVML's pids are not this process's: no context "
              "overhead measured (VGPU_CONTEXT_OVERHEAD sets it)", dev);

@@ -168,6 +168,26 @@ def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the
     assert node_.status()["devices"][0]["memory_used"] == GiB
 
 
+def test_a_slice_made_after_the_measurement_carries_it_in_its_quota_and_needs_no_variable(tmp_path, spawn):
+    """The same, with no variable: `create` writes the node's measured figure into the
+    slice's quota, and the shim charges it at the first allocation from there (where NVML
+    cannot help it, and where it could, without starting NVML)."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+    node_ = Node(tmp_path)
+    node_.dir.mkdir()
+    node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
+    node_.ctl("create", "before", "--memory", "1Gi")
+    assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
+    node_.ctl("create", "a", "--memory", "1Gi")
+    tenant = spawn(node_.shim_env("a"), prefix=["unshare", "--pid", "--fork", "--kill-child"])
+    assert "VGPU_CONTEXT_OVERHEAD" not in node_.shim_env("a")
+    assert tenant.call(alloc=768 * MiB) == 0
+    assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
+    assert node_.usage("a").devices[0]["memory_current"] == GiB
+    assert node_.status()["devices"][0]["memory_used"] == GiB
+
+
 def test_a_measurement_file_that_is_not_one_stops_env_with_a_hint(tmp_path):
     """`env` for a container fails closed on it: one line, the hint to measure again."""
     node_ = Node(tmp_path)

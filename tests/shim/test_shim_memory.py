@@ -1213,7 +1213,12 @@ def test_malformed_limit_fails_closed_naming_the_variable(node):
     ({"CUDA_DEVICE_MEMORY_LIMIT": "4g", "CUDA_DEVICE_MEMORY_LIMIT_0": "512m"}, 512 * MiB),
     ({"VGPU_MEMORY_LIMIT": "768Mi", "CUDA_DEVICE_MEMORY_LIMIT": "4096m"}, 768 * MiB),  # ours first
     ({"CUDA_DEVICE_MEMORY_LIMIT": "1g"}, GiB),                                  # HAMi's g: binary
-], ids=["hami", "per_device", "bytes", "hami_per_device", "vgpu_before_hami", "hami_g_is_binary"])
+    # names the shim's one pass over the environment must not take for device 0's
+    ({"VGPU_MEMORY_LIMIT": "768Mi", "VGPU_MEMORY_LIMIT_00": "1Gi", "VGPU_MEMORY_LIMIT_0X": "1Gi",
+      "VGPU_MEMORY_LIMITS": "1Gi", "VGPU_MEMORY_LIMIT_16": "1Gi", "VGPU_MEMORY_LIMIT_1": "1Gi"}, 768 * MiB),
+    ({"VGPU_MEMORY_LIMIT": "1Gi", "VGPU_MEMORY_LIMIT_0": ""}, GiB),             # empty: unset
+], ids=["hami", "per_device", "bytes", "hami_per_device", "vgpu_before_hami", "hami_g_is_binary",
+        "look_alike_names", "empty_per_device"])
 def test_limit_variables_set_the_cap(node, variables, cap):
     result, stderr = probe(node.env(limit=None, **variables), cap, 1)
     assert result == {"allocs": [SUCCESS, OUT_OF_MEMORY], "info": [0, cap], "total": cap}

@@ -283,12 +283,25 @@ def create(directory, name, devices: dict, overcommit=False, capacity=None, owne
                 with contextlib.suppress(FileNotFoundError):   # left by a create that died before its quota
                     os.unlink(extra, dir_fd=cfd)
                 _place(cfd, extra, data, 0o644, os.path.join(shown, extra))
+            # a MIG device's context is not a whole GPU's, and is not measured
+            overheads = {} if MIG in (extra_files or {}) else _measured_context_overhead(directory)
             try:
-                _place(cfd, QUOTA, quota_bytes(name, devices, temporary, sm_mode), 0o644, os.path.join(shown, QUOTA))
+                _place(cfd, QUOTA, quota_bytes(name, devices, temporary, sm_mode, overheads), 0o644,
+                       os.path.join(shown, QUOTA))
             except FileExistsError:
                 raise Exists(f"slice {name} already exists in {path}",
                              f"resize it (vgpu-ctl resize {name} ...) or delete it first") from None
             return _read_slice_quota(cfd, directory, name)
+
+
+def _measured_context_overhead(directory) -> dict:
+    """{GPU index: bytes} as `vgpu-ctl measure-context` found them on this node; {} when never
+    measured, or when its file is unreadable (the shim then measures, as without one)."""
+    from .. import overhead   # (it reads slices)
+    try:
+        return overhead.read(directory)
+    except (overhead.BadFigures, OSError):
+        return {}
 
 
 def absent_node_files(directory) -> dict:

@@ -95,9 +95,12 @@ def check_sm_mode(mode) -> str:
     return mode
 
 
-def quota_bytes(name: str, devices: dict, temporary: Owner = None, sm_mode: str = None) -> bytes:
+def quota_bytes(name: str, devices: dict, temporary: Owner = None, sm_mode: str = None,
+                context_overhead: dict = None) -> bytes:
     """A new quota file: `devices` maps index -> DeviceQuota; indices below the highest one
-    that are not in it are denied, and the shim denies every index >= device_count."""
+    that are not in it are denied, and the shim denies every index >= device_count.
+    context_overhead: {index: bytes} a context costs there, as measured on the node (the
+    shim charges it at a process's first allocation without asking NVML)."""
     q = ffi.new("struct vgpu_quota *")
     q.magic, q.abi_version, q.size = lib.VGPU_QUOTA_MAGIC, lib.VGPU_ABI_VERSION, QUOTA_SIZE
     q.generation = 2
@@ -110,4 +113,6 @@ def quota_bytes(name: str, devices: dict, temporary: Owner = None, sm_mode: str 
     q.name = name.encode()
     for d in range(q.device_count):
         _fill_device(q.devices[d], devices.get(d, DENIED))
+        if d in devices and (context_overhead or {}).get(d):
+            q.devices[d].context_overhead = context_overhead[d]
     return bytes(ffi.buffer(q))
