@@ -4,9 +4,10 @@ A CUDA context costs device memory that no allocation call shows.  The shim char
 a process's first allocation on a device: VGPU_CONTEXT_OVERHEAD when set, else what NVML
 lists under its pid beyond its charge -- only in the host's pid namespace, where NVML's
 pid is the process's own (docs/shim.md).  In a container with a pid namespace of its own
-the runtime side sets the variable (`env --format docker|k8s`, the DRA driver's CDI spec)
-from the figure measured here and kept in <dir>/.context-overhead; without one, nothing
-is charged there.
+the figure measured here and kept in <dir>/.context-overhead travels in every software
+slice's quota (written here into those there, by create into later ones), and the runtime
+side sets the variable from it too (`env --format docker|k8s`, the DRA driver's CDI spec);
+without one, nothing is charged there.
 
 The measurement: for each GPU not in MIG mode, a child process in this pid namespace,
 without the shim, sees that GPU alone, makes its context, allocates 2 MiB (a process's
@@ -101,6 +102,7 @@ def measure(directory, timeout=60.0) -> dict:
         f.write("\n")
     os.chmod(tmp, 0o644)
     os.replace(tmp, path(directory))
+    slices.carry_context_overhead(directory, figures)   # the slices already there; create does the rest
     return results
 
 

@@ -168,10 +168,12 @@ def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the
     assert node_.status()["devices"][0]["memory_used"] == GiB
 
 
-def test_a_slice_made_after_the_measurement_carries_it_in_its_quota_and_needs_no_variable(tmp_path, spawn):
-    """The same, with no variable: `create` writes the node's measured figure into the
-    slice's quota, and the shim charges it at the first allocation from there (where NVML
-    cannot help it, and where it could, without starting NVML)."""
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_a_slice_carries_the_measurement_in_its_quota_and_needs_no_variable(tmp_path, spawn, made):
+    """The same, with no variable: `measure-context` writes the node's figure into the quota
+    of every slice already there, `create` into each one made afterwards, and the shim
+    charges it at the first allocation from there (where NVML cannot help it, and where it
+    could, without starting NVML)."""
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
         pytest.skip("needs root and pid namespaces")
     node_ = Node(tmp_path)
@@ -179,12 +181,12 @@ def test_a_slice_made_after_the_measurement_carries_it_in_its_quota_and_needs_no
     node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
     node_.ctl("create", "before", "--memory", "1Gi")
     assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
-    node_.ctl("create", "a", "--memory", "1Gi")
-    tenant = spawn(node_.shim_env("a"), prefix=["unshare", "--pid", "--fork", "--kill-child"])
-    assert "VGPU_CONTEXT_OVERHEAD" not in node_.shim_env("a")
+    node_.ctl("create", "after", "--memory", "1Gi")
+    assert "VGPU_CONTEXT_OVERHEAD" not in node_.shim_env(made)
+    tenant = spawn(node_.shim_env(made), prefix=["unshare", "--pid", "--fork", "--kill-child"])
     assert tenant.call(alloc=768 * MiB) == 0
     assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
-    assert node_.usage("a").devices[0]["memory_current"] == GiB
+    assert node_.usage(made).devices[0]["memory_current"] == GiB
     assert node_.status()["devices"][0]["memory_used"] == GiB
 
 

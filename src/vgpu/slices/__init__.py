@@ -462,6 +462,33 @@ def resize(directory, name, devices=None, memory=None, sm=None, request=None, li
             "warnings": warnings}
 
 
+def carry_context_overhead(directory, figures: dict) -> list:
+    """Write a context's measured cost ({GPU index: bytes}) into the quota of every software
+    slice holding that GPU, as create does for slices made after the measurement (a MIG
+    slice's device is not a whole GPU: left alone).  One atomic store per device, read by
+    the shim at a process's first allocation there; the limits and generation are not
+    touched.  Returns the names of the slices written."""
+    written = []
+    for name in list_names(directory):
+        try:
+            if has_mig(directory, name):
+                continue
+            with _fd(_open_node(directory, name=name)) as node_fd, _node_lock(node_fd), \
+                    _fd(_open_slice(node_fd, directory, name)) as cfd:
+                fd, shown = _open_quota(cfd, directory, name, _RW)
+                with _fd(fd):
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    held = [d for d in _read_quota_fd(fd, shown).held() if d in figures]
+                    with _mapped(fd, "struct vgpu_quota", QUOTA_SIZE, writable=True) as q:
+                        for d in held:
+                            lib.vgpu_store_u64(ffi.addressof(q.devices[d], "context_overhead"), figures[d])
+            if held:
+                written.append(name)
+        except VgpuError:
+            continue   # gone meanwhile, or unreadable: status says why; its processes measure as before
+    return written
+
+
 def _follow(old_value, old_max, new_max, given):
     if given is not None:
         return given
