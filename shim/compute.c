@@ -266,20 +266,12 @@ static __attribute__((noinline)) struct pending *pending_claim(void)
     return my_pending = p;
 }
 
-/* Count one launch on `dev`; flush the device's batch when it is full (BATCH launches), or
- * every device's when the caller is about to sleep anyway. */
-static inline void count_launch(int dev, uint64_t cost, int flush_now)
+/* Count one launch on `dev` in the thread's block p.  The caller flushes the device's
+ * batch when it is full (BATCH launches), or every device's before it sleeps. */
+static inline void count_launch(struct pending *p, int dev, uint64_t cost)
 {
-    struct pending *p = my_pending;
-    if (UNLIKELY(!p) && !(p = pending_claim()))
-        return;
-    uint64_t n = p->launches[dev] + 1;
-    __atomic_store_n(&p->launches[dev], n, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->launches[dev], p->launches[dev] + 1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->gpu_time_ns[dev], p->gpu_time_ns[dev] + cost, __ATOMIC_RELAXED);
-    if (UNLIKELY(flush_now))
-        flush_block(p);
-    else if (UNLIKELY(n - LOAD(&p->launches_flushed[dev]) >= BATCH))
-        flush_device(p, dev);
 }
 
 static struct estimate *estimate_for(uint64_t key)
@@ -305,7 +297,7 @@ static void learn(uint64_t key, uint64_t ns)
 }
 
 /* Collect finished samples (bounded work: MAX_SAMPLES queries at most). */
-static void harvest(void)
+static __attribute__((noinline, cold)) void harvest(void)
 {
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
@@ -327,7 +319,7 @@ static void harvest(void)
 
 /* A kernel never measured yet: wait for its first sample rather than queue unknown
  * amounts of work for free (once per kernel and grid). */
-static void await_first_sample(uint64_t key)
+static __attribute__((noinline, cold)) void await_first_sample(uint64_t key)
 {
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
@@ -347,7 +339,8 @@ static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread
     if (!record || !real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime || !real_cuCtxGetCurrent ||
         real_cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
         return NULL;
-    harvest();
+    if (LOAD(&in_flight))
+        harvest();
     for (int i = 0; i < MAX_SAMPLES; i++) {
         int idle = 0;
         struct sample *sp = &samples[i];
@@ -396,7 +389,7 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
  * underestimated, or the device is oversubscribed), and more work queued now would only
  * sit in front of the neighbours'.  Wait (sleeping) until it is done.  Estimates do not
  * enter into it: it holds while the correction is still learning. */
-static uint64_t bound_backlog(int dev, uint64_t now)
+static __attribute__((noinline, cold)) uint64_t bound_backlog(int dev, uint64_t now)
 {
     uint64_t waited = 0, due = LOAD(&backlog_due), next = UINT64_MAX;
     int b = board_entry(dev);
@@ -525,7 +518,7 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
           100.0 * raw / window, (double)corr / CORR_ONE);
 }
 
-static __attribute__((noinline)) void lane_refresh(int dev, struct vgpu_usage_device *u, uint64_t now)
+static __attribute__((noinline, cold)) void lane_refresh(int dev, struct vgpu_usage_device *u, uint64_t now)
 {
     struct lane *l = &lanes[dev];
     uint32_t gen = __atomic_load_n(&sm_gen_seen, __ATOMIC_SEQ_CST);
@@ -548,16 +541,53 @@ static __attribute__((noinline)) void lane_refresh(int dev, struct vgpu_usage_de
         __atomic_store_n(&l->expires, 0, __ATOMIC_SEQ_CST);
 }
 
+/* The charge: the device's virtual clock moved by the launch's wall time (waiting is the
+ * caller's), its estimate added to the correction's sum, the thread's counters (p: its
+ * block).  Returns where the clock is now. */
+static inline __attribute__((always_inline)) uint64_t charge(int dev, struct pending *p, uint64_t raw, uint64_t now)
+{
+    struct lane *l = &lanes[dev];
+    struct vgpu_usage_device *u = &S.usage->devices[dev];
+    uint64_t cost = raw * LOAD(&l->corr) >> 16;
+    uint64_t wall = (uint64_t)(((unsigned __int128)raw * LOAD(&l->wall)) >> 32);   /* cost * SM_FULL / allowance */
+    uint64_t t = LOAD(&u->sm_vtime_ns), next, floor = now - SM_BURST_NS;   /* late: keeps a burst */
+    do
+        next = (t > floor ? t : floor) + wall;
+    while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
+    if (LIKELY(p))
+        count_launch(p, dev, cost);
+    return next;
+}
+
+/* A launch whose virtual clock ran more than a burst ahead: its thread's batch flushed
+ * (it sleeps anyway), then it sleeps until the clock is a burst ahead.  Returns the time then. */
+static __attribute__((noinline, cold)) uint64_t throttle(int dev, uint64_t next, uint64_t now)
+{
+    struct vgpu_usage_device *u = &S.usage->devices[dev];
+    if (my_pending)
+        flush_block(my_pending);
+    struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
+                          .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+    /* held at its own ceiling (what the autoscaler can raise), or below it for the
+     * neighbours' guarantees (what it cannot) */
+    __atomic_add_fetch(LOAD(&lanes[dev].allowed) < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns,
+                       next - SM_BURST_NS - now, __ATOMIC_RELAXED);
+    return next - SM_BURST_NS;
+}
+
 /* Wait for the container's share, charge the launch, and say whether to sample it
  * (1), not (0), or that the launch is refused (-1: a device the slice was not given). */
-static int pace(int dev, uint64_t key)
+static __attribute__((noinline)) int pace(uint64_t key)
 {
+    int dev = launch_device();
     int pacing = (unsigned)dev < VGPU_MAX_DEVICES ? LOAD(&sm_pacing[dev]) : SM_FREE;
     if (pacing == SM_FREE)
         return 0;
     if (pacing == SM_DENIED)
         return -1;   /* fail closed, like its memory; never a wait */
-    struct vgpu_usage_device *u = &S.usage->devices[dev];
     struct estimate *e = estimate_for(key);
     uint64_t raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
     if (!raw && LOAD(&e->sampling)) {
@@ -567,7 +597,7 @@ static int pace(int dev, uint64_t key)
     uint32_t n = __atomic_load_n(&e->launches, __ATOMIC_RELAXED) + 1;   /* (a race loses one: a blur) */
     __atomic_store_n(&e->launches, n, __ATOMIC_RELAXED);
     uint64_t now = now_ns();
-    if (LOAD(&in_flight) && now >= LOAD(&backlog_due) && bound_backlog(dev, now))
+    if (now >= LOAD(&backlog_due) && bound_backlog(dev, now))   /* (none in flight: it puts the look off) */
         now = now_ns();
     /* sample the unknown, one launch in SAMPLE_EVERY, and any kernel whose estimate has
      * aged (a rare, expensive-looking kernel must get the chance to look cheaper) */
@@ -575,30 +605,14 @@ static int pace(int dev, uint64_t key)
                  !LOAD(&e->sampling);
     if (!raw)
         raw = LOAD(&typical_ns);
-    struct lane *l = &lanes[dev];
-    if (UNLIKELY(now >= LOAD(&l->expires)))
-        lane_refresh(dev, u, now);
-    uint64_t cost = raw * LOAD(&l->corr) >> 16;
-    uint64_t wall = (uint64_t)(((unsigned __int128)raw * LOAD(&l->wall)) >> 32);   /* cost * SM_FULL / allowance */
-
-    uint64_t t = LOAD(&u->sm_vtime_ns), next, floor = now - SM_BURST_NS;   /* late: keeps a burst */
-    do
-        next = (t > floor ? t : floor) + wall;
-    while (!__atomic_compare_exchange_n(&u->sm_vtime_ns, &t, next, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    __atomic_add_fetch(&u->sm_raw_ns, raw, __ATOMIC_RELAXED);
-    count_launch(dev, cost, next > now + SM_BURST_NS);
-    if (next > now + SM_BURST_NS) {
-        struct timespec ts = {.tv_sec = (time_t)((next - SM_BURST_NS) / 1000000000ull),
-                              .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
-        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
-            ;
-        uint64_t waited = next - SM_BURST_NS - now;
-        /* held at its own ceiling (what the autoscaler can raise), or below it for the
-         * neighbours' guarantees (what it cannot) */
-        __atomic_add_fetch(LOAD(&l->allowed) < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns, waited,
-                           __ATOMIC_RELAXED);
-        now = next - SM_BURST_NS;
-    }
+    if (now >= LOAD(&lanes[dev].expires))
+        lane_refresh(dev, &S.usage->devices[dev], now);
+    struct pending *p = my_pending ? my_pending : pending_claim();
+    uint64_t next = charge(dev, p, raw, now);
+    if (p && p->launches[dev] - LOAD(&p->launches_flushed[dev]) >= BATCH)
+        flush_device(p, dev);
+    if (next > now + SM_BURST_NS)
+        now = throttle(dev, next, now);
     if (!sample && LOAD(&in_flight) && n % 8 == 0)
         harvest();   /* finished samples are collected every few launches, not each */
     if (sample) {
@@ -608,36 +622,70 @@ static int pace(int dev, uint64_t key)
     return sample;
 }
 
-/* A paced launch before the driver's call, once the hook has seen the quota limit something:
- * pace, maybe start a sample.  NULL: launch; REFUSED: do not; else the sample to end after
- * the launch.  Out of line, with few arguments: the hooks stay small. */
-#define REFUSED ((struct sample *)&samples[MAX_SAMPLES])   /* (one past the samples: no sample) */
-#define UNPAREN(...) __VA_ARGS__
-static __attribute__((noinline)) struct sample *launch_gate(uint64_t key, CUstream stream, int per_thread)
+/* After a fast-path charge: its clock over a burst ahead, or the thread's eighth launch
+ * (its batch may be full; finished samples are collected). */
+static __attribute__((noinline, cold)) void charged(struct pending *p, uint64_t next, uint64_t now)
 {
-    int paced = pace(launch_device(), key);
-    if (UNLIKELY(paced < 0))
-        return REFUSED;
-    return paced ? sample_begin(key, stream, per_thread) : NULL;
+    if (p->launches[0] - LOAD(&p->launches_flushed[0]) >= BATCH)
+        flush_device(p, 0);
+    if (next > now + SM_BURST_NS)
+        throttle(0, next, now);
+    if (LOAD(&in_flight) && p->launches[0] % 8 == 0)
+        harvest();
 }
 
-/* Every launch hook: unpaced, straight on to the driver (a tail call); paced, the gate, then
- * the driver.  Before init, or when the quota moved since it was last read, ENTER's way
- * (unready_<sym>).  `linkage name`: the hook (SHIM_EXPORT and the symbol), or a static
- * helper (the graph launches, wrapped by graph_launch). */
+/* pace() for the usual launch: one device (device 0), paced, an estimate known and no
+ * sample due, the allowance current, no backlog look due.  Either charges it as pace()
+ * would (0: launch) or leaves everything to pace() (1), having charged nothing.  Out of
+ * line: the hook saves its arguments around one call, and this saves only the key around
+ * its clock read (inline, the hook's arguments crowded out its registers: 20 more). */
+static __attribute__((noinline)) int pace_fast(uint64_t key)
+{
+    if (UNLIKELY(LOAD(&sm_only_device) != 0) || UNLIKELY(LOAD(&sm_pacing[0]) != SM_PACED))
+        return 1;
+    uint64_t now = now_ns();
+    struct estimate *e = estimate_for(key);
+    struct pending *p = my_pending;
+    uint32_t n = __atomic_load_n(&e->launches, __ATOMIC_RELAXED) + 1;
+    if (UNLIKELY(LOAD(&e->key) != key))
+        return 1;
+    uint64_t raw = LOAD(&e->ns);
+    if (UNLIKELY(!raw || n % SAMPLE_EVERY == 0 || now - LOAD(&e->sampled_at) > SAMPLE_AGE_NS ||
+                 now >= LOAD(&backlog_due) || now >= LOAD(&lanes[0].expires) || !p))
+        return 1;
+    __atomic_store_n(&e->launches, n, __ATOMIC_RELAXED);
+    uint64_t next = charge(0, p, raw, now);
+    if (UNLIKELY(next > now + SM_BURST_NS || p->launches[0] % 8 == 0))
+        charged(p, next, now);
+    return 0;
+}
+
+/* Every launch hook: unpaced, straight on to the driver (a tail call); paced, pace_fast,
+ * then the driver (a tail call too); whatever pace_fast leaves (a sample, a refusal, a
+ * period's look-ups) paced_<sym>, out of line.  Before init, or when the quota moved since
+ * it was last read, ENTER's way (unready_<sym>).  `linkage name`: the hook (SHIM_EXPORT
+ * and the symbol), or a static helper (the graph launches, wrapped by graph_launch). */
+#define UNPAREN(...) __VA_ARGS__
 #define LAUNCH_HOOK(linkage, name, sym, per_thread, key, stream, params, args)              \
+    static __attribute__((noinline)) CUresult paced_##sym params                            \
+    {                                                                                       \
+        int p_ = pace(key);                                                                 \
+        if (LIKELY(!p_))                                                                    \
+            return real_##sym args;                                                         \
+        if (p_ < 0)                                                                         \
+            return CUDA_ERROR_NOT_PERMITTED;                                                \
+        struct sample *sp_ = sample_begin((key), (stream), (per_thread));                   \
+        CUresult r_ = real_##sym args;                                                      \
+        if (sp_)                                                                            \
+            sample_end(sp_, (stream), (per_thread), r_);                                    \
+        return r_;                                                                          \
+    }                                                                                       \
     static __attribute__((noinline)) CUresult unready_##sym params                          \
     {                                                                                       \
         ENTER(sym, UNPAREN args);                                                           \
         if (!sm_limited())                                                                  \
             return real_##sym args;                                                         \
-        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
-        if (sp_ == REFUSED)                                                                 \
-            return CUDA_ERROR_NOT_PERMITTED;                                                \
-        CUresult r_ = real_##sym args;                                                      \
-        if (sp_)                                                                            \
-            sample_end(sp_, (stream), (per_thread), r_);                                    \
-        return r_;                                                                          \
+        return paced_##sym args;                                                            \
     }                                                                                       \
     linkage CUresult name params                                                            \
     {                                                                                       \
@@ -648,16 +696,9 @@ static __attribute__((noinline)) struct sample *launch_gate(uint64_t key, CUstre
             return real_##sym args;                                                         \
         if (UNLIKELY((uint32_t)LOAD(&S.quota->generation) != LOAD(&sm_gen_seen)))          \
             return unready_##sym args;                                                      \
-        if (LIKELY(!LOAD(&sm_any_limited)))                                                 \
+        if (LIKELY(!LOAD(&sm_any_limited)) || LIKELY(!pace_fast(key)))                      \
             return real_##sym args;                                                         \
-        struct sample *sp_ = launch_gate((key), (stream), (per_thread));                    \
-        if (LIKELY(!sp_))                                                                   \
-            return real_##sym args;                                                         \
-        if (sp_ == REFUSED)                                                                 \
-            return CUDA_ERROR_NOT_PERMITTED;                                                \
-        CUresult r_ = real_##sym args;                                                      \
-        sample_end(sp_, (stream), (per_thread), r_);                                        \
-        return r_;                                                                          \
+        return paced_##sym args;                                                            \
     }
 
 static inline uint64_t kernel_key(CUfunction f, uint64_t blocks) { return (uint64_t)(uintptr_t)f * 1000003ull ^ blocks; }

@@ -28,6 +28,9 @@
 #include <time.h>
 
 #define SHIM_EXPORT __attribute__((visibility("default")))
+/* Variables one file defines and others use: hidden in the declaration too, so that they
+ * are reached directly (as a file's static is), not through the GOT. */
+#define HIDDEN __attribute__((visibility("hidden")))
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -39,9 +42,9 @@
 
 /* === real symbols === */
 
-#define DECLARE_CUDA(sym, base, ver, pt, ret, params) extern ret(*real_##sym) params; SHIM_EXPORT ret sym params;
+#define DECLARE_CUDA(sym, base, ver, pt, ret, params) extern HIDDEN ret(*real_##sym) params; SHIM_EXPORT ret sym params;
 VGPU_CUDA_HOOKS(DECLARE_CUDA)
-#define DECLARE_NVML(sym, ret, params) extern ret(*real_##sym) params; SHIM_EXPORT ret sym params;
+#define DECLARE_NVML(sym, ret, params) extern HIDDEN ret(*real_##sym) params; SHIM_EXPORT ret sym params;
 VGPU_NVML_HOOKS(DECLARE_NVML)
 #undef DECLARE_CUDA
 #undef DECLARE_NVML
@@ -77,7 +80,7 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(nvmlDeviceGetHandleByUUID, nvmlReturn_t, (const char *, nvmlDevice_t *))                 \
     X(nvmlInit_v2, nvmlReturn_t, (void))                                                       \
     X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))
-#define DECLARE_CALLED(sym, ret, params) extern ret(*real_##sym) params;
+#define DECLARE_CALLED(sym, ret, params) extern HIDDEN ret(*real_##sym) params;
 VGPU_CALLED(DECLARE_CALLED)
 VGPU_NVML_CALLED(DECLARE_CALLED)
 #undef DECLARE_CALLED
@@ -109,7 +112,7 @@ struct shim_state {
     char board_path[4096];      /* <dir>/.sm-board: the share board (board.c) */
     uint64_t slice_key;         /* the slice's name, hashed: its entries on the board */
 };
-extern struct shim_state S;
+extern HIDDEN struct shim_state S;
 
 /* A slot's charge on a device, moved by `bytes`; then its sequence (csrc/vgpu_region.h:
  * charge_seq), so that the node agent, reading sequence and charges before and after it
@@ -207,9 +210,6 @@ static inline int enter_slow(void)   /* init; 1: this thread is initialising (pa
 
 /* === memory: memory.c, pools.c, vmm.c, shared_memory.c === */
 
-/* Variables one of these files defines and others use: hidden in the declaration too, so
- * that they are reached directly (as a file's static is), not through the GOT. */
-#define HIDDEN __attribute__((visibility("hidden")))
 
 #define KEY_PTR 0ull            /* allocation table key spaces (top bits): device pointers, */
 #define KEY_ARRAY (2ull << 62)  /* array handles (VMM handles are tracked apart, with mappings), */
