@@ -141,39 +141,10 @@ def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_con
     assert node_.usage("a").devices[0]["memory_current"] == 768 * MiB
 
 
-def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the_runtime_s_variable(tmp_path, spawn):
-    """There the shim cannot find its context's memory in NVML (it measures nothing), so
-    the runtime side passes the node's measured figure: `vgpu-ctl measure-context` (simgpu's
-    A10 context, 256 MiB), then VGPU_CONTEXT_OVERHEAD as `env --format k8s` (and docker, and
-    the DRA driver's CDI spec) sets it.  A 1 GiB slice: 768 MiB fit and no more, and the
-    device, read through NVML from outside, holds the cap (without the variable the tenant
-    got 1 GiB on top of its context: 1.25 GiB on the device)."""
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
-    node_ = Node(tmp_path)
-    node_.dir.mkdir()
-    node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
-    node_.ctl("create", "a", "--memory", "1Gi")
-    assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
-    made = json.loads(node_.ctl("env", "a", "--format", "json").stdout)
-    variables = {e["name"]: e["value"] for e in made["k8s"]["env"]}
-    assert variables["VGPU_CONTEXT_OVERHEAD"] == str(256 * MiB)
-    assert f"VGPU_CONTEXT_OVERHEAD={256 * MiB}" in made["docker"]
-    tenant = spawn({**node_.shim_env("a"), "VGPU_CONTEXT_OVERHEAD": variables["VGPU_CONTEXT_OVERHEAD"]},
-                   prefix=["unshare", "--pid", "--fork", "--kill-child"])
-    assert tenant.pid != tenant.host_pid
-    assert tenant.call(alloc=768 * MiB) == 0
-    assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
-    assert node_.usage("a").devices[0]["memory_current"] == GiB
-    assert node_.status()["devices"][0]["memory_used"] == GiB
-
-
-@pytest.mark.parametrize("made", ["before", "after"])
-def test_a_slice_carries_the_measurement_in_its_quota_and_needs_no_variable(tmp_path, spawn, made):
-    """The same, with no variable: `measure-context` writes the node's figure into the quota
-    of every slice already there, `create` into each one made afterwards, and the shim
-    charges it at the first allocation from there (where NVML cannot help it, and where it
-    could, without starting NVML)."""
+@pytest.fixture
+def measured_node(tmp_path):
+    """A node whose contexts cost simgpu's A10 figure (256 MiB), with slice `before` made
+    before `vgpu-ctl measure-context` ran and `after` made after it, 1 GiB each."""
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
         pytest.skip("needs root and pid namespaces")
     node_ = Node(tmp_path)
@@ -182,12 +153,46 @@ def test_a_slice_carries_the_measurement_in_its_quota_and_needs_no_variable(tmp_
     node_.ctl("create", "before", "--memory", "1Gi")
     assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
     node_.ctl("create", "after", "--memory", "1Gi")
-    assert "VGPU_CONTEXT_OVERHEAD" not in node_.shim_env(made)
-    tenant = spawn(node_.shim_env(made), prefix=["unshare", "--pid", "--fork", "--kill-child"])
+    return node_
+
+
+IN_A_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
+
+
+def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the_runtime_s_variable(
+        measured_node, spawn):
+    """There the shim cannot find its context's memory in NVML (it measures nothing), so
+    the runtime side passes the node's measured figure: `vgpu-ctl measure-context` (simgpu's
+    A10 context, 256 MiB), then VGPU_CONTEXT_OVERHEAD as `env --format k8s` (and docker, and
+    the DRA driver's CDI spec) sets it.  The variable wins over the figure the quota carries
+    (below): told 512 MiB, a 1 GiB slice fits 512 MiB and no more, while the device, read
+    through NVML from outside, holds the context's real 256 MiB and the 512."""
+    made = json.loads(measured_node.ctl("env", "before", "--format", "json").stdout)
+    variables = {e["name"]: e["value"] for e in made["k8s"]["env"]}
+    assert variables["VGPU_CONTEXT_OVERHEAD"] == str(256 * MiB)
+    assert f"VGPU_CONTEXT_OVERHEAD={256 * MiB}" in made["docker"]
+    tenant = spawn({**measured_node.shim_env("before"), "VGPU_CONTEXT_OVERHEAD": str(512 * MiB)},
+                   prefix=IN_A_PID_NAMESPACE)
+    assert tenant.pid != tenant.host_pid
+    assert tenant.call(alloc=512 * MiB) == 0
+    assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
+    assert measured_node.usage("before").devices[0]["memory_current"] == GiB
+    assert measured_node.status()["devices"][0]["memory_used"] == 768 * MiB
+
+
+@pytest.mark.parametrize("made", ["before", "after"])
+def test_a_slice_carries_the_measurement_in_its_quota_and_needs_no_variable(measured_node, spawn, made):
+    """The same, with no variable: `measure-context` writes the node's figure into the quota
+    of every slice already there, `create` into each one made afterwards, and the shim
+    charges it at the first allocation from there (where NVML cannot help it, and where it
+    could, without starting NVML).  768 MiB fit and no more, and the device holds the cap
+    (without the figure the tenant got 1 GiB on top of its context: 1.25 GiB on the device)."""
+    assert "VGPU_CONTEXT_OVERHEAD" not in measured_node.shim_env(made)
+    tenant = spawn(measured_node.shim_env(made), prefix=IN_A_PID_NAMESPACE)
     assert tenant.call(alloc=768 * MiB) == 0
     assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
-    assert node_.usage(made).devices[0]["memory_current"] == GiB
-    assert node_.status()["devices"][0]["memory_used"] == GiB
+    assert measured_node.usage(made).devices[0]["memory_current"] == GiB
+    assert measured_node.status()["devices"][0]["memory_used"] == GiB
 
 
 def test_a_measurement_file_that_is_not_one_stops_env_with_a_hint(tmp_path):
