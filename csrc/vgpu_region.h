@@ -56,9 +56,9 @@ struct vgpu_quota_device {
     uint32_t sm_limit;
     uint32_t reserved0;
     uint64_t context_overhead;  /* bytes a context costs on the device, as vgpu-ctl measure-context found
-                                   it (written at create): charged at a process's first allocation
-                                   there without asking NVML; 0 = not known (the shim asks NVML, in the
-                                   host's pid namespace only) */
+                                   it (written by it, and by create after it): charged at a process's
+                                   first allocation there without asking NVML; 0 = not known (the shim
+                                   asks NVML, in the host's pid namespace only) */
     uint64_t reserved[3];
 };
 

@@ -103,10 +103,10 @@ def measure_context(directory, as_json):
 
     The shim charges a context's memory on a process's first allocation.  In a
     container's own pid namespace it cannot find it (NVML names host pids); with this
-    measurement kept in the node directory, every slice (those there now, and each one
-    made afterwards) carries it in its quota, and `env --format docker|k8s` and the DRA driver's CDI specs set
-    VGPU_CONTEXT_OVERHEAD from it.  Run it as root on each node,
-    with no other work starting on it, and again after a driver upgrade.
+    measurement kept in the node directory, every slice (those there now, and each
+    one made afterwards) carries it in its quota, and `env --format docker|k8s` and
+    the DRA driver's CDI specs set VGPU_CONTEXT_OVERHEAD from it.  Run it as root on
+    each node, with no other work starting on it, and again after a driver upgrade.
 
     \b
     Example:
