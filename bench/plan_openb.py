@@ -22,7 +22,7 @@ from pathlib import Path
 from vgpu import plan
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("random", "best-fit", "best-fit-exact", "first-fit", "fgd", "whole-gpu")
+POLICIES = ("random", "dot-product", "gpu-packing", "best-fit", "best-fit-exact", "first-fit", "fgd", "whole-gpu")
 
 
 def main(argv=None):

@@ -21,6 +21,8 @@ import math
 from bisect import bisect_right
 from collections import Counter
 
+from .model import select_host
+
 # typicalPodsConfig of the artifact's experiments (scripts/generate_config_and_run.py):
 # isInvolvedCpuPods true, podPopularityThreshold 95, podIncreaseStep 1, gpuResWeight 0
 POPULARITY, STEP = 95, 1
@@ -112,18 +114,13 @@ def _score(before, after):
 
 def fgd(cluster, pod, found, rng):
     frag, names = cluster.fragmentation, cluster.name_order
-    best, top = None, None
-    seen = {}
+    alike = {}       # node state -> its node whose name sorts first (alike nodes score alike)
     for i in found:
         st = frag.state(cluster, i)
-        if st in seen and names[seen[st]] < names[i]:
-            continue
-        seen[st] = i
-    for st, i in seen.items():
-        score, values = frag.score(pod, st)
-        if top is None or score > top or score == top and names[i] < names[best[0]]:
-            best, top = (i, values), score
-    i, values = best
+        if st not in alike or names[i] < names[alike[st]]:
+            alike[st] = i
+    i = select_host(cluster, ((frag.score(pod, st)[0], i) for st, i in alike.items()))
+    values = frag.score(pod, frag.state(cluster, i))[1]
     if values is None:
         return i, cluster.fitting_gpus(pod, i)[:pod.num_gpu]
     return i, [next(g for g in cluster.fitting_gpus(pod, i) if cluster.gfree[i][g] in values)]
