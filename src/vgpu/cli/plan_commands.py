@@ -44,8 +44,9 @@ def _pct(v):
 @click.option("--seeds", default=10, show_default=True, type=click.IntRange(1, 1000), help="Seeds for --paper.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="--paper: also draw the unallocated "
               "share against arrived load (50% to 100%), a line per policy, into this PNG (needs matplotlib).")
-@click.option("--order", "how", type=click.Choice(["shuffle", "arrival"]), default="shuffle", show_default=True,
-              help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time order).")
+@click.option("--order", "how", type=click.Choice(["shuffle", "arrival", "artifact"]), default="shuffle",
+              show_default=True, help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time "
+              "order; artifact: the trace's pods shuffled, then the copies that scale it, as the artifact orders them).")
 @json_option
 def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departures, seeds, plot_path, how, as_json):
     """Place pods on nodes under each policy; report GPUs used, unallocated GPU capacity,

@@ -102,6 +102,14 @@ class Cluster:
         self.capacity = sum(n.gpus for n in nodes) * MILLI
         self.allocated = 0
 
+    def random_names(self, rng):
+        """Order the nodes' names at random (what select_host breaks ties by): the paper's
+        simulator prefixes each node's name with a random index ("%04d-", simulator.go
+        syncClusterResourceList), so its name order is a random node order per run."""
+        ranks = list(range(len(self.nodes)))
+        rng.shuffle(ranks)
+        self.name_order = dict(enumerate(ranks))
+
     def gpu_memory_of(self, pod, i):
         """MiB of GPU memory the pod takes on each GPU of node i (None: cannot be known)."""
         if pod.gpu_memory_mib is not None:
