@@ -15,7 +15,7 @@ MODEL_MEMORY_MIB = {
 }
 
 POLICIES = ("whole-gpu", "mig", "first-fit", "k8s-default", "k8s-tightest", "best-fit", "best-fit-exact", "random",
-            "dot-product", "gpu-packing", "fgd")
+            "dot-product", "gpu-packing", "fgd", "vgpu")
 
 # MIG: every MIG-capable model has 7 compute slices and 8 memory slices; a profile takes
 # `compute` of the 7 and `memory` of the 8 memory slices, starting at one of `starts`

@@ -224,7 +224,8 @@ def k8s_tightest(cluster, pod, found, rng):
 
 _PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit,
          "best-fit-exact": best_fit_exact, "random": random_fit, "dot-product": dot_product, "gpu-packing": gpu_packing,
-         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest, "fgd": fgd}
+         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest, "fgd": fgd,
+         "vgpu": fgd}   # (FGD's placement over vgpu's measure: run._cluster gives the cluster its measure)
 
 
 def choose(cluster, pod, policy, rng):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest
 from .model import MILLI, POLICIES, Cluster, Pod
-from .fgd import Fragmentation
+from .fgd import CapacityFragmentation, Fragmentation
 from .policies import choose, take
 
 
@@ -14,8 +14,8 @@ from .policies import choose, take
 
 def _cluster(pods, nodes, policy, gpu_memory):
     cluster = Cluster(nodes, gpu_memory)
-    if policy == "fgd":      # its measure is of the workload's typical pods
-        cluster.fragmentation = Fragmentation(pods)
+    if policy in ("fgd", "vgpu"):      # their measures are of the workload's typical pods
+        cluster.fragmentation = (Fragmentation if policy == "fgd" else CapacityFragmentation)(pods)
     return cluster
 
 
