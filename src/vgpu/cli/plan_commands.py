@@ -5,7 +5,7 @@ from ..errors import InvalidRequest
 from ..quantities import parse_memory
 from .common import emit_json, json_option, main
 
-_DEFAULT_POLICIES = ("whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "random")
+_DEFAULT_POLICIES = ("whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "vgpu", "random")
 
 
 def _gpu_memory(values):
@@ -32,7 +32,8 @@ def _pct(v):
               help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model), or `kubectl get "
               "resourceslices -o json` (each node's GPUs as vgpu's DRA driver publishes them).")
 @click.option("--policy", "policies", multiple=True, help="Placement policy, repeatable "
-              "[default: whole-gpu, k8s-default, first-fit, best-fit, fgd, random; also mig, k8s-tightest, best-fit-exact].")
+              "[default: whole-gpu, k8s-default, first-fit, best-fit, fgd, vgpu, random; also mig, k8s-tightest, "
+              "best-fit-exact, dot-product, gpu-packing].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random choices.")
 @click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="MODEL=SIZE",
               help="GPU memory of a model the built-in table lacks (G1-G3 are undisclosed), e.g. G2=32Gi.")
