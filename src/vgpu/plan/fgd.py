@@ -16,6 +16,10 @@ count, models), most common first, taken one kind at a time until they cover 95%
 pods, weights renormalised (the settings below).  To a CPU-only pod all free GPU share is
 fragment.  Memory is not part of the measure (the artifact's node resource has CPU and
 GPUs only).
+
+vgpu's own policy (`vgpu`) is the same placement over another measure,
+CapacityFragmentation: a typical pod's room counts only the GPUs that copies of it can
+still get CPU and memory for on the node (below).
 """
 import math
 import statistics
