@@ -176,7 +176,7 @@ def test_cli_json_through_vgpu_ctl(tmp_path):
     out = _ctl("--pods", str(tmp_path / "p.csv"), "--nodes", str(tmp_path / "n.csv"), "--json")
     assert out.returncode == 0, out.stderr
     got = {r["policy"]: r for r in json.loads(out.stdout)["policies"]}
-    assert list(got) == ["whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "random"]
+    assert list(got) == ["whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "vgpu", "random"]
     ff = got["first-fit"]
     # the 8-GPU pod wants V100s: the only one has 1 GPU; the 1.0 and 0.46 pods share nothing
     assert ff["unplaced"] == ["openb-pod-0003"] and ff["gpus"] == 11 and ff["gpu_asked"] == 9.46
@@ -358,3 +358,72 @@ def test_fgd_typical_pods_cover_95_percent_of_the_workload():
     assert typical_pods([pod(f"a{k}", 500) for k in range(19)] + [pod("b", 300)]) == [(1000, 500, 1, None, 1.0)]
     kinds = typical_pods([pod(f"a{k}", 500) for k in range(18)] + [pod("b", 300), pod("c", 300)])
     assert kinds == [(1000, 500, 1, None, 0.9), (1000, 300, 1, None, 0.1)]
+
+
+def test_dot_product_takes_the_node_its_ask_aligns_with_least_cut_to_an_integer_ties_by_name():
+    """dot_product_score.go (-dimext merge -norm max): 100 x (1 - (free . ask) / 2), each
+    vector over 128 cores and 8 GPUs, cut to an integer; selectHost takes the first name."""
+    small, big = node("b-small", gpus=2, cpu=8000), node("a-big", gpus=8, cpu=64000)
+    # a-big: 100 x (1 - (1/2 * 1/128 + 1 * 1/8) / 2) = 93.55 -> 93; b-small: (1/16 * 1/128 + 1/4 * 1/8) -> 98.41 -> 98
+    assert where(plan.simulate([pod("p", 1000, cpu=1000)], [big, small], "dot-product"))["p"] == ("b-small", [0])
+    # z has less CPU free than a: 98.416 against 98.413, both cut to 98, and the name decides
+    z, a = node("z", gpus=2, cpu=7000), node("a", gpus=2, cpu=8000)
+    assert where(plan.simulate([pod("p", 1000, cpu=1000)], [z, a], "dot-product"))["p"] == ("a", [0])
+    # the GPU: the tightest that fits (the artifact's -gpusel best): 300 free on 1, 400 on 0
+    run = plan.simulate([pod("x", 600), pod("y", 700), pod("s", 200)], [node("n", gpus=2)], "dot-product")
+    assert where(run)["s"] == ("n", [1])
+
+
+def test_gpu_packing_scores_used_gpus_then_used_nodes_then_the_smallest_idle_node():
+    """gpu_packing_score.go: (1) shared GPUs 100 - their free percent / 10, at least 50;
+    (2) idle GPUs of a node in use 50 - how many, at least 33; (3) an idle node 33 - its
+    GPUs; a pod asking no GPU 0."""
+    from vgpu.plan.policies import gpu_packing_score
+    c = plan.Cluster([node("n2", gpus=2, cpu=64000), node("n8", gpus=8, cpu=64000)])
+    c.take(pod("used", 350), 0, [0])                        # n2: GPU 0 has 650 free
+    c.take(pod("used", 1000, num_gpu=3), 1, [0, 1, 2])      # n8: 5 idle GPUs
+    share, whole, two, cpu_only = pod("s", 500), pod("w", 1000), pod("t", 1000, num_gpu=2), pod("c", num_gpu=0)
+    assert [gpu_packing_score(c, share, i) for i in (0, 1)] == [100 - 65 // 10, 49]
+    assert [gpu_packing_score(c, whole, i) for i in (0, 1)] == [49, 49]
+    assert gpu_packing_score(c, two, 1) == 48 and gpu_packing_score(c, cpu_only, 0) == 0
+    idle = plan.Cluster([node("n1", gpus=1), node("n8", gpus=8, cpu=64000)])
+    assert [gpu_packing_score(idle, share, i) for i in (0, 1)] == [32, 25]
+    # placement: the small idle node first, then onto its used GPU, then the used node's idle GPU
+    nodes = [node("a8", gpus=8, cpu=64000), node("b2", gpus=2, cpu=64000)]
+    run = plan.simulate([pod("p", 300), pod("q", 300), pod("r", 1000), pod("s", 1000)], nodes, "gpu-packing")
+    assert where(run) == {"p": ("b2", [0]), "q": ("b2", [0]), "r": ("b2", [1]), "s": ("a8", [0])}
+
+
+def test_the_paper_protocol_breaks_ties_by_a_random_node_order_per_seed_as_its_simulator_names_nodes():
+    nodes = [node(f"n{k}", gpus=1) for k in range(6)]
+    firsts = set()
+    for seed in range(8):
+        runs = [plan.simulate([pod("p", 500)], nodes, "gpu-packing", seed=seed, random_names=True) for _ in (0, 1)]
+        assert where(runs[0]) == where(runs[1])                               # seeded
+        firsts.add(where(runs[0])["p"][0])
+    assert len(firsts) > 1
+    assert where(plan.simulate([pod("p", 500)], nodes, "gpu-packing"))["p"] == ("n0", [0])   # else by name
+
+
+def test_artifact_order_is_the_trace_shuffled_then_the_copies_that_scale_it():
+    pods = [pod(f"p{k}", 500, creation_time=float(k)) for k in range(10)]    # asks 5 GPUs
+    got = plan.workload(pods, 1.3, 10 * 1000, seed=3, how="artifact")      # to 13 GPUs
+    assert sorted(p.name for p in got[:10]) == sorted(p.name for p in pods) and got[:10] != pods
+    assert all("-copy" in p.name for p in got[10:]) and len(got) == 26
+    assert sorted(p.name for p in plan.workload(pods, 1.3, 10 * 1000, 3, "shuffle")) == sorted(p.name for p in got)
+
+
+@pytest.mark.parametrize("short", ["cpu", "memory"])
+def test_vgpu_keeps_cpu_and_memory_next_to_idle_gpus_that_need_them_where_fgd_does_not(short):
+    """The workload: 1-GPU pods asking 4 cores and 4 GiB, and a CPU-only pod asking the
+    same.  On `a` (2 idle GPUs, CPU or memory for 2 of those pods) the CPU-only pod leaves
+    room for one: FGD sees the typical pod still fits (no fragmentation; memory it does not
+    see at all) and, tied, takes `a` by name; vgpu counts the second idle GPU as lost and
+    takes `b`, which has room to spare.  Then FGD turns the last GPU pod away."""
+    ample = dict(cpu=64000, mem=65536)
+    tight = dict(cpu=8000, mem=65536) if short == "cpu" else dict(cpu=64000, mem=8192)
+    nodes = [node("a", gpus=2, **tight), node("b", gpus=2, **ample)]
+    pods = [pod("c", num_gpu=0, cpu=4000, mem=4096)] + [pod(f"g{k}", cpu=4000, mem=4096) for k in range(4)]
+    fgd, vgpu = plan.simulate(pods, nodes, "fgd"), plan.simulate(pods, nodes, "vgpu")
+    assert where(fgd)["c"][0] == "a" and where(vgpu)["c"][0] == "b"
+    assert not vgpu.unplaced and [p.name for p in fgd.unplaced] == ["g3"]

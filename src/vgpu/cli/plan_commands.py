@@ -5,7 +5,7 @@ from ..errors import InvalidRequest
 from ..quantities import parse_memory
 from .common import emit_json, json_option, main
 
-_DEFAULT_POLICIES = ("whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "random")
+_DEFAULT_POLICIES = ("whole-gpu", "k8s-default", "first-fit", "best-fit", "fgd", "vgpu", "random")
 
 
 def _gpu_memory(values):
@@ -32,7 +32,8 @@ def _pct(v):
               help="Nodes: an openb node CSV (sn, cpu_milli, memory_mib, gpu, model), or `kubectl get "
               "resourceslices -o json` (each node's GPUs as vgpu's DRA driver publishes them).")
 @click.option("--policy", "policies", multiple=True, help="Placement policy, repeatable "
-              "[default: whole-gpu, k8s-default, first-fit, best-fit, fgd, random; also mig, k8s-tightest, best-fit-exact].")
+              "[default: whole-gpu, k8s-default, first-fit, best-fit, fgd, vgpu, random; also mig, k8s-tightest, "
+              "best-fit-exact, dot-product, gpu-packing].")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random choices.")
 @click.option("--gpu-memory", "gpu_memory", multiple=True, metavar="MODEL=SIZE",
               help="GPU memory of a model the built-in table lacks (G1-G3 are undisclosed), e.g. G2=32Gi.")
@@ -44,8 +45,9 @@ def _pct(v):
 @click.option("--seeds", default=10, show_default=True, type=click.IntRange(1, 1000), help="Seeds for --paper.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="--paper: also draw the unallocated "
               "share against arrived load (50% to 100%), a line per policy, into this PNG (needs matplotlib).")
-@click.option("--order", "how", type=click.Choice(["shuffle", "arrival"]), default="shuffle", show_default=True,
-              help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time order).")
+@click.option("--order", "how", type=click.Choice(["shuffle", "arrival", "artifact"]), default="shuffle",
+              show_default=True, help="--paper: pod order (the paper's artifact shuffles; arrival is creation_time "
+              "order; artifact: the trace's pods shuffled, then the copies that scale it, as the artifact orders them).")
 @json_option
 def plan_cmd(pods_path, nodes_path, policies, seed, gpu_memory, paper, departures, seeds, plot_path, how, as_json):
     """Place pods on nodes under each policy; report GPUs used, unallocated GPU capacity,

@@ -20,9 +20,9 @@ from .model import MIB, MIG_PROFILES, MILLI, MODEL_MEMORY_MIB, PAPER_UNALLOCATED
 from .policies import feasible_nodes_to_find, mig_profile, scheduler_score
 from .readers import read_claims, read_k8s_pods, read_nodes, read_pods, read_resource_slices
 from .run import (OverTime, Run, mean_std, order, paper_curves, paper_protocol, plot_curves, report, simulate,
-                  simulate_over_time, tune)
+                  simulate_over_time, tune, workload)
 
 __all__ = ["MIB", "MIG_PROFILES", "MILLI", "MODEL_MEMORY_MIB", "PAPER_UNALLOCATED_PCT", "POLICIES", "Cluster", "Node",
            "OverTime", "Pod", "Run", "feasible_nodes_to_find", "mean_std", "mig_profile", "order", "paper_curves",
            "paper_protocol", "plot_curves", "read_claims", "read_k8s_pods", "read_nodes", "read_pods",
-           "read_resource_slices", "report", "scheduler_score", "simulate", "simulate_over_time", "tune"]
+           "read_resource_slices", "report", "scheduler_score", "simulate", "simulate_over_time", "tune", "workload"]

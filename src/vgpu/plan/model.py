@@ -15,7 +15,7 @@ MODEL_MEMORY_MIB = {
 }
 
 POLICIES = ("whole-gpu", "mig", "first-fit", "k8s-default", "k8s-tightest", "best-fit", "best-fit-exact", "random",
-            "fgd")
+            "dot-product", "gpu-packing", "fgd", "vgpu")
 
 # MIG: every MIG-capable model has 7 compute slices and 8 memory slices; a profile takes
 # `compute` of the 7 and `memory` of the 8 memory slices, starting at one of `starts`
@@ -90,6 +90,7 @@ class Cluster:
         self.maxfree = [MILLI if n.gpus else 0 for n in nodes]
         self.mig = [[0] * n.gpus for n in nodes]      # memory slices MIG instances hold (mig policy)
         self.idle = [n.gpus for n in nodes]
+        self.free_total = [n.gpus * MILLI for n in nodes]   # per node: the sum of its GPUs' free shares
         self.by_model = {}
         for i, n in enumerate(nodes):
             self.by_model.setdefault(n.model, []).append(i)
@@ -100,6 +101,14 @@ class Cluster:
         self.name_order = {i: r for r, i in enumerate(sorted(range(len(nodes)), key=lambda i: nodes[i].name))}
         self.capacity = sum(n.gpus for n in nodes) * MILLI
         self.allocated = 0
+
+    def random_names(self, rng):
+        """Order the nodes' names at random (what select_host breaks ties by): the paper's
+        simulator prefixes each node's name with a random index ("%04d-", simulator.go
+        syncClusterResourceList), so its name order is a random node order per run."""
+        ranks = list(range(len(self.nodes)))
+        rng.shuffle(ranks)
+        self.name_order = dict(enumerate(ranks))
 
     def gpu_memory_of(self, pod, i):
         """MiB of GPU memory the pod takes on each GPU of node i (None: cannot be known)."""
@@ -148,4 +157,14 @@ class Cluster:
             self.gmem[i][g] -= sign * need
         self.maxfree[i] = max(self.gfree[i], default=0)
         self.idle[i] = sum(1 for f in self.gfree[i] if f == MILLI)
+        self.free_total[i] = sum(self.gfree[i])
         self.allocated += sign * pod.gpu_request
+
+
+def select_host(cluster, scored):
+    """The node with the top score among (score, node) pairs, ties to the node whose name
+    sorts first: the FGD paper's artifact's selectHost (its vendored kube-scheduler,
+    pkg/scheduler/core/generic_scheduler.go, patched "for reproducibility" from a random
+    choice), which every score plugin of its experiments goes through."""
+    names = cluster.name_order
+    return max(scored, key=lambda s: (s[0], -names[s[1]]))[1]

@@ -1,7 +1,7 @@
 """Placement policies: each picks (node, GPUs) among the nodes a pod fits on."""
 
 from .fgd import fgd
-from .model import MIG_PROFILES, MILLI, Pod
+from .model import MIG_PROFILES, MILLI, Pod, select_host
 
 
 # === MIG: a request rounded up to the smallest MIG profile of its GPU ===
@@ -75,19 +75,24 @@ def first_fit(cluster, pod, found, rng):
     return i, _first_gpus(cluster, pod, i)
 
 
-# Best-fit as the paper's artifact scores it (hkust-adsl/kubernetes-scheduler-simulator,
-# best_fit_score.go): CPU and GPU only, weights 0.5 each, free-after-placing normalised by
-# cluster-wide constants (128 cores, 8 GPUs), the score cut to an integer 0-100, and the
-# kube-scheduler choosing at random among the nodes with the top score.
-BEST_FIT_CPU, BEST_FIT_GPU = 128000, 8 * MILLI
+# The paper's artifact (hkust-adsl/kubernetes-scheduler-simulator) normalises its scores by
+# cluster-wide constants, the largest node's spec (open-gpu-share/utils/const.go MaxSpecCpu,
+# MaxSpecGpu: 128 cores, 8 GPUs), and breaks ties with its selectHost (model.select_host).
+MAX_SPEC_CPU, MAX_SPEC_GPU = 128000, 8 * MILLI
+
+
+# Best-fit as the artifact scores it (best_fit_score.go): CPU and GPU only, weights 0.5
+# each, free-after-placing normalised by MAX_SPEC_*, the score cut to an integer 0-100.
+# Ties here go at random, as a stock kube-scheduler breaks them (not the artifact's
+# selectHost; docs/plan.md, Fidelity).
 
 
 def best_fit(cluster, pod, found, rng):
     """The node left with the least CPU and GPU (see above); ties broken at random."""
-    cpu, gfree, need = cluster.cpu, cluster.gfree, pod.gpu_request
+    cpu, gtotal, need = cluster.cpu, cluster.free_total, pod.gpu_request
 
     def score(i):
-        left = 0.5 * (cpu[i] - pod.cpu_milli) / BEST_FIT_CPU + 0.5 * (sum(gfree[i]) - need) / BEST_FIT_GPU
+        left = 0.5 * (cpu[i] - pod.cpu_milli) / MAX_SPEC_CPU + 0.5 * (gtotal[i] - need) / MAX_SPEC_GPU
         return int((1.0 - left) * 100)
 
     scores = [score(i) for i in found]
@@ -99,8 +104,49 @@ def best_fit(cluster, pod, found, rng):
 def best_fit_exact(cluster, pod, found, rng):
     """Best-fit without the artifact's rounding: least CPU+GPU left (same weights), node
     order breaking ties; deterministic."""
-    cpu, gfree, need = cluster.cpu, cluster.gfree, pod.gpu_request
-    i = min(found, key=lambda i: (cpu[i] - pod.cpu_milli) / BEST_FIT_CPU + (sum(gfree[i]) - need) / BEST_FIT_GPU)
+    cpu, gtotal, need = cluster.cpu, cluster.free_total, pod.gpu_request
+    i = min(found, key=lambda i: (cpu[i] - pod.cpu_milli) / MAX_SPEC_CPU + (gtotal[i] - need) / MAX_SPEC_GPU)
+    return i, _tightest_gpus(cluster, pod, i)
+
+
+def dot_product(cluster, pod, found, rng):
+    """Tetris' alignment score as the artifact runs it (dot_product_score.go with the
+    experiments' -dimext merge -norm max, utils.GenerateSchedulingMatchGroups): the node's
+    free (CPU, total GPU share) and the pod's ask, each divided by MAX_SPEC_*; score =
+    100 x (1 - dot / 2) cut to an integer, so the node whose free resources align least
+    with the ask (the fullest, roughly) wins; ties by selectHost.  The GPU: -gpusel best
+    (open_gpu_share.go allocateGpuIdBasedOnBestFit), the tightest that fits."""
+    cpu, gtotal = cluster.cpu, cluster.free_total
+    pc, pg = pod.cpu_milli / MAX_SPEC_CPU, pod.gpu_request / MAX_SPEC_GPU
+    # (float operations in the artifact's order: each vector normalised, products summed, / 2)
+    i = select_host(cluster, ((int(100 * (1 - (cpu[i] / MAX_SPEC_CPU * pc + gtotal[i] / MAX_SPEC_GPU * pg) / 2)), i)
+                              for i in found))
+    return i, _tightest_gpus(cluster, pod, i)
+
+
+def gpu_packing_score(cluster, pod, i):
+    """gpu_packing_score.go getPackingScore, its three cases from high to low: (1) the pod
+    fits on GPUs already in use: 100 - (their free shares in percent, summed) / 10, at
+    least 50; (2) it needs idle GPUs of a node in use: 50 - how many, at least 33; (3) the
+    node is wholly idle: 33 - its GPU count (at least that count).  A pod asking no GPU
+    scores 0 everywhere.  The GPUs it would take: those that fit, least free first."""
+    if pod.gpu_request <= 0:
+        return 0
+    free, idle = cluster.gfree[i], cluster.idle[i]
+    if idle == len(free):
+        return max(100 // 3 - idle, idle)
+    taken = sorted(free[g] for g in cluster.fitting_gpus(pod, i))[:pod.num_gpu]
+    fresh = sum(1 for f in taken if f == MILLI)
+    if fresh:
+        return max(100 // 2 - fresh, 100 // 3)
+    return max(100 - sum(f * 100 // MILLI for f in taken) // 10, 100 // 2)
+
+
+def gpu_packing(cluster, pod, found, rng):
+    """GPU packing (the paper's baseline; gpu_packing_score.go): shared GPUs first, then
+    idle GPUs of nodes in use, then idle nodes, the smallest first; ties by selectHost.
+    The GPU: the artifact's default -gpusel best, the tightest that fits."""
+    i = select_host(cluster, ((gpu_packing_score(cluster, pod, i), i) for i in found))
     return i, _tightest_gpus(cluster, pod, i)
 
 
@@ -177,8 +223,9 @@ def k8s_tightest(cluster, pod, found, rng):
 
 
 _PICK = {"whole-gpu": first_fit, "first-fit": first_fit, "best-fit": best_fit,
-         "best-fit-exact": best_fit_exact, "random": random_fit,
-         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest, "fgd": fgd}
+         "best-fit-exact": best_fit_exact, "random": random_fit, "dot-product": dot_product, "gpu-packing": gpu_packing,
+         "k8s-default": k8s_default, "k8s-tightest": k8s_tightest, "fgd": fgd,
+         "vgpu": fgd}   # (FGD's placement over vgpu's measure: run._cluster gives the cluster its measure)
 
 
 def choose(cluster, pod, policy, rng):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest
 from .model import MILLI, POLICIES, Cluster, Pod
-from .fgd import Fragmentation
+from .fgd import CapacityFragmentation, Fragmentation
 from .policies import choose, take
 
 
@@ -14,8 +14,8 @@ from .policies import choose, take
 
 def _cluster(pods, nodes, policy, gpu_memory):
     cluster = Cluster(nodes, gpu_memory)
-    if policy == "fgd":      # its measure is of the workload's typical pods
-        cluster.fragmentation = Fragmentation(pods)
+    if policy in ("fgd", "vgpu"):      # their measures are of the workload's typical pods
+        cluster.fragmentation = (Fragmentation if policy == "fgd" else CapacityFragmentation)(pods)
     return cluster
 
 
@@ -31,14 +31,18 @@ class Run:
     asked_unplaced: int = 0                          # ... by the pods that did not fit
 
 
-def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_after=None):
+def simulate(pods, nodes, policy, seed=0, gpu_memory=None, checkpoints=(), stop_after=None, random_names=False):
     """Place pods in the given order under `policy`; nothing leaves.  `checkpoints` are
     arrived loads (percent of the cluster's GPU capacity, counting what the pods ask for)
     at which the unallocated share is recorded; `stop_after` ends the run at that load
-    (placements after it cannot change a figure recorded before it)."""
+    (placements after it cannot change a figure recorded before it).  `random_names`: ties
+    go by a random node order drawn from `seed`, not by the nodes' names (the paper's
+    simulator, Cluster.random_names)."""
     if policy not in POLICIES:
         raise InvalidRequest(f"unknown policy {policy!r}", hint=f"one of: {', '.join(POLICIES)}")
     cluster = _cluster(pods, nodes, policy, gpu_memory)
+    if random_names:
+        cluster.random_names(random.Random(f"{seed}-names"))
     if not cluster.capacity:
         raise InvalidRequest("the nodes have no GPUs", hint="give the openb GPU node list")
     run = Run(policy, cluster)
@@ -113,35 +117,39 @@ def simulate_over_time(pods, nodes, policy, seed=0, gpu_memory=None):
     return run
 
 
-def tune(pods, ratio, capacity_milli, seed):
+def _resample(pods, ratio, capacity_milli, seed):
     """The paper's workload scaling: copies of pods drawn at random (with replacement) are
     added, or pods drawn at random are dropped, until what the pods ask for reaches
-    `ratio` of the cluster's GPU capacity.  A copy arrives with its original."""
+    `ratio` of the cluster's GPU capacity.  Returns (the pods kept, in their order; the
+    copies, in the order drawn)."""
     rng = random.Random(f"{seed}-workload")
     target = ratio * capacity_milli
     total = sum(p.gpu_request for p in pods)
-    out = list(pods)
     if total < target:
-        n = 0
+        copies = []
         while total < target:
             p = rng.choice(pods)
             copy = Pod(**p.__dict__)
-            copy.name = f"{p.name}-copy{n}"
-            n += 1
-            out.append(copy)
+            copy.name = f"{p.name}-copy{len(copies)}"
+            copies.append(copy)
             total += p.gpu_request
-        out.sort(key=lambda p: p.creation_time)   # stable: a copy follows its original
-    else:
-        keep = set(range(len(out)))
-        for j in rng.sample(range(len(out)), len(out)):
-            if total - out[j].gpu_request < target:
-                continue
-            keep.discard(j)
-            total -= out[j].gpu_request
-            if total <= target:
-                break
-        out = [p for j, p in enumerate(out) if j in keep]
-    return out
+        return list(pods), copies
+    keep = set(range(len(pods)))
+    for j in rng.sample(range(len(pods)), len(pods)):
+        if total - pods[j].gpu_request < target:
+            continue
+        keep.discard(j)
+        total -= pods[j].gpu_request
+        if total <= target:
+            break
+    return [p for j, p in enumerate(pods) if j in keep], []
+
+
+def tune(pods, ratio, capacity_milli, seed):
+    """The workload scaled to `ratio` (_resample), in creation order: a copy arrives with
+    its original."""
+    kept, copies = _resample(pods, ratio, capacity_milli, seed)
+    return sorted(kept + copies, key=lambda p: p.creation_time) if copies else kept
 
 
 def order(pods, how, seed):
@@ -153,7 +161,21 @@ def order(pods, how, seed):
         out = list(pods)
         random.Random(f"{seed}-order").shuffle(out)
         return out
-    raise InvalidRequest(f"unknown order {how!r}", hint="arrival or shuffle")
+    raise InvalidRequest(f"unknown order {how!r}", hint="arrival, shuffle or artifact")
+
+
+def workload(pods, ratio, capacity_milli, seed, how):
+    """The protocol's pods, scaled to `ratio`, in arrival order `how`: 'arrival' or
+    'shuffle' (order() of tune()), or 'artifact', the order the paper's simulator gives
+    them: the trace's pods (sorted by name) shuffled, then the copies in the order drawn
+    (simulator.go: SortClusterPods shuffles before TunePodsByNodeTotalResource appends), so
+    at 100% arrived nearly all of the trace and few copies have come."""
+    if how != "artifact":
+        return order(tune(pods, ratio, capacity_milli, seed), how, seed)
+    kept, copies = _resample(pods, ratio, capacity_milli, seed)
+    kept = sorted(kept, key=lambda p: p.name)
+    random.Random(f"{seed}-order").shuffle(kept)
+    return kept + copies
 
 
 def paper_curves(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle", points=(100.0,), gpu_memory=None,
@@ -161,12 +183,13 @@ def paper_curves(pods, nodes, policy, seeds=range(10), ratio=1.3, how="shuffle",
     """{arrived load %: [per seed]} for each of `points`: the unallocated GPU share (percent
     of capacity) when the pods that have arrived ask that much; with metric="unplaced", the
     GPU asked by pods that did not fit by then (percent of capacity): the two agree when
-    pods take what they ask, not under whole-gpu, which rounds up."""
+    pods take what they ask, not under whole-gpu, which rounds up.  Ties between nodes go
+    by a random node order per seed, as the paper's simulator breaks them (random_names)."""
     capacity = sum(n.gpus for n in nodes) * MILLI
     out = {at: [] for at in points}
     for seed in seeds:
-        workload = order(tune(pods, ratio, capacity, seed), how, seed)
-        run = simulate(workload, nodes, policy, seed, gpu_memory, checkpoints=points, stop_after=max(points))
+        run = simulate(workload(pods, ratio, capacity, seed, how), nodes, policy, seed, gpu_memory,
+                       checkpoints=points, stop_after=max(points), random_names=True)
         for at in points:
             if at not in run.checkpoints:
                 raise InvalidRequest(f"the workload never reaches {at}% of the cluster's GPUs",
