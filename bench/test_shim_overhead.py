@@ -8,6 +8,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import ROOT, sim_env
