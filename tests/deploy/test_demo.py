@@ -42,7 +42,9 @@ def test_the_demo_runs_its_phases_prints_its_commands_and_reports_what_it_measur
     assert share, text
     without, before, after, ceiling3, auto, burst = map(float, share.groups())
     assert abs(before - 70) < 5 and abs(after - 40) < 5      # the ceilings and the live resize, from outside
-    assert ceiling3 > 40 and auto > after + 3                  # the autoscaler gave training idle time
+    # the autoscaler gave training idle time (a raise of 5-13 points in runs here, by its window),
+    # and training took most of it: judged against the raise itself, not a fixed margin
+    assert ceiling3 > 40 and auto - after > (ceiling3 - after) / 2
     assert burst > after + 10                                  # burst mode gave it the idle time at once
     busy = re.search(r"^GPU busy\s+\|.*\|\s+([\d.]+) \|\s+([\d.]+) \|\s+([\d.]+)$", text, re.M)
     assert busy and float(busy.group(3)) > float(busy.group(1)) + 10, text   # less of the GPU idle than with ceilings
