@@ -223,11 +223,10 @@ static inline uint64_t device_cap(int dev)
     return LOAD(&S.quota->devices[dev].memory_max);
 }
 
+/* the cap of any device number (a resize shows up on the next call) */
 static inline uint64_t memory_cap(int dev)
 {
-    if (S.mode != MODE_ENFORCE || dev < 0 || (uint32_t)dev >= S.quota->device_count)
-        return 0;
-    return LOAD(&S.quota->devices[dev].memory_max);   /* a resize shows up on the next call */
+    return dev < 0 ? 0 : device_cap(dev);
 }
 
 /* memory.c */
