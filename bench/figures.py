@@ -4,6 +4,9 @@ docs/benchmarks.md between two markers, so the docs cannot drift from the code.
 
   .venv/bin/python bench/figures.py --write   measure, and rewrite the docs' block
   .venv/bin/python bench/figures.py           measure, and say whether the docs match (exit 1 if not)
+  .venv/bin/python bench/figures.py --baseline OTHER/libvgpu.so
+                                              also measure another build of the shim (an older
+                                              commit's, docs/benchmarks.md says how), side by side
 
 `make bench` writes them first; bench/test_figures_in_docs.py fails when the block differs
 from a fresh measurement.  Per call = the slope between runs of N and 3N calls (start-up
@@ -52,9 +55,8 @@ def _build(name, out):
     return exe
 
 
-def _environments(tmp):
+def _environments(tmp, shim):
     from vgpu import slices
-    from vgpu.paths import SHIM
     from vgpu.sim import sim_environment
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_"))}
     base.update(sim_environment("a10", 1, str(tmp / "node"), base_env=base))
@@ -63,15 +65,14 @@ def _environments(tmp):
     slices.create(made, "crowd", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
     slices.create(made, "full", {0: slices.device_quota()}, overcommit=True)
     slices.create(made, "paced", {0: slices.device_quota(sm=9000)}, overcommit=True, sm_mode="ceiling")
-    shim = {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made)}
-    return base, {name: {**shim, "VGPU_SLICE": name} for name in ("capped", "crowd", "full", "paced")}
+    shimmed = {**base, "LD_PRELOAD": str(shim), "VGPU_DIR": str(made)}
+    return base, {name: {**shimmed, "VGPU_SLICE": name} for name in ("capped", "crowd", "full", "paced")}
 
 
-def _measured_node(tmp):
+def _measured_node(tmp, shim):
     """(without, with the shim): a node of its own whose contexts cost memory, measured by
     `vgpu-ctl measure-context` before its slice was made (so its quota carries the figure)."""
     from vgpu import slices
-    from vgpu.paths import SHIM
     from vgpu.sim import sim_environment
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SIMGPU_", "VGPU_", "CUDA_DEVICE_"))}
     base.update(sim_environment("a10", 1, str(tmp / "measured-node"), base_env=base), SIMGPU_CONTEXT_OVERHEAD="profile")
@@ -80,7 +81,7 @@ def _measured_node(tmp):
     subprocess.run([str(Path(sys.executable).parent / "vgpu-ctl"), "measure-context", "--dir", str(made)], env=base,
                    capture_output=True, check=True)
     slices.create(made, "started", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
-    return base, {**base, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(made), "VGPU_SLICE": "started"}
+    return base, {**base, "LD_PRELOAD": str(shim), "VGPU_DIR": str(made), "VGPU_SLICE": "started"}
 
 
 def crowd(exe, env, n=CROWD):
@@ -117,11 +118,14 @@ def per_call(exe, arg, env, n, out):
     return (hi - lo) / (2 * n)
 
 
-def measure():
-    """[(row, without, with, added)] for CALLS, instructions per call, rounded."""
+def measure(shim=None):
+    """[(row, without, with, added)] for CALLS, instructions per call, rounded; with this
+    project's shim, or the one at `shim`."""
+    from vgpu.paths import SHIM
+    shim = shim or SHIM
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        base, shimmed = _environments(tmp)
+        base, shimmed = _environments(tmp, shim)
         exes = {name: _build(name, tmp) for name in {c[1] for c in CALLS + STARTUP}}
         crowd(exes["overhead"], shimmed["crowd"])
         rows = []
@@ -131,7 +135,7 @@ def measure():
             rows.append((row, round(without), round(with_), round(with_ - without)))
         for row, program in STARTUP:
             counts = []
-            for env in _measured_node(tmp):
+            for env in _measured_node(tmp, shim):
                 subprocess.run([str(exes[program])], env=env, capture_output=True, check=True)
                 counts.append(_instructions(exes[program], None, env, 0, tmp))
             rows.append((row, *counts, counts[1] - counts[0]))
@@ -195,9 +199,14 @@ def write(rows, doc=DOC):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="rewrite the block in docs/benchmarks.md")
+    ap.add_argument("--baseline", metavar="LIBVGPU", help="another build of the shim, measured side by side")
     args = ap.parse_args(argv)
     rows = measure()
     print(render(rows))
+    if args.baseline:
+        print(f"\n| added by the shim | {args.baseline} | this tree's |\n|---|---|---|")
+        for (row, *_, old), (_, *_, new) in zip(measure(args.baseline), rows):
+            print(f"| {row} | {old:,} | {new:,} |")
     if args.write:
         write(rows)
         print(f"written into {DOC.relative_to(ROOT)}")

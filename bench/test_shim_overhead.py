@@ -5,6 +5,7 @@ LD_PRELOAD, several rounds; medians compared.  Absolute times on a shared machin
 little; the added nanoseconds and the ratio are the figures.  Run: `make bench`.
 """
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -80,17 +81,19 @@ def test_one_process_start_up(tmp_path, bench_program, benchmark):
             "made slice": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_SLICE="one", **node),
             "standalone": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=tmp_path / "vgpu",
                                   VGPU_SLICE="alone", VGPU_MEMORY_LIMIT="8Gi", **node)}
+    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (docs/benchmarks.md)
+        envs["made slice, baseline"] = {**envs["made slice"], "LD_PRELOAD": os.environ["BENCH_BASELINE_SHIM"]}
     subprocess.run([str(exe)], env=envs["without"], check=True, capture_output=True)   # simgpu makes its node
     runs = {k: [] for k in envs}
-    for i in range(15):
+    for i in range(40):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
             out = subprocess.run([str(exe)], env=envs[name], capture_output=True, text=True, check=True).stdout
             runs[name].append(dict(kv.split("=") for kv in out.split()))
     med = {k: {m: statistics.median(float(r[m]) for r in v) / 1000 for m in v[0]} for k, v in runs.items()}
     base = med["without"]
-    print("\none process        main() to first allocation   added    cuInit   added")
+    print("\none process          main() to first allocation   added    cuInit   added")
     for name, m in med.items():
-        print(f"{name:18} {m['first_alloc_ns']:22.0f} us {m['first_alloc_ns'] - base['first_alloc_ns']:6.0f} us "
+        print(f"{name:20} {m['first_alloc_ns']:20.0f} us {m['first_alloc_ns'] - base['first_alloc_ns']:6.0f} us "
               f"{m['init_ns']:6.0f} us {m['init_ns'] - base['init_ns']:5.0f} us")
         benchmark.extra_info[f"{name} first_alloc_us"] = m["first_alloc_ns"]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
@@ -104,10 +107,13 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
     envs = {"without": sim_env(tmp_path / "node"),
             "with": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE="many",
                             VGPU_MEMORY_LIMIT="8Gi")}
+    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (docs/benchmarks.md)
+        envs["baseline"] = {**envs["with"], "LD_PRELOAD": os.environ["BENCH_BASELINE_SHIM"],
+                            "VGPU_DIR": str(tmp_path / "vgpu-baseline")}
     subprocess.run([str(exe), "10", "info"], env=envs["without"], check=True, capture_output=True)
     medians = {k: [] for k in envs}
     for i in range(6):
-        for name in (("without", "with") if i % 2 else ("with", "without")):
+        for name in (list(envs) if i % 2 else list(envs)[::-1]):
             procs = [subprocess.Popen([str(exe), "10", "info"], env=envs[name], stdout=subprocess.PIPE, text=True)
                      for _ in range(32)]
             medians[name].append(statistics.median(float(p.communicate()[0].split()[0].split("=")[1]) / 1000
@@ -117,6 +123,10 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
     for name, m in medians.items():
         print(f"{name + ' shim':13}", " ".join(f"{x:6.0f}" for x in m))
     print(f"median of the rounds: {w:.0f} us without, {s:.0f} us with ({s / w:.2f}x)")
+    if "baseline" in medians:
+        b = statistics.median(medians["baseline"])
+        print(f"baseline shim: {b:.0f} us ({b / w:.2f}x)")
+        benchmark.extra_info.update(baseline_median_init_us=b)
     benchmark.extra_info.update(without_median_init_us=w, with_median_init_us=s, ratio=s / w)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 

@@ -114,7 +114,7 @@ struct vgpu_usage_proc {
     char comm[32];
     uint64_t start_ticks;       /* its start time: clock ticks after boot (/proc/self/stat field 22) */
     uint64_t pid_ns;            /* inode of its pid namespace (/proc/self/ns/pid); 0 = unknown */
-    uint64_t cgroup_id;         /* its cgroup v2 id (the inode of its cgroup's directory); 0 = unknown */
+    uint64_t cgroup_id;         /* 0: unused since issue 31 (the node agent reads /proc/<pid>/cgroup itself) */
     uint64_t flags;             /* VGPU_PROC_* */
 };
 

@@ -323,7 +323,7 @@ static __attribute__((noinline, cold)) void await_first_sample(uint64_t key)
 {
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
-        if (LOAD(&sp->busy) == 2 && sp->key == key && real_cuEventSynchronize) {
+        if (LOAD(&sp->busy) == 2 && sp->key == key && REAL(cuEventSynchronize)) {
             real_cuEventSynchronize(sp->end);
             harvest();
             return;

@@ -153,6 +153,15 @@ void deny(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* === shim.c === */
 
 void init_slow(void);
+
+/* A hook's driver entry point is looked up on the hook's first call, not at start-up: a
+ * dlsym of each of the 84 hooked symbols cost 54k instructions (~20 us) in every process,
+ * where a program calls a handful (issue 31).  NULL while the driver lacks it.  The
+ * entry points the shim calls for itself (VGPU_CALLED) are looked up at start-up.
+ * Racing threads may both look one up; they store the same pointer. */
+void *resolve_real(void **real, const char *symbol);
+#define REAL(sym) (LIKELY(real_##sym != NULL) ? real_##sym \
+                                              : (__typeof__(real_##sym))resolve_real((void **)&real_##sym, #sym))
 static inline void ensure_init(void)
 {
     if (UNLIKELY(!LOAD(&S.ready)))
@@ -193,8 +202,8 @@ static inline int enter_slow(void)   /* init; 1: this thread is initialising (pa
 }
 #define ENTER(sym, ...)                                                 \
     if (UNLIKELY(!LOAD(&S.ready)) && enter_slow())                      \
-        return real_##sym ? real_##sym(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND; \
-    if (UNLIKELY(!real_##sym))                                          \
+        return REAL(sym) ? real_##sym(__VA_ARGS__) : CUDA_ERROR_NOT_FOUND; \
+    if (UNLIKELY(!REAL(sym)))                                           \
         return CUDA_ERROR_NOT_FOUND;                                    \
     if (UNLIKELY(S.mode == MODE_PASS))                                  \
         return real_##sym(__VA_ARGS__)

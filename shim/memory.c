@@ -522,7 +522,8 @@ static CUcontext primary_context(CUdevice dev)
     if (!real_cuDevicePrimaryCtxGetState || real_cuDevicePrimaryCtxGetState(dev, &flags, &active) || !active ||
         !real_cuDevicePrimaryCtxRetain || real_cuDevicePrimaryCtxRetain(&c, dev))
         return NULL;
-    real_cuDevicePrimaryCtxRelease_v2(dev);
+    if (REAL(cuDevicePrimaryCtxRelease_v2))
+        real_cuDevicePrimaryCtxRelease_v2(dev);
     return c;
 }
 
@@ -738,7 +739,7 @@ SHIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_
     uint64_t actual = vgpu_alloc_footprint((uint64_t)*pPitch * Height);
     if (actual > guess && admit(dev, actual - guess) != CUDA_SUCCESS) {
         refund(dev, guess);
-        if (real_cuMemFree_v2)
+        if (REAL(cuMemFree_v2))
             real_cuMemFree_v2(*dptr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

@@ -73,7 +73,7 @@ static void pool_settle_locked(struct pool *p, int trim)
     cuuint64_t reserved;
     if (p->dev < 0 || !real_cuMemPoolGetAttribute)
         return;
-    if (trim && real_cuMemPoolTrimTo)
+    if (trim && REAL(cuMemPoolTrimTo))
         real_cuMemPoolTrimTo(p->pool, 0);
     if (real_cuMemPoolGetAttribute(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
         return;   /* (a destroyed pool is settled by the destroy hook) */
@@ -101,7 +101,7 @@ void pools_settle(int trim)
 static CUmemoryPool current_pool(int dev)
 {
     CUmemoryPool pool = NULL;
-    if (!real_cuDeviceGetMemPool || real_cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS)
+    if (!REAL(cuDeviceGetMemPool) || real_cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS)
         return NULL;
     return pool;
 }
@@ -549,7 +549,7 @@ void graph_memory_settle(int dev)
 void graph_memory_trim(void)
 {
     uint32_t devs = LOAD(&graph_devices);
-    for (int d = 0; d < VGPU_MAX_DEVICES && real_cuDeviceGraphMemTrim; d++)
+    for (int d = 0; d < VGPU_MAX_DEVICES && REAL(cuDeviceGraphMemTrim); d++)
         if (devs & 1u << d)
             real_cuDeviceGraphMemTrim(d);
     graph_memory_settle(-1);

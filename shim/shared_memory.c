@@ -265,7 +265,8 @@ static CUresult ipc_open(CUresult (*real)(CUdeviceptr *, CUipcMemHandle, unsigne
         if (dev >= 0 && real_cuMemGetAddressRange_v2 && real_cuMemGetAddressRange_v2(NULL, &size, *pdptr) == 0 &&
             size) {
             if (admit(dev, vgpu_alloc_footprint(size)) != CUDA_SUCCESS) {
-                real_cuIpcCloseMemHandle(*pdptr);
+                if (REAL(cuIpcCloseMemHandle))
+                    real_cuIpcCloseMemHandle(*pdptr);
                 return CUDA_ERROR_OUT_OF_MEMORY;
             }
             rec.dev = dev;
@@ -367,7 +368,7 @@ SHIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
         real_cuMemGetAllocationPropertiesFromHandle(&prop, *handle) == CUDA_SUCCESS) {
         int dev = location_device(&prop.location);
         if (dev == LOCATION_REFUSED) {
-            if (real_cuMemRelease)
+            if (REAL(cuMemRelease))
                 real_cuMemRelease(*handle);
             return CUDA_ERROR_NOT_SUPPORTED;
         }

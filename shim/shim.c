@@ -50,7 +50,6 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -502,36 +501,6 @@ static uint64_t inode_of(const char *path)
     return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-#ifndef CGROUP2_SUPER_MAGIC
-#define CGROUP2_SUPER_MAGIC 0x63677270
-#endif
-
-/* The cgroup v2 id: the inode of the process's cgroup directory in the unified
- * hierarchy (/sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).  Inside a
- * container with its own cgroup namespace the path is "/" and the mount shows the
- * container's cgroup, so the id is the same one the host sees. */
-static uint64_t self_cgroup_id(void)
-{
-    char buf[4096];
-    if (read_small("/proc/self/cgroup", buf, sizeof buf) <= 0)
-        return 0;
-    char *line = strncmp(buf, "0::", 3) == 0 ? buf : strstr(buf, "\n0::");
-    if (!line)
-        return 0;
-    line += line == buf ? 3 : 4;
-    line[strcspn(line, "\n")] = 0;
-    static const char *mounts[] = {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"};
-    for (size_t i = 0; i < sizeof mounts / sizeof mounts[0]; i++) {
-        char path[4200];
-        struct statfs fs;
-        if ((size_t)snprintf(path, sizeof path, "%s%s", mounts[i], line) >= sizeof path)
-            return 0;
-        if (statfs(mounts[i], &fs) == 0 && fs.f_type == CGROUP2_SUPER_MAGIC)
-            return inode_of(path);
-    }
-    return 0;
-}
-
 /* Where slot i's process is: still there, gone (done with its files), or not ours to say.
  * Its lock drops when its last reference to the usage file goes, which at exit may come
  * before the release of the files through which the driver holds its device memory (a
@@ -694,7 +663,7 @@ int claim_slot(void)
         p->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
         p->start_ticks = self_start_ticks();
         p->pid_ns = inode_of("/proc/self/ns/pid");
-        p->cgroup_id = self_cgroup_id();
+        p->cgroup_id = 0;   /* not read here (4 system calls, ~20 us): the node agent reads it from outside */
         p->flags = slice_from_file ? VGPU_PROC_FROM_FILE : 0;
         p->state = 0;                  /* NVML's pid for it: the node agent's to write */
         STORE(&p->pid, (int32_t)getpid());   /* last: a reader that sees the pid sees the rest */
@@ -797,10 +766,16 @@ static void resolve_cuda(void)
         ERR("cannot load libcuda.so.1: %s", dlerror());
         return;
     }
-    for (size_t i = 0; i < NHOOKS(cuda_hooks); i++)
-        *cuda_hooks[i].real = real_dlsym(S.cuda, cuda_hooks[i].symbol);
 #define RESOLVE_CALLED(sym, ret, params) *(void **)&real_##sym = real_dlsym(S.cuda, #sym);
     VGPU_CALLED(RESOLVE_CALLED)
+}
+
+void *resolve_real(void **real, const char *symbol)
+{
+    void *f = S.cuda ? real_dlsym(S.cuda, symbol) : NULL;   /* never RTLD_DEFAULT: it finds the hooks */
+    if (f)
+        __atomic_store_n(real, f, __ATOMIC_RELEASE);
+    return f;
 }
 
 /* === configuration: the slice identity file ===
@@ -884,7 +859,7 @@ static int node_lock(int fd, int how)
 static uint32_t visible_devices(void)
 {
     int n = 0;
-    if (!real_cuInit || !real_cuDeviceGetCount || real_cuInit(0) != CUDA_SUCCESS ||
+    if (!REAL(cuInit) || !real_cuDeviceGetCount || real_cuInit(0) != CUDA_SUCCESS ||
         real_cuDeviceGetCount(&n) != CUDA_SUCCESS || n <= 0)
         return 0;
     return n < VGPU_MAX_DEVICES ? (uint32_t)n : VGPU_MAX_DEVICES;
@@ -1252,7 +1227,7 @@ static void substitute(const char *symbol, void **pfn, int cudaVersion, cuuint64
         static int newest;
         if (!newest)
             newest = newest_known_version();
-        if (cudaVersion > newest && *pfn != *h->real) {
+        if (cudaVersion > newest && *pfn != (*h->real ? *h->real : resolve_real(h->real, h->symbol))) {
             INFO("cuGetProcAddress(%s, %d): newer than the ABIs the shim knows; not intercepted", symbol,
                  cudaVersion);
             return;
@@ -1268,7 +1243,7 @@ static void substitute(const char *symbol, void **pfn, int cudaVersion, cuuint64
 SHIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
 {
     ensure_init();
-    if (!real_cuGetProcAddress)
+    if (!REAL(cuGetProcAddress))
         return CUDA_ERROR_NOT_FOUND;
     CUresult r = real_cuGetProcAddress(symbol, pfn, cudaVersion, flags);
     if (r == CUDA_SUCCESS)
@@ -1280,7 +1255,7 @@ SHIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cud
                                          CUdriverProcAddressQueryResult *symbolStatus)
 {
     ensure_init();
-    if (!real_cuGetProcAddress_v2)
+    if (!REAL(cuGetProcAddress_v2))
         return CUDA_ERROR_NOT_FOUND;
     CUresult r = real_cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
     if (r == CUDA_SUCCESS)

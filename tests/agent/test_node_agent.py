@@ -320,7 +320,7 @@ def assert_json_devices(obj, where="$"):
 
 # === the shim says who it is ===
 
-def test_a_slot_records_its_process_s_start_time_pid_namespace_and_cgroup(node_, spawn):
+def test_a_slot_records_its_process_s_start_time_and_pid_namespace(node_, spawn):
     node_.ctl("create", "a", "--memory", "1Gi")
     t = spawn(node_.shim_env("a"))
     (p,) = node_.usage("a").procs
@@ -328,11 +328,6 @@ def test_a_slot_records_its_process_s_start_time_pid_namespace_and_cgroup(node_,
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
     assert (p.pid, p.start_ticks, p.pid_ns, p.from_file) == (t.pid, ticks, os.stat(f"/proc/{t.pid}/ns/pid").st_ino,
                                                              False)
-    with open(f"/proc/{t.pid}/cgroup") as f:
-        path = next((line[3:].strip() for line in f if line.startswith("0::")), None)
-    mounts = [m for m in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified") if _is_cgroup2(m)]
-    if path is not None and mounts:
-        assert p.cgroup_id == os.stat(mounts[0] + path).st_ino
 
 
 # === reaping ===

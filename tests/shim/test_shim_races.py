@@ -24,6 +24,7 @@ from tests.helpers.wait import process_state, wait_until
 from tests.shim.test_shim_memory import (PRELUDE, GiB, MiB, Node, run_sampler, sampler_summary,  # noqa: F401 (fixture)
                                          spawn)
 from vgpu import slices, status
+from vgpu._region import ffi, lib
 from vgpu.autoscale import Autoscaler
 from vgpu.metrics import NodeCollector
 from vgpu.paths import SHIM
@@ -211,6 +212,88 @@ def test_a_process_refused_a_slot_gets_one_when_slots_free(node, lifecycle, spaw
             h.kill()
             h.wait()
             h.stdout.close()
+
+
+def slot_table(path):
+    """(slots_used, {slot: (pid, bytes charged on device 0)} of the slots with a pid), raw."""
+    data = path.read_bytes()
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(data))
+    return u.slots_used, {i: (u.procs[i].pid, u.charge[0][i]) for i in range(lib.VGPU_MAX_PROCS) if u.procs[i].pid}
+
+
+def test_processes_ending_at_the_top_slot_never_leave_a_charge_above_slots_used(node, lifecycle, c_program):
+    """Every allocation sums the slots below slots_used; it widens with a claim (before the
+    claim charges anything) and comes down again past the uncharged slots at its top
+    (shrink_slots_used, run by each claim).  A charged slot left at or above it would be a
+    charge nobody sums: the cap would stop holding.  500 rounds: 12 holders; the holders of
+    the top slots are killed (-9 or SIGTERM, at random moments) while their replacements
+    start and claim, and up to 3 more processes claim, hold and go at once; every other
+    round vgpu-ctl's reap first drains the dead slots, so the claims take them again and
+    shrink past them.  At each round's end, every holder holding: each charged slot lies
+    below slots_used and every holder's charge is there.  The referee, sampling NVML every
+    millisecond, never sees the cap passed.  At the end, all but the lowest holder gone and
+    reaped, one more claim brings slots_used down to the slots in use.  (With the
+    compare-and-swap that lowers slots_used made a plain store, this failed in 2 runs of 3
+    at 300 rounds: a claim's widening was overwritten.)"""
+    cap, chunk, width, rounds = GiB, 48 * MiB, 12, 500
+    rng = random.Random(20261203)
+    started = []
+    sampler = run_sampler(node, c_program, interval_us=1000)
+    env, path = node.env(limit=str(cap)), node.usage_path()
+
+    def start():
+        started.append(subprocess.Popen(lifecycle("hold", chunk), env=env, stdout=subprocess.PIPE, text=True))
+        return started[-1]
+
+    def holding(p):
+        assert json.loads(p.stdout.readline()) == {"alloc": 0}
+        return p
+
+    def end(p, sig=signal.SIGKILL):
+        p.send_signal(sig)
+        p.wait(10)
+        p.stdout.close()
+        started.remove(p)
+
+    holders = [holding(start()) for _ in range(width)]
+    try:
+        for r in range(rounds):
+            _, slots = slot_table(path)
+            top = sorted((s for s, (pid, _) in slots.items() if pid in {h.pid for h in holders}), reverse=True)
+            victims = [h for h in holders if h.pid in {slots[s][0] for s in top[:rng.randint(1, 3)]}]
+            if r % 2:   # vgpu-ctl's reap drains the dead slots: claims take them again and shrink past them
+                node.usage()
+            fresh, passing = [], [start() for _ in range(rng.randint(0, 3))]   # claim, hold, and go at once
+            for h in victims:
+                h.send_signal(rng.choice([signal.SIGKILL, signal.SIGTERM]))
+                time.sleep(rng.random() * 0.002)
+                fresh.append(start())
+            for h in victims:
+                end(h)
+            for p in passing:
+                end(holding(p), rng.choice([signal.SIGKILL, signal.SIGTERM]))
+            holders = [h for h in holders if h not in victims] + [holding(p) for p in fresh]
+            used, slots = slot_table(path)
+            charged = sorted(s for s, (_, b) in slots.items() if b)
+            assert all(s < used for s in charged), f"round {r}: slots {charged} charged, slots_used {used}"
+            live = {pid: b for pid, b in slots.values() if pid in {h.pid for h in holders}}
+            assert len(live) == width and all(b >= chunk for b in live.values()), f"round {r}: {live}"
+        _, slots = slot_table(path)
+        lowest = min(s for s, (pid, _) in slots.items() if pid in {h.pid for h in holders})
+        for h in [h for h in holders if h.pid != slots[lowest][0]]:
+            end(h)
+        holders = [h for h in holders if h.pid == slots[lowest][0]]
+        node.usage()                     # vgpu-ctl's reap: the dead slots drained, slots_used left as it was
+        holders.append(holding(start()))   # its claim lowers slots_used past them
+        used, slots = slot_table(path)
+        assert sorted(pid for pid, _ in slots.values()) == sorted(h.pid for h in holders)
+        assert used == max(slots) + 1 <= 2, (used, slots)
+    finally:
+        for p in list(started):
+            end(p)
+    seen = sampler_summary(sampler)
+    assert seen["max_used"] <= cap, f"the device held {seen['max_used'] - cap} bytes over the cap"
+    assert seen["max_used"] >= width * chunk
 
 
 # === many processes starting at once ===

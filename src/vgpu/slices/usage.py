@@ -32,7 +32,7 @@ _STORED_AT = tuple(ffi.offsetof("struct vgpu_usage_device", c) for c in STORED)
 CHARGE_AT = ffi.offsetof("struct vgpu_usage", "charge")
 ROW = struct.Struct("<%dQ" % MAX_PROCS)  # one device's charges, slot by slot
 PROCS_AT = ffi.offsetof("struct vgpu_usage", "procs")
-PROC = struct.Struct("<iIQ32sQQQQ")       # pid, state, started_ns, comm, start_ticks, pid_ns, cgroup_id, flags
+PROC = struct.Struct("<iIQ32sQQQQ")       # pid, state, started_ns, comm, start_ticks, pid_ns, (unused), flags
 assert PROC.size == ffi.sizeof("struct vgpu_usage_proc"), "struct vgpu_usage_proc moved"
 SEQ_AT = ffi.offsetof("struct vgpu_usage", "charge_seq")
 SEQ_SIZE = 4 * MAX_PROCS
@@ -67,7 +67,6 @@ class Proc:
     # the container, so a hint for finding it, never proof (vgpu.agent checks the kernel)
     start_ticks: int = 0
     pid_ns: int = 0
-    cgroup_id: int = 0
     from_file: bool = False  # its slice came from the identity file, not the environment
     # a shared slot (VGPU_PROC_SHARED): no process, memory exported by `exporter` (its pid
     # as it saw itself, in pid_ns) and held by every process of the slice that holds it
@@ -89,7 +88,7 @@ class Proc:
     def to_json(self):
         out = {"slot": self.slot, "pid": self.pid, "comm": self.comm, "started_ns": self.started_ns,
                "memory": {str(d): b for d, b in self.memory.items()}, "alive": self.alive,
-               "pid_ns": self.pid_ns, "cgroup_id": self.cgroup_id, "from_file": self.from_file}
+               "pid_ns": self.pid_ns, "from_file": self.from_file}
         if self.shared:
             out.update(shared=True, exporter_pid=self.exporter)
         return out
@@ -123,11 +122,11 @@ def parse(head, procs, devices):
             used.update(i for i, v in enumerate(r) if v)
     out = []
     for i in sorted(used):
-        pid, state, started, comm, ticks, pns, cg, flags = PROC.unpack_from(procs, i * PROC.size) if i < n \
+        pid, state, started, comm, ticks, pns, _, flags = PROC.unpack_from(procs, i * PROC.size) if i < n \
             else _NO_PROC
         shared = not pid and bool(flags & lib.VGPU_PROC_SHARED)
         out.append(Proc(i, pid, comm.split(b"\0", 1)[0].decode(errors="replace"),
-                        {d: r[i] for d, r in rows.items() if r[i]}, False, started, ticks, pns, cg,
+                        {d: r[i] for d, r in rows.items() if r[i]}, False, started, ticks, pns,
                         bool(flags & lib.VGPU_PROC_FROM_FILE), shared, state if shared else 0,
                         0 if shared else state))
     return current, counters, out
