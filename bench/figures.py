@@ -22,6 +22,7 @@ slots_used came down again it did, by 7 instructions a slot: 297 / 351 / 519 / 7
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,9 @@ def measure(shim=None):
         rows = []
         for row, program, arg, slice_, n in CALLS:
             without = per_call(exes[program], arg, base, n, tmp)
-            with_ = per_call(exes[program], arg, shimmed[slice_], n, tmp)
+            # the median of three: under callgrind a paced run sleeps a varying number of
+            # times (each a flush and a wait), and one run's figure moves by up to 13
+            with_ = statistics.median(per_call(exes[program], arg, shimmed[slice_], n, tmp) for _ in range(3))
             rows.append((row, round(without), round(with_), round(with_ - without)))
         for row, program in STARTUP:
             counts = []

@@ -112,7 +112,7 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
                             "VGPU_DIR": str(tmp_path / "vgpu-baseline")}
     subprocess.run([str(exe), "10", "info"], env=envs["without"], check=True, capture_output=True)
     medians = {k: [] for k in envs}
-    for i in range(6):
+    for i in range(12):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
             procs = [subprocess.Popen([str(exe), "10", "info"], env=envs[name], stdout=subprocess.PIPE, text=True)
                      for _ in range(32)]

@@ -836,22 +836,26 @@ static char standalone_name[VGPU_NAME_MAX];
 static dev_t standalone_quota_dev;       /* the quota file it joined (not one made again since) */
 static ino_t standalone_quota_ino;
 
-#define NODE_LOCK_TRIES 2000              /* a millisecond apart: vgpu-ctl holds it for a file write */
+#define NODE_LOCK_WAIT_NS 2000000000ull   /* vgpu-ctl holds it for a file write; an exiting process
+                                             for its look at the slots */
 
 /* The node directory's flock (LOCK_SH to join: joiners never wait for each other, and the
  * quota is made atomically whoever makes it; LOCK_EX to remove), or 0 after
- * NODE_LOCK_TRIES (then the caller goes on without: the race above reopens, nothing hangs). */
+ * NODE_LOCK_WAIT_NS (then the caller goes on without: the race above reopens, nothing
+ * hangs).  The waits grow from 20 us to 1 ms: with 32 processes of one slice starting and
+ * ending at once, each holding it a moment, a fixed 1 ms between tries made some rounds'
+ * median cuInit 5-11 ms (issue 31). */
 static int node_lock(int fd, int how)
 {
-    for (int i = 0; i < NODE_LOCK_TRIES; i++) {
+    uint64_t deadline = now_ns() + NODE_LOCK_WAIT_NS;
+    for (long wait_ns = 20000;; wait_ns = wait_ns < 1000000 ? 2 * wait_ns : 1000000) {
         if (flock(fd, how | LOCK_NB) == 0)
             return 1;
-        if (errno != EWOULDBLOCK && errno != EINTR)
+        if ((errno != EWOULDBLOCK && errno != EINTR) || now_ns() >= deadline)
             return 0;
-        struct timespec ts = {0, 1000000};
+        struct timespec ts = {0, wait_ns};
         nanosleep(&ts, NULL);
     }
-    return 0;
 }
 
 /* The devices the driver shows this program: what a standalone slice holds.  0 when it
