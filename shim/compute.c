@@ -291,6 +291,7 @@ static void learn(uint64_t key, uint64_t ns)
          * other tenants' work, so the shortest samples are the truest; rise slowly */
         STORE(&e->ns, ns < old ? ns : old + (ns - old) / 64);
     }
+    DEBUG("kernel %llx: sampled %.3f ms, estimate %.3f ms", (unsigned long long)key, ns / 1e6, LOAD(&e->ns) / 1e6);
     uint64_t t = LOAD(&typical_ns);
     STORE(&typical_ns, t ? (t * 7 + ns) / 8 : ns);
     STORE(&e->sampling, 0);
