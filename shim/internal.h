@@ -265,9 +265,9 @@ extern HIDDEN pthread_mutex_t vmm_lock;
 int location_device(const CUmemLocation *loc);
 /* include/linux/proc_ns.h: PROC_PID_INIT_INO, the root pid namespace's inode (NVML's pids are its) */
 #define ROOT_PID_NS_INODE 0xEFFFFFFCull
-/* does NVML list memory under this process (of pid namespace pid_ns) on these devices? 1, 0, or -1:
- * it cannot say (NVML's pids are the root namespace's) */
-int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices);
+/* does NVML list memory under this process (of pid namespace pid_ns) on these devices, in a list
+ * read at not_before or later? 1, 0, or -1: it cannot say (NVML's pids are the root namespace's) */
+int driver_holds(int32_t pid, uint64_t pid_ns, uint32_t devices, uint64_t not_before);
 int shared_kept_by_driver(int i);   /* with S.lock held */
 
 /* pools.c */

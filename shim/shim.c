@@ -554,8 +554,8 @@ static enum owner slot_owner(int i)
  * still the device's, listed under its pid.  That can be asked where NVML's pids are the
  * slot's (the root pid namespace), or where the node agent wrote the process's pid as NVML
  * lists it into the slot (`state`: a container's process); elsewhere the kernel's word
- * alone decides. */
-static int slot_owner_gone(int i)
+ * alone decides.  locked: when the caller took the slot's lock (NVML's list must be newer). */
+static int slot_owner_gone(int i, uint64_t locked)
 {
     if (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED)
         return !shared_kept_by_driver(i);   /* no holder left (its lock is free): is the memory gone too? */
@@ -572,11 +572,11 @@ static int slot_owner_gone(int i)
     /* the pid NVML names it by, as the agent wrote it: asked whatever the kernel here could
      * say (a tenant can write it too: it only keeps its own slice's slot) */
     int32_t nvml_pid = (int32_t)LOAD(&p->state);
-    if (nvml_pid > 0 && driver_holds(nvml_pid, ROOT_PID_NS_INODE, devices) == 1)
+    if (nvml_pid > 0 && driver_holds(nvml_pid, ROOT_PID_NS_INODE, devices, locked) == 1)
         return 0;
     if (o == OWNER_UNKNOWN)
         return 1;   /* (its pid another's now: NVML's figure under it is not the slot's) */
-    return driver_holds(LOAD(&p->pid), LOAD(&p->pid_ns), devices) != 1;
+    return driver_holds(LOAD(&p->pid), LOAD(&p->pid_ns), devices, locked) != 1;
 }
 
 static int slice_from_file;   /* configure: the slice came from VGPU_SLICE_FILE */
@@ -590,7 +590,7 @@ static int take_slot(int i, int charged_too)
     if (i == S.slot || memory_holds_slot(i) || (!charged_too && slot_charged(i)) ||
         slot_lock(S.usage_fd, i, F_WRLCK))
         return 0;
-    if (slot_in_use(i) && ((!charged_too && slot_charged(i)) || !slot_owner_gone(i))) {
+    if (slot_in_use(i) && ((!charged_too && slot_charged(i)) || !slot_owner_gone(i, now_ns()))) {
         slot_lock(S.usage_fd, i, F_UNLCK);
         return 0;
     }
@@ -638,7 +638,7 @@ static void shrink_slots_used(void)
         if (i == S.slot || memory_holds_slot(i) || slot_lock(S.usage_fd, i, F_WRLCK))
             return;   /* ours, or a live process's */
         if (slot_in_use(i)) {
-            if ((ok = slot_owner_gone(i))) {
+            if ((ok = slot_owner_gone(i, now_ns()))) {
                 INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
                 drain_slot(i);
             }
@@ -685,18 +685,23 @@ void reap_dead_locked(void)
     if (S.usage_fd < 0)
         return;
     uint32_t used = LOAD(&S.usage->slots_used);
-    for (int i = 0; i < VGPU_MAX_PROCS; i++) {
+    _Static_assert(VGPU_MAX_PROCS <= 64, "a slot's bit in one word");
+    uint64_t locked = 0;   /* bit i: slot i's lock, taken here */
+    for (int i = 0; i < VGPU_MAX_PROCS; i++)
         /* above slots_used a slot is uncharged (shrink_slots_used): only a process there
          * (a claim in progress, or one a tenant wrote) needs the look below */
-        if (((uint32_t)i >= used && !LOAD(&S.usage->procs[i].pid)) || i == S.slot || memory_holds_slot(i) ||
-            !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK))
+        if (!(((uint32_t)i >= used && !LOAD(&S.usage->procs[i].pid)) || i == S.slot || memory_holds_slot(i) ||
+              !slot_in_use(i) || slot_lock(S.usage_fd, i, F_WRLCK)))
+            locked |= 1ull << i;
+    /* every lock first, then one NVML list read after them all serves every slot */
+    uint64_t after = now_ns();
+    for (int i = 0; i < VGPU_MAX_PROCS; i++) {
+        if (!(locked & 1ull << i))
             continue;
-        if (!slot_owner_gone(i)) {
-            slot_lock(S.usage_fd, i, F_UNLCK);
-            continue;
+        if (slot_owner_gone(i, after)) {
+            INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
+            drain_slot(i);
         }
-        INFO("returning the memory of dead process %d", (int)LOAD(&S.usage->procs[i].pid));
-        drain_slot(i);
         slot_lock(S.usage_fd, i, F_UNLCK);
     }
     shrink_slots_used();
@@ -983,7 +988,7 @@ static enum others others_in_slice(void)
         if (LOAD(&S.usage->procs[i].flags) & VGPU_PROC_SHARED) {
             if (slot_charged(i))
                 return SOMEONE;
-        } else if (!slot_owner_gone(i)) {
+        } else if (!slot_owner_gone(i, now_ns())) {
             found = LETTING_GO;
         }
     }

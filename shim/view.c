@@ -349,18 +349,26 @@ int nvml_index(nvmlDevice_t device)
     return dev;
 }
 
-/* The NVML handle of CUDA device dev (the reverse). */
+/* The NVML handle of CUDA device dev (the reverse), found once (14k instructions: the
+ * UUID, formatted and looked up): the shim's NVML reference is never given back, so a
+ * handle stays valid. */
 int nvml_handle(int dev, nvmlDevice_t *handle)
 {
+    static nvmlDevice_t found[VGPU_MAX_DEVICES];   /* (racing threads find the same) */
+    if ((unsigned)dev < VGPU_MAX_DEVICES && (*handle = LOAD(&found[dev])))
+        return 0;
     char u[40], s[48];
+    int ok = 0;
     if (real_nvmlDeviceGetHandleByUUID && cuda_uuid(dev, u) == 0)
-        for (int k = 0; k < 2; k++) {
+        for (int k = 0; k < 2 && !ok; k++) {
             snprintf(s, sizeof s, "%s-%s", k ? "MIG" : "GPU", u);
-            if (real_nvmlDeviceGetHandleByUUID(s, handle) == NVML_SUCCESS)
-                return 0;
+            ok = real_nvmlDeviceGetHandleByUUID(s, handle) == NVML_SUCCESS;
         }
-    return real_nvmlDeviceGetHandleByIndex_v2 && real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, handle) == NVML_SUCCESS
-               ? 0 : -1;
+    if (!ok)
+        ok = real_nvmlDeviceGetHandleByIndex_v2 && real_nvmlDeviceGetHandleByIndex_v2((unsigned)dev, handle) == NVML_SUCCESS;
+    if (ok && (unsigned)dev < VGPU_MAX_DEVICES)
+        STORE(&found[dev], *handle);
+    return ok ? 0 : -1;
 }
 
 
