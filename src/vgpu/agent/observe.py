@@ -189,8 +189,9 @@ class Observer(DriverLook, Attributing, Evidence):
         ss, _, _ = UsageReader().read(f.rw, f.devices)
         f.same = None            # the next look reads it again
         self._ended.add(name)
+        lists = {}               # NVML's, read once for the slots of this reap
         return ss, [{"slot": r["slot"], "pid": r["pid"], "comm": r["comm"], "memory": r["memory"]}
-                    for r in (slices._reap_slot(f.rw, sl, ss) for sl in ss if not sl.alive) if r]
+                    for r in (slices._reap_slot(f.rw, sl, ss, lists) for sl in ss if not sl.alive) if r]
 
     def _note_host_pid(self, name, sl, pid):
         """Write into the slot of a process in another pid namespace (a container's) its pid

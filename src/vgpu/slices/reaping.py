@@ -48,11 +48,24 @@ def reap_slice(directory, name) -> list:
         except FileNotFoundError:
             return []
         with _fd(fd):
-            procs = _read_usage_fd(fd, shown).procs
-            return [rec for rec in (_reap_slot(fd, p, procs) for p in procs if not p.alive) if rec]
+            procs, lists = _read_usage_fd(fd, shown).procs, {}
+            return [rec for rec in (_reap_slot(fd, p, procs, lists) for p in procs if not p.alive) if rec]
 
 
-def _driver_holds(proc, pid) -> bool:
+def _listed(lists, device) -> dict:
+    """NVML's processes on `device`, read once per reap (`lists`: {device: its list}, from
+    the first slot that asks): every slot a reap judges was seen done with its files (its
+    lock free) when the usage file was read, before any list, so what a list shows under
+    its pid is what the driver still keeps for it (as shim/shim.c reap_dead_locked).  A
+    reap of 64 gone processes asked NVML 64 times."""
+    if lists is None:
+        return nvml.running_processes(device)
+    if device not in lists:
+        lists[device] = nvml.running_processes(device)
+    return lists[device]
+
+
+def _driver_holds(proc, pid, lists=None) -> bool:
     """Does NVML still list memory under the slot's gone process (`pid`, as NVML names it)
     on a device it charges?  (The kernel can finish a process before the last of its
     device files is let go: its memory is still the device's.  NVML's pids are the root
@@ -60,7 +73,7 @@ def _driver_holds(proc, pid) -> bool:
     shim/shim.c slot_owner_gone.  A MIG slice's device 0 is its MIG device, on whichever
     GPU: GPU 0's list may not name it, and then the kernel's word decides too.)"""
     try:
-        return any((nvml.running_processes(d).get(pid) or 0) > 0 for d in proc.memory)
+        return any((_listed(lists, d).get(pid) or 0) > 0 for d in proc.memory)
     except Exception:      # NVML unavailable, a device not answering
         return False
 
@@ -85,12 +98,13 @@ def _driver_keeps_shared(proc, procs) -> bool:
     return False
 
 
-def _reap_slot(fd, proc, procs=()):
+def _reap_slot(fd, proc, procs=(), lists=None):
     """Drain one slot with pread/pwrite only (no mapping: see vgpu.slices.usage) while
     holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
     charges only ever lowers them, so a shim summing them mid-way sees a value between
     before and after, both true of a dead process.  `procs`: the slice's slots, as read
-    with this one (a shared slot is weighed against them)."""
+    with this one (a shared slot is weighed against them); `lists`: NVML's lists of this
+    reap, as _listed keeps them (a shared slot's exporter may be alive: its are read anew)."""
     i = proc.slot
     if not proc.shared and proc.pid > 0 and proc.start_ticks:
         # its pid here: its own in our pid namespace, or (a container's process) the one the
@@ -100,8 +114,8 @@ def _reap_slot(fd, proc, procs=()):
         where = procfs.owner(here, proc.start_ticks) if here > 0 else procfs.REUSED
         if where == procfs.THERE:
             return None    # dead by its lock, but alive (without the file, or exiting)
-        if proc.host_pid > 0 and _driver_holds(proc, proc.host_pid) or \
-                where == procfs.GONE and mine == procfs.ROOT_PID_NS and _driver_holds(proc, here):
+        if proc.host_pid > 0 and _driver_holds(proc, proc.host_pid, lists) or \
+                where == procfs.GONE and mine == procfs.ROOT_PID_NS and _driver_holds(proc, here, lists):
             return None    # gone, but the driver still lists its memory: still letting go of it
     if proc.shared and _driver_keeps_shared(proc, procs):
         return None        # no holder, but the memory is still on the device: it stays charged
@@ -111,9 +125,10 @@ def _reap_slot(fd, proc, procs=()):
         return None    # its owner is alive (or came to life since the read)
     try:
         memory = {}
-        for d in range(MAX_DEVICES):
+        table = os.pread(fd, usage.charge_offset(MAX_DEVICES, 0) - usage.CHARGE_AT, usage.CHARGE_AT)
+        for d in range(MAX_DEVICES):   # (one read of every device's row: this slot's charges are 16 apart)
             at = usage.charge_offset(d, i)
-            raw = os.pread(fd, 8, at)
+            raw = table[at - usage.CHARGE_AT:at - usage.CHARGE_AT + 8]
             held = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
             if held:
                 os.pwrite(fd, bytes(8), at)
