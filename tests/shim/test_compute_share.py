@@ -80,10 +80,12 @@ def test_two_tenants_that_wait_for_each_kernel_still_get_their_shares(tmp_path, 
     """20 ms kernels and a sync after each (a training step that reads its loss): the 70%
     tenant's launch waits behind the 30% tenant's kernel, and comes late to its own clock.
     That time used to be forfeited, and a launch costing more than a burst then slept
-    before it could go: 29/58 in every window.  A late launch keeps up to a burst of it."""
+    before it could go: 29/58 in every window.  A late launch keeps up to a burst of it.
+    Judged from 4 s: in one CI run of four the pair had not settled before (36.7/62.5 and
+    32.1/64.0 in the windows from 2 and 3 s, 30.5/67.0 and closer after)."""
     a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b", "70%")
-    windows = [[2.0 + i, 3.0 + i] for i in range(6)]
-    got = run_tenants(tmp_path, c_program, [(a, 20000, "sync"), (b, 20000, "sync")], 8.5, windows)
+    windows = [[4.0 + i, 5.0 + i] for i in range(6)]
+    got = run_tenants(tmp_path, c_program, [(a, 20000, "sync"), (b, 20000, "sync")], 10.5, windows)
     for got_a, got_b in got:
         assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, got
 
