@@ -650,7 +650,9 @@ def test_a_compute_hog_beyond_its_share_is_reported_and_with_stop_held_to_it(nod
     before = referee.start([hog.host_pid], [[0.5, 2.5]], t0, node_.env)
     v = agent.wait_for(lambda e: e.get("event") == "violation" and e.get("kind") == "compute", 15)
     assert (v["slice"], v["sm_max"], v["offenders"]) == ("a", 3000, [hog.host_pid])
-    assert v["sm_nvml"] > 8000 and v["sm_charged"] < 1000    # the GPU time went past the shim
+    # the GPU time went past the shim: twice the share, as unheld below (a busy CPU launches
+    # fewer of its kernels: NVML saw 79.75% once in CI, where 80% was asked here)
+    assert v["sm_nvml"] > 2 * v["sm_max"] and v["sm_charged"] < 1000
     act = agent.wait_for(lambda e: e.get("event") == "action" and e.get("action") == "stop", 5)
     assert act["pid"] == hog.host_pid
     out, err = before.communicate(timeout=30)
