@@ -66,10 +66,9 @@ class Holder(threading.Thread):
             return [(pid, start) for g in self.groups.values() for pid, (_, start) in g["pidfds"].items()]
 
     def release(self, key):
-        with self.lock:
+        with self.lock:   # (the thread signals under it too: no SIGSTOP of its can follow this SIGCONT)
             g = self.groups.pop(key, None)
-        if g:
-            for pid, (fd, _) in g["pidfds"].items():
+            for fd, _ in (g["pidfds"].values() if g else ()):
                 try:
                     _signal(fd, signal.SIGCONT)
                 except OSError:
@@ -80,6 +79,28 @@ class Holder(threading.Thread):
         for key in list(self.groups):
             self.release(key)
 
+    def stop(self):
+        """End the thread, then continue every held process.  (The thread's plan for a period
+        holds the descriptors it read at its start: before its signals were sent under the
+        lock, and only to processes still held, a SIGSTOP of its could follow a release's
+        SIGCONT, and a hog stayed stopped after the agent had gone: a CI run saw it at 0%.)"""
+        self.halt.set()
+        if self.is_alive():
+            self.join()
+        self.release_all()
+
+    def _signal_held(self, fds, sig):
+        """Signal those of `fds` still held (a group released meanwhile is not: its
+        descriptors are closed), under the lock."""
+        with self.lock:
+            held = {fd for g in self.groups.values() for fd, _ in g["pidfds"].values()}
+            for fd in fds:
+                if fd in held:
+                    try:
+                        _signal(fd, sig)
+                    except OSError:
+                        pass
+
     def run(self):
         while not self.halt.is_set():
             t0 = time.monotonic()
@@ -88,20 +109,12 @@ class Holder(threading.Thread):
             if not plan:
                 self.halt.wait(self.PERIOD)
                 continue
-            for _, fds in plan:
-                for fd, _ in fds:
-                    try:
-                        _signal(fd, signal.SIGCONT)
-                    except OSError:
-                        pass
+            self._signal_held([fd for _, fds in plan for fd, _ in fds], signal.SIGCONT)
             for duty, fds in plan:
                 if duty >= 1.0:
                     continue
-                self.halt.wait(max(0.0, t0 + duty * self.PERIOD - time.monotonic()))
-                for fd, _ in fds:
-                    try:
-                        _signal(fd, signal.SIGSTOP)
-                    except OSError:
-                        pass
+                if self.halt.wait(max(0.0, t0 + duty * self.PERIOD - time.monotonic())):
+                    break                 # stopping: no more SIGSTOP
+                self._signal_held([fd for fd, _ in fds], signal.SIGSTOP)
             self.halt.wait(max(0.0, t0 + self.PERIOD - time.monotonic()))
         self.release_all()

@@ -382,8 +382,7 @@ class Agent:
         finally:
             if self.health is not None:
                 self.health.stop()
-            self.holder.halt.set()
-            self.holder.release_all()
+            self.holder.stop()
             self.log("stopped")
             try:
                 self._write_state(time.monotonic(), force=True)
