@@ -431,17 +431,9 @@ static uint64_t wall_us(void)
  * NVML says no process ran; -1 when NVML cannot say. */
 static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64_t *mem_pct)
 {
-    if (!LOAD(&S.nvml_ready))
-        nvml_resolve();
-    static int nvml_up;
     *sm_pct = *mem_pct = 0;
-    if (!real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
+    if (nvml_start() || !real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
         return -1;
-    if (!LOAD(&nvml_up)) {
-        if (!real_nvmlInit_v2 || real_nvmlInit_v2() != NVML_SUCCESS)
-            return -1;
-        STORE(&nvml_up, 1);
-    }
     nvmlDevice_t h;
     nvmlProcessUtilizationSample_t smp[VGPU_MAX_PROCS * 2];
     unsigned int n = VGPU_MAX_PROCS * 2;

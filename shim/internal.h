@@ -159,7 +159,7 @@ void init_slow(void);
  * where a program calls a handful (issue 31).  NULL while the driver lacks it.  The
  * entry points the shim calls for itself (VGPU_CALLED) are looked up at start-up.
  * Racing threads may both look one up; they store the same pointer. */
-void *resolve_real(void **real, const char *symbol);
+void *resolve_real(void **real, const char *symbol);   /* *real once found, or looked up */
 #define REAL(sym) (LIKELY(real_##sym != NULL) ? real_##sym \
                                               : (__typeof__(real_##sym))resolve_real((void **)&real_##sym, #sym))
 static inline void ensure_init(void)
@@ -168,6 +168,9 @@ static inline void ensure_init(void)
         init_slow();
 }
 void nvml_resolve(void);
+/* The shim's own NVML reference, taken once and never given back (so the handles
+ * nvml_handle keeps stay valid): 0 once NVML is up, -1 while it cannot start. */
+int nvml_start(void);
 /* CLOCK_MONOTONIC in ns; inline: it is on the paced launch's path (a vDSO call, no syscall) */
 static inline uint64_t now_ns(void)
 {

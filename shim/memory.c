@@ -114,18 +114,15 @@ static struct { uint64_t read_ns; int dev, n; nvmlProcessInfo_t rows[ROWS_MAX]; 
 
 static int nvml_rows(int dev, nvmlProcessInfo_t *infos, unsigned int room, uint64_t not_before)
 {
-    static int nvml_up;   /* (rows_lock) once: each nvmlInit_v2 is one more reference */
-    nvml_resolve();
+    int up = nvml_start() == 0;
     pthread_mutex_lock(&rows_lock);
     uint64_t now = now_ns();
     int n = -1;
     if (last_rows.dev != dev || last_rows.read_ns < not_before) {
         nvmlDevice_t h;
         unsigned int got = ROWS_MAX;
-        if (!nvml_up && real_nvmlInit_v2 && real_nvmlInit_v2() == NVML_SUCCESS)
-            nvml_up = 1;
         last_rows.dev = -1;
-        if (nvml_up && !nvml_handle(dev, &h) && real_nvmlDeviceGetComputeRunningProcesses_v3 &&
+        if (up && !nvml_handle(dev, &h) && real_nvmlDeviceGetComputeRunningProcesses_v3 &&
             real_nvmlDeviceGetComputeRunningProcesses_v3(h, &got, last_rows.rows) == NVML_SUCCESS) {
             last_rows.dev = dev;
             last_rows.n = (int)got;

@@ -777,7 +777,10 @@ static void resolve_cuda(void)
 
 void *resolve_real(void **real, const char *symbol)
 {
-    void *f = S.cuda ? real_dlsym(S.cuda, symbol) : NULL;   /* never RTLD_DEFAULT: it finds the hooks */
+    void *f = LOAD(real);
+    if (f)
+        return f;
+    f = S.cuda ? real_dlsym(S.cuda, symbol) : NULL;   /* never RTLD_DEFAULT: it finds the hooks */
     if (f)
         __atomic_store_n(real, f, __ATOMIC_RELEASE);
     return f;
@@ -1184,6 +1187,19 @@ void nvml_resolve(void)
     pthread_mutex_unlock(&nvml_resolve_lock);
 }
 
+int nvml_start(void)
+{
+    static int up;
+    if (LOAD(&up))
+        return 0;
+    nvml_resolve();
+    pthread_mutex_lock(&nvml_resolve_lock);
+    if (!up && real_nvmlInit_v2 && real_nvmlInit_v2() == NVML_SUCCESS)
+        STORE(&up, 1);
+    pthread_mutex_unlock(&nvml_resolve_lock);
+    return LOAD(&up) ? 0 : -1;
+}
+
 /* === interception: dlsym and cuGetProcAddress === */
 
 static void *hook_named(const char *name)
@@ -1236,7 +1252,7 @@ static void substitute(const char *symbol, void **pfn, int cudaVersion, cuuint64
         static int newest;
         if (!newest)
             newest = newest_known_version();
-        if (cudaVersion > newest && *pfn != (*h->real ? *h->real : resolve_real(h->real, h->symbol))) {
+        if (cudaVersion > newest && *pfn != resolve_real(h->real, h->symbol)) {
             INFO("cuGetProcAddress(%s, %d): newer than the ABIs the shim knows; not intercepted", symbol,
                  cudaVersion);
             return;

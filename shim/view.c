@@ -350,8 +350,8 @@ int nvml_index(nvmlDevice_t device)
 }
 
 /* The NVML handle of CUDA device dev (the reverse), found once (14k instructions: the
- * UUID, formatted and looked up): the shim's NVML reference is never given back, so a
- * handle stays valid. */
+ * UUID, formatted and looked up).  Only after nvml_start: the shim's reference keeps it
+ * valid. */
 int nvml_handle(int dev, nvmlDevice_t *handle)
 {
     static nvmlDevice_t found[VGPU_MAX_DEVICES];   /* (racing threads find the same) */

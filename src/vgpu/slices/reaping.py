@@ -58,14 +58,12 @@ def _listed(lists, device) -> dict:
     lock free) when the usage file was read, before any list, so what a list shows under
     its pid is what the driver still keeps for it (as shim/shim.c reap_dead_locked).  A
     reap of 64 gone processes asked NVML 64 times."""
-    if lists is None:
-        return nvml.running_processes(device)
     if device not in lists:
         lists[device] = nvml.running_processes(device)
     return lists[device]
 
 
-def _driver_holds(proc, pid, lists=None) -> bool:
+def _driver_holds(proc, pid, lists) -> bool:
     """Does NVML still list memory under the slot's gone process (`pid`, as NVML names it)
     on a device it charges?  (The kernel can finish a process before the last of its
     device files is let go: its memory is still the device's.  NVML's pids are the root
@@ -98,7 +96,7 @@ def _driver_keeps_shared(proc, procs) -> bool:
     return False
 
 
-def _reap_slot(fd, proc, procs=(), lists=None):
+def _reap_slot(fd, proc, procs, lists):
     """Drain one slot with pread/pwrite only (no mapping: see vgpu.slices.usage) while
     holding its lock, so no process can claim it meanwhile.  Zeroing a dead process's
     charges only ever lowers them, so a shim summing them mid-way sees a value between
@@ -125,13 +123,11 @@ def _reap_slot(fd, proc, procs=(), lists=None):
         return None    # its owner is alive (or came to life since the read)
     try:
         memory = {}
-        table = os.pread(fd, usage.charge_offset(MAX_DEVICES, 0) - usage.CHARGE_AT, usage.CHARGE_AT)
-        for d in range(MAX_DEVICES):   # (one read of every device's row: this slot's charges are 16 apart)
-            at = usage.charge_offset(d, i)
-            raw = table[at - usage.CHARGE_AT:at - usage.CHARGE_AT + 8]
-            held = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        rows = os.pread(fd, MAX_DEVICES * usage.ROW.size, usage.CHARGE_AT)   # every device's: one read
+        for d in range(MAX_DEVICES):
+            held = usage.ROW.unpack_from(rows, d * usage.ROW.size)[i] if len(rows) >= (d + 1) * usage.ROW.size else 0
             if held:
-                os.pwrite(fd, bytes(8), at)
+                os.pwrite(fd, bytes(8), usage.charge_offset(d, i))
                 memory[d] = held
         raw = os.pread(fd, 4, usage.pid_offset(i))
         pid = struct.unpack("<i", raw)[0] if len(raw) == 4 else 0
