@@ -297,6 +297,16 @@ static void learn(uint64_t key, uint64_t ns)
     STORE(&e->sampling, 0);
 }
 
+/* A sample pace() asked for and the launch did not take (every slot in flight, no
+ * context, no event, a launch that failed): the next launch of its kernel may take one.
+ * Left set, a kernel whose first sample was not taken was never sampled: charged the
+ * typical launch's time for good (a 16 ms kernel next to 2 ms ones got 100% of a 30%
+ * slice), every launch of it through pace() (its sample stayed due). */
+static __attribute__((noinline, cold)) void sample_not_taken(uint64_t key)
+{
+    STORE(&estimate_for(key)->sampling, 0);
+}
+
 /* Collect finished samples (bounded work: MAX_SAMPLES queries at most). */
 static __attribute__((noinline, cold)) void harvest(void)
 {
@@ -332,16 +342,25 @@ static __attribute__((noinline, cold)) void await_first_sample(uint64_t key)
     }
 }
 
-/* Start measuring this launch: returns the sample to finish after it, or NULL. */
-static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread)
+/* Wait for the oldest sample in flight and collect it: a slot for a kernel never
+ * measured yet.  0 when none was in flight to wait for. */
+static __attribute__((noinline, cold)) int await_oldest_sample(void)
 {
-    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
-    CUcontext ctx = NULL;
-    if (!record || !real_cuEventCreate || !real_cuEventQuery || !real_cuEventElapsedTime || !real_cuCtxGetCurrent ||
-        real_cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
-        return NULL;
-    if (LOAD(&in_flight))
-        harvest();
+    struct sample *oldest = NULL;
+    for (int i = 0; i < MAX_SAMPLES; i++)
+        if (LOAD(&samples[i].busy) == 2 && (!oldest || samples[i].launched_ns < oldest->launched_ns))
+            oldest = &samples[i];
+    if (!oldest || !REAL(cuEventSynchronize))
+        return 0;
+    real_cuEventSynchronize(oldest->end);
+    harvest();
+    return 1;
+}
+
+/* A sample slot taken (busy 1), its events made anew when they are another context's;
+ * NULL when every slot is in flight. */
+static struct sample *take_sample(CUcontext ctx)
+{
     for (int i = 0; i < MAX_SAMPLES; i++) {
         int idle = 0;
         struct sample *sp = &samples[i];
@@ -360,13 +379,36 @@ static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread
                     real_cuEventDestroy_v2(sp->start);
             }
         }
-        sp->key = key;
-        if (sp->ctx && record(sp->start, stream) == CUDA_SUCCESS)
-            return sp;
-        STORE(&sp->busy, 0);
-        return NULL;
+        return sp;
     }
-    return NULL;   /* all in flight: skip this one */
+    return NULL;
+}
+
+/* Start measuring this launch: returns the sample to finish after it, or NULL (the
+ * sample is then not taken).  With every slot in flight a kernel never measured waits
+ * for the oldest (at most MAX_SAMPLES unknown kernels run ahead of their measurement); a
+ * known one's sample is skipped. */
+static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread)
+{
+    CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    CUcontext ctx = NULL;
+    if (record && real_cuEventCreate && real_cuEventQuery && real_cuEventElapsedTime && real_cuCtxGetCurrent &&
+        real_cuCtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx) {
+        struct estimate *e = estimate_for(key);
+        if (LOAD(&in_flight))
+            harvest();
+        struct sample *sp = take_sample(ctx);
+        if (!sp && (LOAD(&e->key) != key || !LOAD(&e->ns)) && await_oldest_sample())
+            sp = take_sample(ctx);
+        if (sp) {
+            sp->key = key;
+            if (sp->ctx && record(sp->start, stream) == CUDA_SUCCESS)
+                return sp;
+            STORE(&sp->busy, 0);
+        }
+    }
+    sample_not_taken(key);
+    return NULL;
 }
 
 static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUresult launched)
@@ -382,6 +424,7 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
             ;
     } else {
         STORE(&sp->busy, 0);
+        sample_not_taken(sp->key);
     }
 }
 

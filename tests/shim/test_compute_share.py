@@ -45,11 +45,12 @@ def kept_slice_env(tmp_path, container, share):
 
 
 def run_tenants(tmp_path, c_program, tenants, seconds, windows, during=None):
-    """Start each tenant (env, kernel_us, mode); return each window's share per tenant (%)."""
+    """Start each tenant (env, kernel_us, mode[, blocks]); return each window's share per tenant (%)."""
     exe = c_program("duty")
     t0 = time.time()
-    procs = [subprocess.Popen([str(exe), str(us), str(seconds), mode], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env, us, mode in tenants]
+    procs = [subprocess.Popen([str(exe), str(us), str(seconds), mode, *map(str, blocks)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for env, us, mode, *blocks in tenants]
     referee = start_referee([p.pid for p in procs], windows, t0, make_sim_env(tmp_path / "node"))
     if during:
         during(t0)
@@ -97,6 +98,19 @@ def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, 
     [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 2000, "kernel"), (b, 2000, "kernel")], 3.5,
                                    [[1.0, 3.2]])
     assert got_a <= 30 + MARGIN and got_a + got_b >= 100 - MARGIN, (got_a, got_b)
+
+
+def test_a_kernel_first_launched_while_every_sample_is_in_flight_is_measured_before_it_runs_free(tmp_path,
+                                                                                                 c_program):
+    """16 other grids of the kernel, launched once each and back to back (a framework's first
+    step), hold every sample slot when the loop's kernel (8 waves of 72 blocks: 16 ms) first
+    comes.  Its sample used to be skipped and never asked for again, and it was charged the
+    2 ms kernels' time: 100% of a 30% slice, until the cost scale (from the process's second
+    second) caught up.  A kernel never measured now waits for the oldest sample in flight."""
+    env = tenant_env(tmp_path, "t", "30%")
+    got = run_tenants(tmp_path, c_program, [(env, 2000, "many", 8 * 72)], 2.6, [[0.4, 1.0], [1.0, 2.4]])
+    for [share] in got:
+        assert abs(share - 30) <= MARGIN, got
 
 
 @pytest.mark.parametrize("mode", ["graph", "ex", "ptsz"])
