@@ -1,8 +1,8 @@
 """Measure each process's share of a GPU from outside, through NVML.
 
 Used by tests, benchmarks and the demo as the referee of compute shares: it polls
-nvmlDeviceGetProcessUtilization (GPU time each process's kernels took) and averages the
-samples over time windows.  Run it as a separate process pointed at the GPU (for simgpu:
+nvmlDeviceGetProcessUtilization (GPU time each process's kernels took) at every window's
+edges and at least every POLL_S between, and averages the samples over time windows.  Run it as a separate process pointed at the GPU (for simgpu:
 its environment), so the caller need not load NVML itself:
 
     python -m vgpu.referee PIDS WINDOWS T0 [DEVICE]
@@ -19,6 +19,24 @@ import time
 POLL_S = 0.2
 
 
+def poll_times(windows, t0, poll_s=POLL_S):
+    """When to read NVML (absolute times): at every window's edges, and never more than
+    poll_s apart.  A read gives each process's share since the one before, so a window
+    measured from reads at its own edges is its own time alone; a read across an edge
+    spread one average over both sides (a slice waking 100 ms before its window opened
+    was charged the time it was still asleep, 3-5 points of its first second)."""
+    edges = sorted({t0 + x for w in windows for x in w})
+    times, t = [], time.time()
+    for edge in edges:
+        while edge - t > poll_s:
+            t += poll_s
+            times.append(t)
+        if edge > t:
+            times.append(edge)
+            t = edge
+    return times
+
+
 def measure(pids, windows, t0, device=0):
     import pynvml
 
@@ -26,9 +44,9 @@ def measure(pids, windows, t0, device=0):
     handle = pynvml.nvmlDeviceGetHandleByIndex(device)
     acc = [[0.0] * len(pids) for _ in windows]
     span = [0.0] * len(windows)
-    last, end = time.time(), t0 + max(b for _, b in windows)
-    while last < end:
-        time.sleep(POLL_S)
+    last = time.time()
+    for due in poll_times(windows, t0):
+        time.sleep(max(0.0, due - time.time()))
         now = time.time()
         try:
             util = {s.pid: s.smUtil for s in pynvml.nvmlDeviceGetProcessUtilization(handle, int(last * 1e6))}
