@@ -33,6 +33,7 @@
 #define SM_CHECK_NS 500000000ull       /* correction period */
 #define SAMPLE_EVERY 64
 #define SAMPLE_AGE_NS 50000000ull      /* ... or when the last sample is older than this */
+#define YOUNG_SAMPLES 8                /* ... or at the next launch, until it has this many */
 #define MAX_SAMPLES 16
 #define ESTIMATE_BITS 12
 #define CORR_ONE 65536ull
@@ -40,7 +41,7 @@
 #define BACKLOG_POLL_NS 500000ull
 #define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
 
-struct estimate { uint64_t key, ns, sampled_at; uint32_t launches, sampling; };
+struct estimate { uint64_t key, ns, sampled_at; uint32_t launches; uint16_t sampling, learned; };
 static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
 static uint64_t typical_ns;                    /* for launches not measured yet */
 
@@ -283,14 +284,25 @@ static void learn(uint64_t key, uint64_t ns)
 {
     struct estimate *e = estimate_for(key);
     uint64_t old = LOAD(&e->ns);
+    uint16_t learned = LOAD(&e->learned);
     if (LOAD(&e->key) != key || old == 0) {
         STORE(&e->key, key);
         STORE(&e->ns, ns);
+        learned = 1;
     } else {
         /* follow the lower envelope: a sample is the kernel's time plus any wait behind
          * other tenants' work, so the shortest samples are the truest; rise slowly */
         STORE(&e->ns, ns < old ? ns : old + (ns - old) / 64);
+        learned += learned < YOUNG_SAMPLES;
     }
+    STORE(&e->learned, learned);
+    /* a young estimate is sampled again at the next launch: a kernel's first sample counts
+     * the queue it waited behind (a woken 70% slice's first read 12.3 ms of a 2 ms kernel,
+     * its neighbour's work queued before it yielded), and until a lower one came it ran at
+     * a sixth of its share (SAMPLE_AGE_NS, and a harvest every 8 launches of 17 ms each:
+     * 220 ms) */
+    if (learned < YOUNG_SAMPLES)
+        STORE(&e->sampled_at, 0);
     DEBUG("kernel %llx: sampled %.3f ms, estimate %.3f ms", (unsigned long long)key, ns / 1e6, LOAD(&e->ns) / 1e6);
     uint64_t t = LOAD(&typical_ns);
     STORE(&typical_ns, t ? (t * 7 + ns) / 8 : ns);
@@ -607,6 +619,8 @@ static __attribute__((noinline, cold)) uint64_t throttle(int dev, uint64_t next,
                           .tv_nsec = (long)((next - SM_BURST_NS) % 1000000000ull)};
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
         ;
+    if (LOAD(&in_flight))
+        harvest();   /* a sample finished while it slept counts at once, not 8 launches on */
     /* held at its own ceiling (what the autoscaler can raise), or below it for the
      * neighbours' guarantees (what it cannot) */
     __atomic_add_fetch(LOAD(&lanes[dev].allowed) < LOAD(&sm_ceiling[dev]) ? &u->yielded_ns : &u->throttled_ns,
