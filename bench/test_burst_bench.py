@@ -13,6 +13,8 @@ board (vgpu.board) says what each slice's shim is pacing at.
 Run: `make bench` (or `.venv/bin/python -m pytest bench/test_burst_bench.py -q -s`).
 """
 import json
+import os
+import statistics
 import subprocess
 import time
 
@@ -93,11 +95,15 @@ def test_idle_time_ceiling_vs_burst(duty, tmp_path, benchmark):
 
 
 YIELD_BOUND_S = 0.1   # the goal; the guarantee is judged over the second after it
+YIELD_ROUNDS = 6
 
 
-def test_yield_latency_and_guarantee_after_waking(duty, tmp_path, benchmark):
-    """t0 (guaranteed 30%, up to 100%) saturates; t1 (guaranteed 70%) wakes at 2 s."""
+def _yield_once(duty, tmp_path, shim):
+    """t0 (guaranteed 30%, up to 100%) saturates; t1 (guaranteed 70%) wakes at 2 s.
+    (yield ms, the burster's share alone before, [burster, woken] over the second from
+    YIELD_BOUND_S after the wake)."""
     state, vgpu_dir, envs = _node(tmp_path, [(30, 100), (70, 70)], "burst")
+    envs = [{**env, "LD_PRELOAD": str(shim)} for env in envs]
     wake, seconds = 2.0, 4.0
     after = [wake + YIELD_BOUND_S, wake + YIELD_BOUND_S + 1.0]
     t0, procs, referee = _run(duty, state, envs, 2000, seconds, [[0.5, 1.8], after], delays=[0, wake])
@@ -116,12 +122,28 @@ def test_yield_latency_and_guarantee_after_waking(duty, tmp_path, benchmark):
         p.wait(timeout=30)
     assert referee.returncode == 0, err
     before, later = json.loads(out)
-    yield_ms = (yielded_at - woke_at) * 1000 if woke_at and yielded_at else float("nan")
-    error = abs(later[1] - 70)
-    print(f"\nyield: the burster's allowance back at its guarantee {yield_ms:.0f} ms after the guaranteed "
-          f"slice's first launch; alone before, the burster had {before[0]:.1f}%; from {YIELD_BOUND_S * 1000:.0f} ms "
-          f"after waking, for 1 s: {later[1]:.1f}% for the 70% slice ({error:.1f} points off), "
-          f"{later[0]:.1f}% for the burster")
-    benchmark.extra_info.update(yield_ms=yield_ms, burst_alone=before[0], woken_share=later[1],
-                                burster_share=later[0], guarantee_error_points=error)
+    return (yielded_at - woke_at) * 1000 if woke_at and yielded_at else float("nan"), before[0], later
+
+
+def test_yield_latency_and_guarantee_after_waking(duty, tmp_path, benchmark):
+    """The same case YIELD_ROUNDS times; with BENCH_BASELINE_SHIM set, another build of
+    the shim in alternate rounds, side by side (docs/benchmarks.md)."""
+    shims = {"this shim": SHIM}
+    if os.environ.get("BENCH_BASELINE_SHIM"):
+        shims["baseline"] = os.environ["BENCH_BASELINE_SHIM"]
+    got = {name: [] for name in shims}
+    for i in range(YIELD_ROUNDS):
+        for name in (list(shims) if i % 2 else list(shims)[::-1]):
+            got[name].append(_yield_once(duty, tmp_path, shims[name]))
+    print(f"\nyield: a 70% slice wakes next to one bursting to 100% (guaranteed 30%); from "
+          f"{YIELD_BOUND_S * 1000:.0f} ms after the wake, for 1 s:")
+    for name, rounds in got.items():
+        for yield_ms, alone, (burster, woken) in rounds:
+            print(f"{name:10} allowance back at the guarantee {yield_ms:4.0f} ms after the first launch; "
+                  f"woken {woken:5.1f}% ({abs(woken - 70):.1f} points off), burster {burster:5.1f}% "
+                  f"(alone before: {alone:.1f}%)")
+        woken = sorted(r[2][1] for r in rounds)
+        print(f"{name:10} woken slice: {woken[0]:.1f}-{woken[-1]:.1f}%, median {statistics.median(woken):.1f}%")
+        benchmark.extra_info[name] = [{"yield_ms": y, "burst_alone": a, "burster_share": b, "woken_share": w}
+                                      for y, a, (b, w) in rounds]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
