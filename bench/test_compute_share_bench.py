@@ -32,16 +32,18 @@ def duty(tmp_path_factory):
     return exe
 
 
-def tenant(state, vgpu_dir, name, share):
-    return sim_env(state, LD_PRELOAD=SHIM, VGPU_DIR=vgpu_dir, VGPU_SLICE=name, VGPU_SM_LIMIT=f"{share}%")
+def tenant(state, vgpu_dir, name, share, shim=SHIM):
+    return sim_env(state, LD_PRELOAD=shim, VGPU_DIR=vgpu_dir, VGPU_SLICE=name, VGPU_SM_LIMIT=f"{share}%")
 
 
-def shares(duty, tmp_path, tenants, seconds, windows):
-    """tenants: [(share, kernel_us)]; returns the referee's shares per window."""
+def shares(duty, tmp_path, tenants, seconds, windows, how=(), shim=SHIM):
+    """tenants: [(share, kernel_us)], each running `duty kernel_us seconds *how` (a mode and
+    a grid) under `shim`; returns the referee's shares per window."""
     state, vgpu_dir = tmp_path / f"node{time.monotonic_ns()}", tmp_path / f"vgpu{time.monotonic_ns()}"
     t0 = time.time()
-    procs = [subprocess.Popen([str(duty), str(us), str(seconds)], stdout=subprocess.DEVNULL,
-                              env=tenant(state, vgpu_dir, f"t{i}", share)) for i, (share, us) in enumerate(tenants)]
+    procs = [subprocess.Popen([str(duty), str(us), str(seconds), *map(str, how)], stdout=subprocess.DEVNULL,
+                              env=tenant(state, vgpu_dir, f"t{i}", share, shim))
+             for i, (share, us) in enumerate(tenants)]
     referee = start_referee([p.pid for p in procs], windows, t0, sim_env(state))
     out, err = referee.communicate(timeout=seconds + 30)
     for p in procs:
@@ -91,6 +93,39 @@ def test_duty_cycle_accuracy_table(duty, tmp_path, benchmark):
     print(f"worst: {worst:.1f} points")
     benchmark.extra_info["accuracy"] = {label: errs for label, errs in rows}
     benchmark.extra_info["worst_points"] = worst
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+PAIR = (30, 70)
+PAIR_CASES = [   # (what, kernel us, grid): 20 ms kernels either way (a wave is 72 blocks on the A10)
+    ("1 block", 20000, 1),
+    ("7200 blocks (100 waves of 200 us)", 200, 7200),
+]
+
+
+def test_side_by_side_pairs(duty, tmp_path, benchmark):
+    """30/70% tenants of 20 ms kernels, launched back to back and with a cuStreamSynchronize
+    after each (a training step that reads its loss), grids of 1 and 7200 blocks: each
+    tenant's error over 6 s after 4 s, and the worst of the six 1 s windows in it, in
+    points.  With BENCH_BASELINE_SHIM set, another build of the shim in the same rounds."""
+    shims = {"this shim": SHIM}
+    if os.environ.get("BENCH_BASELINE_SHIM"):
+        shims["baseline"] = os.environ["BENCH_BASELINE_SHIM"]
+    windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
+    rows = []
+    for what, us, blocks in PAIR_CASES:
+        for mode in ("kernel", "sync"):
+            for name, shim in shims.items():
+                got = shares(duty, tmp_path, [(PAIR[0], us), (PAIR[1], us)], 10.5, windows, (mode, blocks), shim)
+                whole = max(abs(g - t) for g, t in zip(got[0], PAIR))
+                worst = max(abs(g - t) for w in got[1:] for g, t in zip(w, PAIR))
+                rows.append((name, f"{what}, {'a sync after each' if mode == 'sync' else 'back to back'}",
+                             got[0], whole, worst))
+    print(f"\n{PAIR[0]}/{PAIR[1]}% pairs of 20 ms kernels: shares over 6 s after 4 s, error (points), "
+          "worst 1 s window's error")
+    for name, label, got, whole, worst in rows:
+        print(f"{name:10} {label:58} {got[0]:5.1f} / {got[1]:5.1f}   {whole:4.1f}   {worst:4.1f}")
+        benchmark.extra_info[f"{name}: {label}"] = {"shares": got, "error": whole, "worst_1s": worst}
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 
 
