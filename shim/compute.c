@@ -315,11 +315,11 @@ static void learn(uint64_t key, uint64_t ns)
 }
 
 /* A sample pace() asked for and the launch did not take (every slot in flight, no
- * context, no event, a launch that failed): the next launch of its kernel may take one.
- * Left set, a kernel whose first sample was not taken was never sampled: charged the
- * typical launch's time for good (a 16 ms kernel next to 2 ms ones got 100% of a 30%
- * slice), every launch of it through pace() (its sample stayed due). */
-static __attribute__((noinline, cold)) void sample_not_taken(uint64_t key)
+ * context, no event, a launch that failed), or one dropped unread: the next launch of its
+ * kernel may take one.  Left set, a kernel whose first sample was not taken was never
+ * sampled: charged the typical launch's time for good (a 16 ms kernel next to 2 ms ones
+ * got 100% of a 30% slice), every launch of it through pace() (its sample stayed due). */
+static __attribute__((noinline, cold)) void allow_next_sample(uint64_t key)
 {
     STORE(&estimate_for(key)->sampling, 0);
 }
@@ -333,13 +333,19 @@ static __attribute__((noinline, cold)) void harvest(void)
         if (LOAD(&sp->busy) != 2 ||
             !__atomic_compare_exchange_n(&sp->busy, &flying, 3, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;
-        if (real_cuEventQuery(sp->end) != CUDA_SUCCESS) {
+        CUresult done = real_cuEventQuery(sp->end);
+        if (done == CUDA_ERROR_NOT_READY) {
             STORE(&sp->busy, 2);   /* not done yet */
             continue;
         }
+        /* any other answer drops the sample: an event recorded in a capturing stream
+         * (a launch captured into a graph) is never to be queried (CUDA_ERROR_CAPTURED_EVENT),
+         * and kept, such samples held every slot for good */
         float ms = 0;
-        if (real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms >= 0)
+        if (done == CUDA_SUCCESS && real_cuEventElapsedTime(&ms, sp->start, sp->end) == CUDA_SUCCESS && ms >= 0)
             learn(sp->key, ms > 0 ? (uint64_t)((double)ms * 1e6) : 1);   /* 0 means "not measured" */
+        else
+            allow_next_sample(sp->key);
         __atomic_sub_fetch(&in_flight, 1, __ATOMIC_RELAXED);
         STORE(&sp->busy, 0);
     }
@@ -404,12 +410,18 @@ static struct sample *take_sample(CUcontext ctx)
 /* Start measuring this launch: returns the sample to finish after it, or NULL (the
  * sample is then not taken).  With every slot in flight a kernel never measured waits
  * for the oldest (at most MAX_SAMPLES unknown kernels run ahead of their measurement); a
- * known one's sample is skipped. */
+ * known one's sample is skipped.  A launch captured into a graph runs nothing now: not
+ * sampled (its events could never be read, and a wait on them is not the shim's to make
+ * inside someone's capture). */
 static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread)
 {
     CUresult (*record)(CUevent, CUstream) = per_thread ? real_cuEventRecord_ptsz : real_cuEventRecord;
+    CUresult (*capturing)(CUstream, CUstreamCaptureStatus *) =
+        per_thread ? real_cuStreamIsCapturing_ptsz : real_cuStreamIsCapturing;
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
     CUcontext ctx = NULL;
     if (record && real_cuEventCreate && real_cuEventQuery && real_cuEventElapsedTime && real_cuCtxGetCurrent &&
+        (!capturing || (capturing(stream, &status) == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_NONE)) &&
         real_cuCtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx) {
         struct estimate *e = estimate_for(key);
         if (LOAD(&in_flight))
@@ -424,7 +436,7 @@ static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread
             STORE(&sp->busy, 0);
         }
     }
-    sample_not_taken(key);
+    allow_next_sample(key);
     return NULL;
 }
 
@@ -441,7 +453,7 @@ static void sample_end(struct sample *sp, CUstream stream, int per_thread, CUres
             ;
     } else {
         STORE(&sp->busy, 0);
-        sample_not_taken(sp->key);
+        allow_next_sample(sp->key);
     }
 }
 

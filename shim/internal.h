@@ -61,6 +61,8 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(cuEventRecord, CUresult, (CUevent, CUstream))                                            \
     X(cuEventRecord_ptsz, CUresult, (CUevent, CUstream))                                       \
     X(cuEventQuery, CUresult, (CUevent))                                                       \
+    X(cuStreamIsCapturing, CUresult, (CUstream, CUstreamCaptureStatus *))                      \
+    X(cuStreamIsCapturing_ptsz, CUresult, (CUstream, CUstreamCaptureStatus *))                 \
     X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                               \
     X(cuEventDestroy_v2, CUresult, (CUevent))                                                  \
     X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))            \

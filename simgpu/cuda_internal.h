@@ -90,6 +90,7 @@ struct vgpu_event {
     struct hdr h;
     unsigned flags;
     int recorded;
+    int captured;   /* last recorded in a capturing stream: not to be queried (cuda.h) */
     uint64_t t;
 };
 

@@ -739,6 +739,12 @@ SIMGPU_EXPORT CUresult cuEventRecord(CUevent e, CUstream h)
         return err;
     if (!handle_ok(e, K_EVENT))
         return CUDA_ERROR_INVALID_HANDLE;
+    /* recorded into a capture sequence, the event stands for work that has not run and
+     * "the operation is not permitted on an event which was last recorded in a capturing
+     * stream" (cuda.h, CUDA_ERROR_CAPTURED_EVENT; cuThreadExchangeStreamCaptureMode names
+     * cuEventQuery on one): query, synchronize and elapsed time refuse it until it is
+     * recorded again outside a capture */
+    e->captured = s->capture != NULL;
     uint64_t now = simgpu_now_ns(), end = stream_last_end(s);
     e->t = end > now ? end : now;   /* completes when the stream's earlier work has */
     e->recorded = 1;
@@ -763,6 +769,8 @@ SIMGPU_EXPORT CUresult cuEventQuery(CUevent e)
     REQUIRE_INIT();
     if (!handle_ok(e, K_EVENT))
         return CUDA_ERROR_INVALID_HANDLE;
+    if (e->captured)
+        return CUDA_ERROR_CAPTURED_EVENT;
     return !e->recorded || simgpu_now_ns() >= e->t ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
@@ -771,6 +779,8 @@ SIMGPU_EXPORT CUresult cuEventSynchronize(CUevent e)
     REQUIRE_INIT();
     if (!handle_ok(e, K_EVENT))
         return CUDA_ERROR_INVALID_HANDLE;
+    if (e->captured)
+        return CUDA_ERROR_CAPTURED_EVENT;
     if (e->recorded)
         simgpu_sleep_until(e->t);
     pools_release_over_threshold();
@@ -785,6 +795,8 @@ SIMGPU_EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent e
     if (!handle_ok(start, K_EVENT) || !handle_ok(end, K_EVENT) || !start->recorded || !end->recorded ||
         ((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING))
         return CUDA_ERROR_INVALID_HANDLE;
+    if (start->captured || end->captured)
+        return CUDA_ERROR_CAPTURED_EVENT;
     uint64_t now = simgpu_now_ns();
     if (now < start->t || now < end->t)
         return CUDA_ERROR_NOT_READY;

@@ -1,9 +1,11 @@
 /* A saturating GPU workload for compute-share tests: launches sim_<us>us kernels (or a
  * graph of them) back to back on one stream for <seconds>, through dlopen + dlsym.
- * usage: duty <kernel_us> <seconds> [kernel|graph|ex|ptsz|sync|many] [blocks]
+ * usage: duty <kernel_us> <seconds> [kernel|graph|ex|ptsz|sync|many|captured] [blocks]
  * (sync: cuStreamSynchronize after each launch, as a training step that reads its loss does;
  * many: first 16 other grids of the kernel, 1 to 16 blocks, once each and back to back, as a
- * framework's first step launches many kernels, then the loop's)
+ * framework's first step launches many kernels, then the loop's; captured: the same 16
+ * captured into a graph, launched once, then the loop's, as a framework that captures its
+ * step before it runs it)
  * Prints: launches=<n> */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -62,10 +64,22 @@ int main(int argc, char **argv)
         if (((CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))cuGraphInstantiateWithFlags)(&exec, g, 0))
             return 5;
     }
-    if (!strcmp(mode, "many"))
+    int captured = !strcmp(mode, "captured");
+    if (captured)
+        ((CUresult(*)(CUstream, int))cuStreamBeginCapture_v2)(s, 0);
+    if (captured || !strcmp(mode, "many"))
         for (unsigned b = 1; b <= 16; b++)
             if (((launch_fn)cuLaunchKernel)(f, b, 1, 1, 32, 1, 1, 0, s, NULL, NULL))
                 return 6;
+    if (captured) {
+        CUgraph g;
+        CUgraphExec once;
+        if (((CUresult(*)(CUstream, CUgraph *))cuStreamEndCapture)(s, &g) ||
+            ((CUresult(*)(CUgraphExec *, CUgraph, unsigned long long))cuGraphInstantiateWithFlags)(&once, g, 0) ||
+            ((CUresult(*)(CUgraphExec, CUstream))cuGraphLaunch)(once, s) ||
+            ((CUresult(*)(CUstream))cuStreamSynchronize)(s))
+            return 5;
+    }
     long n = 0;
     double end = now() + seconds;
     while (now() < end) {

@@ -1354,6 +1354,32 @@ print(json.dumps([capturing, after_capture, once, twice]))
 
 
 
+def test_an_event_recorded_in_a_capturing_stream_refuses_to_be_read_until_recorded_again(sim_env):
+    """cuda.h: CUDA_ERROR_CAPTURED_EVENT, "the operation is not permitted on an event
+    which was last recorded in a capturing stream" (cuThreadExchangeStreamCaptureMode
+    names cuEventQuery on one).  cuda-bindings through simgpu."""
+    r = cuda("""
+context()
+s = ok(cu.cuStreamCreate(0))
+start, end = ok(cu.cuEventCreate(0)), ok(cu.cuEventCreate(0))
+ok(cu.cuEventRecord(start, s))
+ok(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+recorded = rc(cu.cuEventRecord(end, s))
+launch(kernel("sim_1000us"), 1, s)
+inside = [rc(cu.cuEventQuery(end)), rc(cu.cuEventSynchronize(end)), rc(cu.cuEventElapsedTime(start, end))]
+graph = ok(cu.cuStreamEndCapture(s))
+after = [rc(cu.cuEventQuery(end)), rc(cu.cuEventQuery(start))]
+ok(cu.cuEventRecord(end, s))
+again = [rc(cu.cuEventSynchronize(end)), rc(cu.cuEventQuery(end))]
+print(json.dumps([recorded, inside, after, again]))
+""", sim_env)
+    recorded, inside, after, again = r
+    assert recorded == SUCCESS
+    assert inside == [907] * 3
+    assert after == [907, SUCCESS]   # the capture's end does not clear it; the other event is untouched
+    assert again == [SUCCESS, SUCCESS]
+
+
 # === graphs: memory nodes and the graph memory reserve ===
 
 GRAPH_MEM = POOL + """
