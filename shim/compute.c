@@ -295,8 +295,8 @@ static void learn(uint64_t key, uint64_t ns)
          * Where the device is shared most samples are such (tenants' kernels alternate
          * in its queue): rising by 1/64 of each, the estimates of four tenants of a full
          * GPU ran 1-2% high and each got up to 1.4 points less than its share; by 1/256
-         * 0.7 at most.  A kernel that really got longer is followed by the cost scale
-         * (the device time NVML measured) within seconds. */
+         * under 1 (docs/benchmarks.md).  A kernel that really got longer is followed by
+         * the cost scale (the device time NVML measured) within seconds. */
         STORE(&e->ns, ns < old ? ns : old + (ns - old) / 256);
         learned += learned < YOUNG_SAMPLES;
     }
@@ -371,7 +371,7 @@ static __attribute__((noinline, cold)) int await_oldest_sample(void)
 {
     struct sample *oldest = NULL;
     for (int i = 0; i < MAX_SAMPLES; i++)
-        if (LOAD(&samples[i].busy) == 2 && (!oldest || samples[i].launched_ns < oldest->launched_ns))
+        if (LOAD(&samples[i].busy) == 2 && (!oldest || LOAD(&samples[i].launched_ns) < LOAD(&oldest->launched_ns)))
             oldest = &samples[i];
     if (!oldest || !REAL(cuEventSynchronize))
         return 0;

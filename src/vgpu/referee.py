@@ -2,8 +2,9 @@
 
 Used by tests, benchmarks and the demo as the referee of compute shares: it polls
 nvmlDeviceGetProcessUtilization (GPU time each process's kernels took) at every window's
-edges and at least every POLL_S between, and averages the samples over time windows.  Run it as a separate process pointed at the GPU (for simgpu:
-its environment), so the caller need not load NVML itself:
+edges and at least every POLL_S between, and averages the samples over time windows.  Run
+it as a separate process pointed at the GPU (for simgpu: its environment), so the caller
+need not load NVML itself:
 
     python -m vgpu.referee PIDS WINDOWS T0 [DEVICE]
       PIDS     JSON list of pids
@@ -24,7 +25,7 @@ def poll_times(windows, t0, poll_s=POLL_S):
     poll_s apart.  A read gives each process's share since the one before, so a window
     measured from reads at its own edges is its own time alone; a read across an edge
     spread one average over both sides (a slice waking 100 ms before its window opened
-    was charged the time it was still asleep, 3-5 points of its first second)."""
+    was charged time it still slept)."""
     edges = sorted({t0 + x for w in windows for x in w})
     times, t = [], time.time()
     for edge in edges:
