@@ -40,6 +40,7 @@
 #define BACKLOG_NS 40000000ull        /* bound_backlog: a queue this far behind its launches waits */
 #define BACKLOG_POLL_NS 500000ull
 #define BACKLOG_WAIT_MAX 2000          /* polls: 1 s, never for ever */
+#define SAMPLE_WAIT_MAX_NS 1000000000ull   /* await_sample: never for ever either */
 
 struct estimate { uint64_t key, ns, sampled_at; uint32_t launches; uint16_t sampling, learned; };
 static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
@@ -351,15 +352,30 @@ static __attribute__((noinline, cold)) void harvest(void)
     }
 }
 
+/* Wait for sample sp to finish (its event polled, sleeping 20 us at first and up to
+ * BACKLOG_POLL_NS), then collect what finished.  At most SAMPLE_WAIT_MAX_NS: a kernel can
+ * wait on what its program has not done yet (a stream memory wait on a flag the host
+ * sets after this launch), and the program's launch must not hang on the shim's wait. */
+static void await_sample(struct sample *sp)
+{
+    CUevent end = sp->end;
+    for (uint64_t waited = 0, step = 20000; waited < SAMPLE_WAIT_MAX_NS && LOAD(&sp->busy) == 2 &&
+                                            real_cuEventQuery(end) == CUDA_ERROR_NOT_READY;
+         waited += step, step = step * 2 < BACKLOG_POLL_NS ? step * 2 : BACKLOG_POLL_NS) {
+        struct timespec ts = {0, (long)step};
+        nanosleep(&ts, NULL);
+    }
+    harvest();
+}
+
 /* A kernel never measured yet: wait for its first sample rather than queue unknown
  * amounts of work for free (once per kernel and grid). */
 static __attribute__((noinline, cold)) void await_first_sample(uint64_t key)
 {
     for (int i = 0; i < MAX_SAMPLES; i++) {
         struct sample *sp = &samples[i];
-        if (LOAD(&sp->busy) == 2 && sp->key == key && REAL(cuEventSynchronize)) {
-            real_cuEventSynchronize(sp->end);
-            harvest();
+        if (LOAD(&sp->busy) == 2 && sp->key == key) {
+            await_sample(sp);
             return;
         }
     }
@@ -373,10 +389,9 @@ static __attribute__((noinline, cold)) int await_oldest_sample(void)
     for (int i = 0; i < MAX_SAMPLES; i++)
         if (LOAD(&samples[i].busy) == 2 && (!oldest || LOAD(&samples[i].launched_ns) < LOAD(&oldest->launched_ns)))
             oldest = &samples[i];
-    if (!oldest || !REAL(cuEventSynchronize))
+    if (!oldest)
         return 0;
-    real_cuEventSynchronize(oldest->end);
-    harvest();
+    await_sample(oldest);
     return 1;
 }
 
