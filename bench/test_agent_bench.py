@@ -1,7 +1,7 @@
 """The node agent's cost and how fast it sees a violation.  Run: `make bench` (or
 `.venv/bin/python -m pytest bench/test_agent_bench.py -q -s -p no:cacheprovider`).
 
-1. CPU per loop iteration (vgpu.node.Agent.tick, the process's CPU clock) with real
+1. CPU per loop iteration (vgpu.agent.Agent.tick, the process's CPU clock) with real
    processes under the shim on simgpu, each holding a slot in its slice's usage file:
      - 100 slices x 10 processes (1,000 processes; 2 per slice hold device memory, so
        NVML lists 200 of them: simgpu has room for 256 GPU processes);
@@ -72,8 +72,8 @@ def _measure(tmp, exe, slices_n, per_slice, gpu_per_slice_every):
         # first use; so it runs in a child with the node's environment
         code = f"""
 import json, time, sys
-from vgpu import node
-a = node.Agent({str(directory)!r}, log=lambda line: None)
+from vgpu import agent
+a = agent.Agent({str(directory)!r}, log=lambda line: None)
 t0 = time.process_time(); snap = a.tick(); first = time.process_time() - t0
 gpu = len(snap.processes); sliced = sum(1 for p in snap.processes if p.attribution.state == "sliced")
 cpu = []
