@@ -281,6 +281,18 @@ static struct estimate *estimate_for(uint64_t key)
     return &estimates[(key * 0x9E3779B97F4A7C15ull) >> (64 - ESTIMATE_BITS)];
 }
 
+/* The kernel's estimate, 0 while it has none (its bucket another kernel's, or unmeasured). */
+static inline uint64_t known_ns(const struct estimate *e, uint64_t key)
+{
+    return LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+}
+
+/* Is sample sp still in flight, its kernel not done?  (end: its event, read once by the caller) */
+static inline int sample_pending(struct sample *sp, CUevent end)
+{
+    return LOAD(&sp->busy) == 2 && real_cuEventQuery(end) == CUDA_ERROR_NOT_READY;
+}
+
 static void learn(uint64_t key, uint64_t ns)
 {
     struct estimate *e = estimate_for(key);
@@ -359,8 +371,7 @@ static __attribute__((noinline, cold)) void harvest(void)
 static void await_sample(struct sample *sp)
 {
     CUevent end = sp->end;
-    for (uint64_t waited = 0, step = 20000; waited < SAMPLE_WAIT_MAX_NS && LOAD(&sp->busy) == 2 &&
-                                            real_cuEventQuery(end) == CUDA_ERROR_NOT_READY;
+    for (uint64_t waited = 0, step = 20000; waited < SAMPLE_WAIT_MAX_NS && sample_pending(sp, end);
          waited += step, step = step * 2 < BACKLOG_POLL_NS ? step * 2 : BACKLOG_POLL_NS) {
         struct timespec ts = {0, (long)step};
         nanosleep(&ts, NULL);
@@ -438,11 +449,10 @@ static struct sample *sample_begin(uint64_t key, CUstream stream, int per_thread
     if (record && real_cuEventCreate && real_cuEventQuery && real_cuEventElapsedTime && real_cuCtxGetCurrent &&
         (!capturing || (capturing(stream, &status) == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_NONE)) &&
         real_cuCtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx) {
-        struct estimate *e = estimate_for(key);
         if (LOAD(&in_flight))
             harvest();
         struct sample *sp = take_sample(ctx);
-        if (!sp && (LOAD(&e->key) != key || !LOAD(&e->ns)) && await_oldest_sample())
+        if (!sp && !known_ns(estimate_for(key), key) && await_oldest_sample())
             sp = take_sample(ctx);
         if (sp) {
             sp->key = key;
@@ -486,8 +496,7 @@ static __attribute__((noinline, cold)) uint64_t bound_backlog(int dev, uint64_t 
         if (LOAD(&sp->busy) != 2 || now - LOAD(&sp->launched_ns) < BACKLOG_NS || now < LOAD(&sp->launched_ns))
             continue;
         CUevent end = sp->end;
-        for (int n = 0; n < BACKLOG_WAIT_MAX && LOAD(&sp->busy) == 2 && real_cuEventQuery(end) == CUDA_ERROR_NOT_READY;
-             n++) {
+        for (int n = 0; n < BACKLOG_WAIT_MAX && sample_pending(sp, end); n++) {
             struct timespec ts = {0, (long)BACKLOG_POLL_NS};
             nanosleep(&ts, NULL);
             waited += BACKLOG_POLL_NS;
@@ -671,10 +680,10 @@ static __attribute__((noinline)) int pace(uint64_t key)
     if (pacing == SM_DENIED)
         return -1;   /* fail closed, like its memory; never a wait */
     struct estimate *e = estimate_for(key);
-    uint64_t raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+    uint64_t raw = known_ns(e, key);
     if (!raw && LOAD(&e->sampling)) {
         await_first_sample(key);
-        raw = LOAD(&e->key) == key ? LOAD(&e->ns) : 0;
+        raw = known_ns(e, key);
     }
     uint32_t n = __atomic_load_n(&e->launches, __ATOMIC_RELAXED) + 1;   /* (a race loses one: a blur) */
     __atomic_store_n(&e->launches, n, __ATOMIC_RELAXED);
