@@ -80,22 +80,45 @@ def test_one_process_start_up(tmp_path, bench_program, benchmark):
             "made slice": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=made, VGPU_SLICE="one", **node),
             "standalone": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=tmp_path / "vgpu",
                                   VGPU_SLICE="alone", VGPU_MEMORY_LIMIT="8Gi", **node)}
-    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (docs/benchmarks.md)
-        envs["made slice, baseline"] = {**envs["made slice"], "LD_PRELOAD": os.environ["BENCH_BASELINE_SHIM"]}
-    subprocess.run([str(exe)], env=envs["without"], check=True, capture_output=True)   # simgpu makes its node
+    envs.update(_baseline_envs(tmp_path, envs["made slice"], node))
+    for env in envs.values():   # simgpu makes its node, and a standalone slice its files, before the rounds
+        subprocess.run([str(exe)], env=env, check=True, capture_output=True)
     runs = {k: [] for k in envs}
     for i in range(40):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
             out = subprocess.run([str(exe)], env=envs[name], capture_output=True, text=True, check=True).stdout
             runs[name].append(dict(kv.split("=") for kv in out.split()))
     med = {k: {m: statistics.median(float(r[m]) for r in v) / 1000 for m in v[0]} for k, v in runs.items()}
-    base = med["without"]
-    print("\none process          main() to first allocation   added    cuInit   added")
+    print("\none process                main() to first allocation   added    cuInit   added")
     for name, m in med.items():
-        print(f"{name:20} {m['first_alloc_ns']:20.0f} us {m['first_alloc_ns'] - base['first_alloc_ns']:6.0f} us "
+        base = med[_without_for(name)]
+        print(f"{name:26} {m['first_alloc_ns']:20.0f} us {m['first_alloc_ns'] - base['first_alloc_ns']:6.0f} us "
               f"{m['init_ns']:6.0f} us {m['init_ns'] - base['init_ns']:5.0f} us")
         benchmark.extra_info[f"{name} first_alloc_us"] = m["first_alloc_ns"]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
+def _baseline_envs(tmp_path, made_slice, node):
+    """Another build of the shim, for the start-up rows side by side (docs/benchmarks.md).
+    BENCH_BASELINE_SHIM alone: it runs in the same made slice, on this simgpu.  With
+    BENCH_BASELINE_SIMGPU too (the directory of that tree's own simgpu libraries: an old
+    commit whose files and simgpu differ from these), it runs on its own simgpu node, in a
+    standalone slice that its first run made (the case closest to joining a made slice that
+    trees without `vgpu-ctl measure-context` have), beside that simgpu without a shim."""
+    shim = os.environ.get("BENCH_BASELINE_SHIM")
+    if not shim:
+        return {}
+    old_simgpu = os.environ.get("BENCH_BASELINE_SIMGPU")
+    if not old_simgpu:
+        return {"made slice, baseline": {**made_slice, "LD_PRELOAD": shim}}
+    without = {**sim_env(tmp_path / "baseline-node", **node), "LD_LIBRARY_PATH": old_simgpu}
+    return {"baseline without": without,
+            "baseline, its slice": {**without, "LD_PRELOAD": shim, "VGPU_DIR": str(tmp_path / "baseline-vgpu"),
+                                    "VGPU_SLICE": "old", "VGPU_MEMORY_LIMIT": "8Gi"}}
+
+
+def _without_for(name):
+    return "baseline without" if name.startswith("baseline") else "without"
 
 
 def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
@@ -106,10 +129,17 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
     envs = {"without": sim_env(tmp_path / "node"),
             "with": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE="many",
                             VGPU_MEMORY_LIMIT="8Gi")}
-    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (docs/benchmarks.md)
+    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (_baseline_envs)
         envs["baseline"] = {**envs["with"], "LD_PRELOAD": os.environ["BENCH_BASELINE_SHIM"],
                             "VGPU_DIR": str(tmp_path / "vgpu-baseline")}
-    subprocess.run([str(exe), "10", "info"], env=envs["without"], check=True, capture_output=True)
+        if os.environ.get("BENCH_BASELINE_SIMGPU"):   # on its own simgpu, beside that simgpu without a shim
+            envs["baseline without"] = {**sim_env(tmp_path / "baseline-node"),
+                                        "LD_LIBRARY_PATH": os.environ["BENCH_BASELINE_SIMGPU"]}
+            envs["baseline"] = {**envs["baseline"], "LD_LIBRARY_PATH": os.environ["BENCH_BASELINE_SIMGPU"],
+                                "SIMGPU_STATE_DIR": envs["baseline without"]["SIMGPU_STATE_DIR"]}
+    for name in ("without", "baseline without"):
+        if name in envs:
+            subprocess.run([str(exe), "10", "info"], env=envs[name], check=True, capture_output=True)
     medians = {k: [] for k in envs}
     for i in range(12):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
@@ -124,7 +154,8 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
     print(f"median of the rounds: {w:.0f} us without, {s:.0f} us with ({s / w:.2f}x)")
     if "baseline" in medians:
         b = statistics.median(medians["baseline"])
-        print(f"baseline shim: {b:.0f} us ({b / w:.2f}x)")
+        bw = statistics.median(medians[_without_for("baseline")])
+        print(f"baseline shim: {b:.0f} us ({b / bw:.2f}x{f' its simgpu without a shim: {bw:.0f} us' if bw != w else ''})")
         benchmark.extra_info.update(baseline_median_init_us=b)
     benchmark.extra_info.update(without_median_init_us=w, with_median_init_us=s, ratio=s / w)
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)

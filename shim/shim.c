@@ -349,8 +349,17 @@ static const struct vgpu_quota *map_quota(const char *path)
 }
 
 /* Any number of processes may start at once in a new container: the file is created
- * empty, whoever takes the exclusive lock first writes the header, and every process
- * validates it under a shared lock, so none can see it half-written. */
+ * empty, whoever takes the exclusive lock first writes the header, and a process that
+ * finds it short validates it under a shared lock, so none can see it half-written.  One
+ * that finds it at its full size takes no lock (two system calls saved in every process
+ * but a slice's first): the size reaches the whole only with the last page of that one
+ * pwrite (the header, page 0, went first; the rest is zeros, written or not), and vgpu-ctl
+ * links a complete file into place. */
+static int usage_complete(const struct stat *st)
+{
+    return S_ISREG(st->st_mode) && (size_t)st->st_size == sizeof(struct vgpu_usage);
+}
+
 static struct vgpu_usage *map_usage(const char *path)
 {
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -360,25 +369,28 @@ static struct vgpu_usage *map_usage(const char *path)
     }
     struct stat st;
     int ok = fstat(fd, &st) == 0;
-    if (ok && st.st_size == 0) {
-        flock(fd, LOCK_EX);
-        if ((ok = fstat(fd, &st) == 0) && st.st_size == 0) {
-            struct vgpu_usage *u = calloc(1, sizeof *u);
-            if ((ok = u != NULL)) {
-                u->magic = VGPU_USAGE_MAGIC;
-                u->abi_version = VGPU_ABI_VERSION;
-                u->size = sizeof *u;
-                ok = pwrite(fd, u, sizeof *u, 0) == (ssize_t)sizeof *u;
-                free(u);
+    if (ok && !usage_complete(&st)) {
+        if (st.st_size == 0) {
+            flock(fd, LOCK_EX);
+            if ((ok = fstat(fd, &st) == 0) && st.st_size == 0) {
+                struct vgpu_usage *u = calloc(1, sizeof *u);
+                if ((ok = u != NULL)) {
+                    u->magic = VGPU_USAGE_MAGIC;
+                    u->abi_version = VGPU_ABI_VERSION;
+                    u->size = sizeof *u;
+                    ok = pwrite(fd, u, sizeof *u, 0) == (ssize_t)sizeof *u;
+                    free(u);
+                }
             }
+            flock(fd, LOCK_UN);
         }
-        flock(fd, LOCK_UN);
+        flock(fd, LOCK_SH);
+        ok = ok && fstat(fd, &st) == 0;
+        flock(fd, LOCK_UN);   /* (complete now: it stays so) */
     }
-    flock(fd, LOCK_SH);
-    void *m = MAP_FAILED;
-    if (ok && (ok = fstat(fd, &st) == 0) && S_ISREG(st.st_mode) && (size_t)st.st_size == sizeof(struct vgpu_usage))
-        m = mmap(NULL, sizeof(struct vgpu_usage), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    flock(fd, LOCK_UN);
+    void *m = ok && usage_complete(&st) ? mmap(NULL, sizeof(struct vgpu_usage), PROT_READ | PROT_WRITE, MAP_SHARED,
+                                               fd, 0)
+                                        : MAP_FAILED;
     if (m == MAP_FAILED) {
         deny("usage file %s cannot be mapped (%lld bytes, need %zu)", path, ok ? (long long)st.st_size : -1ll,
              sizeof(struct vgpu_usage));
@@ -485,7 +497,7 @@ static int read_stat(const char *path, char *state, uint64_t *start_ticks)
  * time of every thread.  With 32 processes starting at once the first read of
  * /proc/self/stat took 0.6-2 ms at the median (this machine, kernel 6.18), the thread's
  * 23 us. */
-static uint64_t self_start_ticks(void)
+static uint64_t read_start_ticks(void)
 {
     char state, path[64];
     uint64_t ticks;
@@ -499,6 +511,26 @@ static uint64_t inode_of(const char *path)
 {
     struct stat st;
     return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* Who this process is (its start and pid namespace: a slot's and a standalone quota's
+ * owner fields), read once per process: neither changes for a process (setns and unshare
+ * move only the children it makes after), and a forked child has another pid, so it reads
+ * its own.  A standalone slice's maker read both twice, a reap the namespace once per slot. */
+struct identity {
+    uint64_t start_ticks, pid_ns;
+};
+
+static struct identity own_identity(void)
+{
+    static struct identity id;
+    static int32_t read_by;   /* the pid that read id */
+    int32_t me = (int32_t)getpid();
+    if (LOAD(&read_by) != me) {
+        id = (struct identity){read_start_ticks(), inode_of("/proc/self/ns/pid")};
+        STORE(&read_by, me);
+    }
+    return id;
 }
 
 /* Where slot i's process is: still there, gone (done with its files), or not ours to say.
@@ -523,7 +555,7 @@ static enum owner slot_owner(int i)
 {
     const struct vgpu_usage_proc *p = &S.usage->procs[i];
     int32_t pid = LOAD(&p->pid);
-    uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns), mine = inode_of("/proc/self/ns/pid");
+    uint64_t ticks = LOAD(&p->start_ticks), pid_ns = LOAD(&p->pid_ns), mine = own_identity().pid_ns;
     if (pid_ns != mine && mine == ROOT_PID_NS_INODE && pid > 0)
         pid = (int32_t)LOAD(&p->state);   /* a container's process: its pid here, as the node agent wrote it */
     else if (pid_ns != mine)
@@ -661,8 +693,9 @@ int claim_slot(void)
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         p->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-        p->start_ticks = self_start_ticks();
-        p->pid_ns = inode_of("/proc/self/ns/pid");
+        struct identity me = own_identity();
+        p->start_ticks = me.start_ticks;
+        p->pid_ns = me.pid_ns;
         p->cgroup_id = 0;   /* not read here (4 system calls, ~20 us): the node agent reads it from outside */
         p->flags = slice_from_file ? VGPU_PROC_FROM_FILE : 0;
         p->state = 0;                  /* NVML's pid for it: the node agent's to write */
@@ -912,8 +945,9 @@ static void standalone_join(const char *dir, const char *cdir, const char *qpath
     q->flags |= VGPU_QUOTA_TEMPORARY | VGPU_QUOTA_STANDALONE | (made_dir ? VGPU_QUOTA_MADE_DIR : 0) |
                 (access(board, F_OK) ? VGPU_QUOTA_MADE_BOARD : 0);
     q->owner_pid = (uint64_t)getpid();
-    q->owner_start = self_start_ticks();
-    q->owner_pid_ns = inode_of("/proc/self/ns/pid");
+    struct identity me = own_identity();
+    q->owner_start = me.start_ticks;
+    q->owner_pid_ns = me.pid_ns;
     mkdir(cdir, 0755);
     if (create_file_once(qpath, q, sizeof *q, 0644))
         INFO("made standalone slice %s in %s (%u devices): removed when its last process ends", q->name, dir,
