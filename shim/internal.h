@@ -49,32 +49,38 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
 #undef DECLARE_CUDA
 #undef DECLARE_NVML
 
-/* driver functions the shim calls but does not hook (X(name, return type, parameters)) */
-#define VGPU_CALLED(X)                                                                         \
-    X(cuCtxGetDevice, CUresult, (CUdevice *))                                                  \
-    X(cuDeviceGetCount, CUresult, (int *))                                                     \
-    X(cuCtxGetCurrent, CUresult, (CUcontext *))                                                \
-    X(cuCtxPushCurrent_v2, CUresult, (CUcontext))                                              \
-    X(cuCtxPopCurrent_v2, CUresult, (CUcontext *))                                             \
-    X(cuStreamGetCtx, CUresult, (CUstream, CUcontext *))                                       \
-    X(cuEventCreate, CUresult, (CUevent *, unsigned int))                                      \
-    X(cuEventRecord, CUresult, (CUevent, CUstream))                                            \
-    X(cuEventRecord_ptsz, CUresult, (CUevent, CUstream))                                       \
-    X(cuEventQuery, CUresult, (CUevent))                                                       \
-    X(cuStreamIsCapturing, CUresult, (CUstream, CUstreamCaptureStatus *))                      \
-    X(cuStreamIsCapturing_ptsz, CUresult, (CUstream, CUstreamCaptureStatus *))                 \
-    X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                               \
-    X(cuEventDestroy_v2, CUresult, (CUevent))                                                  \
-    X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))            \
-    X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                             \
-    X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))                 \
-    X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))        \
-    X(cuGraphGetNodes, CUresult, (CUgraph, CUgraphNode *, size_t *))                           \
-    X(cuGraphNodeGetType, CUresult, (CUgraphNode, CUgraphNodeType *))                          \
-    X(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *))     \
-    X(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode, CUgraph *))                       \
-    X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))                                     \
-    X(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdeviceptr))               \
+/* driver functions the shim calls but does not hook (X(name, return type, parameters)).
+ * VGPU_CALLED: what start-up, every allocation and every paced launch call, looked up at
+ * start-up (resolve_cuda).  VGPU_CALLED_ON_USE: what only rarer paths call (another
+ * context's stream, pools, graphs, the share board, views, shared memory, a context's
+ * teardown), looked up on first use: 14 fewer dlsym calls in every process's start
+ * (issue 31).  Those are only ever named as REAL(sym), never real_sym (NULL until then). */
+#define VGPU_CALLED(X)                                                                     \
+    X(cuCtxGetDevice, CUresult, (CUdevice *))                                              \
+    X(cuDeviceGetCount, CUresult, (int *))                                                 \
+    X(cuCtxGetCurrent, CUresult, (CUcontext *))                                            \
+    X(cuEventCreate, CUresult, (CUevent *, unsigned int))                                  \
+    X(cuEventRecord, CUresult, (CUevent, CUstream))                                        \
+    X(cuEventRecord_ptsz, CUresult, (CUevent, CUstream))                                   \
+    X(cuEventQuery, CUresult, (CUevent))                                                   \
+    X(cuStreamIsCapturing, CUresult, (CUstream, CUstreamCaptureStatus *))                  \
+    X(cuStreamIsCapturing_ptsz, CUresult, (CUstream, CUstreamCaptureStatus *))             \
+    X(cuEventElapsedTime, CUresult, (float *, CUevent, CUevent))                           \
+    X(cuEventDestroy_v2, CUresult, (CUevent))
+#define VGPU_CALLED_ON_USE(X)                                                              \
+    X(cuCtxPushCurrent_v2, CUresult, (CUcontext))                                          \
+    X(cuCtxPopCurrent_v2, CUresult, (CUcontext *))                                         \
+    X(cuStreamGetCtx, CUresult, (CUstream, CUcontext *))                                   \
+    X(cuMemPoolGetAttribute, CUresult, (CUmemoryPool, CUmemPool_attribute, void *))        \
+    X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                         \
+    X(cuDevicePrimaryCtxGetState, CUresult, (CUdevice, unsigned int *, int *))             \
+    X(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice, CUgraphMem_attribute, void *))    \
+    X(cuGraphGetNodes, CUresult, (CUgraph, CUgraphNode *, size_t *))                       \
+    X(cuGraphNodeGetType, CUresult, (CUgraphNode, CUgraphNodeType *))                      \
+    X(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *)) \
+    X(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode, CUgraph *))                   \
+    X(cuDeviceGetUuid_v2, CUresult, (CUuuid *, CUdevice))                                  \
+    X(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *, size_t *, CUdeviceptr))           \
     X(cuMemGetAllocationPropertiesFromHandle, CUresult, (CUmemAllocationProp *, CUmemGenericAllocationHandle))
 #define VGPU_NVML_CALLED(X)                                                                    \
     X(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t, unsigned int *))                        \
@@ -84,6 +90,7 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
     X(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int, nvmlDevice_t *))
 #define DECLARE_CALLED(sym, ret, params) extern HIDDEN ret(*real_##sym) params;
 VGPU_CALLED(DECLARE_CALLED)
+VGPU_CALLED_ON_USE(DECLARE_CALLED)
 VGPU_NVML_CALLED(DECLARE_CALLED)
 #undef DECLARE_CALLED
 
@@ -158,8 +165,9 @@ void init_slow(void);
 
 /* A hook's driver entry point is looked up on the hook's first call, not at start-up: a
  * dlsym of each of the 84 hooked symbols cost 54k instructions (~20 us) in every process,
- * where a program calls a handful (issue 31).  NULL while the driver lacks it.  The
- * entry points the shim calls for itself (VGPU_CALLED) are looked up at start-up.
+ * where a program calls a handful (issue 31).  NULL while the driver lacks it.  Of the
+ * entry points the shim calls for itself, VGPU_CALLED are looked up at start-up and
+ * VGPU_CALLED_ON_USE here.
  * Racing threads may both look one up; they store the same pointer. */
 void *resolve_real(void **real, const char *symbol);   /* *real once found, or looked up */
 #define REAL(sym) (LIKELY(real_##sym != NULL) ? real_##sym \

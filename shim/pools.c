@@ -71,11 +71,11 @@ static void note_pool(CUmemoryPool pool, int dev)
 static void pool_settle_locked(struct pool *p, int trim)
 {
     cuuint64_t reserved;
-    if (p->dev < 0 || !real_cuMemPoolGetAttribute)
+    if (p->dev < 0 || !REAL(cuMemPoolGetAttribute))
         return;
     if (trim && REAL(cuMemPoolTrimTo))
         real_cuMemPoolTrimTo(p->pool, 0);
-    if (real_cuMemPoolGetAttribute(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+    if (REAL(cuMemPoolGetAttribute)(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
         return;   /* (a destroyed pool is settled by the destroy hook) */
     uint64_t target = reserved + p->pending;
     if (target > p->charged)
@@ -362,22 +362,22 @@ static inline uint64_t graph_key(CUgraphExec exec, int dev)
 static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
 {
     size_t n = 0;
-    if (depth > 16 || !real_cuGraphGetNodes || !real_cuGraphNodeGetType || !real_cuGraphMemAllocNodeGetParams ||
-        real_cuGraphGetNodes(g, NULL, &n) != CUDA_SUCCESS)
+    if (depth > 16 || !REAL(cuGraphGetNodes) || !REAL(cuGraphNodeGetType) || !REAL(cuGraphMemAllocNodeGetParams) ||
+        REAL(cuGraphGetNodes)(g, NULL, &n) != CUDA_SUCCESS)
         return -1;
     if (!n)
         return 0;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    int rc = nodes && real_cuGraphGetNodes(g, nodes, &n) == CUDA_SUCCESS ? 0 : -1;
+    int rc = nodes && REAL(cuGraphGetNodes)(g, nodes, &n) == CUDA_SUCCESS ? 0 : -1;
     for (size_t i = 0; rc == 0 && i < n; i++) {
         CUgraphNodeType type;
         CUDA_MEM_ALLOC_NODE_PARAMS p;
         CUgraph child;
-        if (real_cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS)
+        if (REAL(cuGraphNodeGetType)(nodes[i], &type) != CUDA_SUCCESS)
             rc = -1;
         else if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
             memset(&p, 0, sizeof p);
-            if (real_cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS)
+            if (REAL(cuGraphMemAllocNodeGetParams)(nodes[i], &p) != CUDA_SUCCESS)
                 rc = -1;
             else if (p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE && p.poolProps.location.id >= 0 &&
                      p.poolProps.location.id < VGPU_MAX_DEVICES) {
@@ -385,8 +385,8 @@ static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
                 *d = *d + p.bytesize < *d ? UINT64_MAX : *d + p.bytesize;
             }
         } else if (type == CU_GRAPH_NODE_TYPE_GRAPH)
-            rc = !real_cuGraphChildGraphNodeGetGraph ||
-                 real_cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS ||
+            rc = !REAL(cuGraphChildGraphNodeGetGraph) ||
+                 REAL(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) != CUDA_SUCCESS ||
                  graph_need(child, need, depth + 1) ? -1 : 0;
     }
     free(nodes);
@@ -432,14 +432,14 @@ static void graph_exec_note(CUresult r, CUgraphExec *exec, CUgraph g)
 CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
 {
     memset(taken, 0, VGPU_MAX_DEVICES * sizeof *taken);
-    if (!LOAD(&graph_needs) || !real_cuDeviceGetGraphMemAttribute)
+    if (!LOAD(&graph_needs) || !REAL(cuDeviceGetGraphMemAttribute))
         return CUDA_SUCCESS;     /* no graph with allocation nodes: the launch path as before */
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
         uint64_t need;
         cuuint64_t reserved = 0, used = 0;
         if (recall(graph_key(exec, d), &need) ||
-            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
-            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
+            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
+            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
             continue;
         uint64_t spare = reserved > used ? reserved - used : 0;
         if (need <= spare)
@@ -522,7 +522,7 @@ SHIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 
 void graph_memory_settle(int dev)
 {
-    if (dev >= VGPU_MAX_DEVICES || !real_cuDeviceGetGraphMemAttribute)
+    if (dev >= VGPU_MAX_DEVICES || !REAL(cuDeviceGetGraphMemAttribute))
         return;
     if (dev >= 0)
         __atomic_or_fetch(&graph_devices, 1u << dev, __ATOMIC_RELAXED);
@@ -533,7 +533,7 @@ void graph_memory_settle(int dev)
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
         cuuint64_t reserved;
         if (!(devs & 1u << d) ||
-            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
             continue;
         reserved += graph_pending[d];    /* (what launches in flight were charged ahead stays) */
         if (reserved > graph_charged[d])
