@@ -5,9 +5,17 @@ from pathlib import Path
 
 import pytest
 
+from vgpu.paths import SHIM
 from vgpu.sim import sim_environment
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def shims_to_compare():
+    """This shim, and another build of it where BENCH_BASELINE_SHIM names one (an older
+    commit's, built aside: docs/benchmarks.md), to run side by side in the same rounds."""
+    baseline = os.environ.get("BENCH_BASELINE_SHIM")
+    return {"this shim": SHIM, **({"baseline": baseline} if baseline else {})}
 
 
 @pytest.fixture(scope="session")

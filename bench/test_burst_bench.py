@@ -13,14 +13,13 @@ board (vgpu.board) says what each slice's shim is pacing at.
 Run: `make bench` (or `.venv/bin/python -m pytest bench/test_burst_bench.py -q -s`).
 """
 import json
-import os
 import statistics
 import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, sim_env
+from conftest import ROOT, shims_to_compare, sim_env
 from vgpu import board, slices
 from vgpu.paths import SHIM
 from vgpu.referee import start as start_referee
@@ -128,9 +127,7 @@ def _yield_once(duty, tmp_path, shim):
 def test_yield_latency_and_guarantee_after_waking(duty, tmp_path, benchmark):
     """The same case YIELD_ROUNDS times; with BENCH_BASELINE_SHIM set, another build of
     the shim in alternate rounds, side by side (docs/benchmarks.md)."""
-    shims = {"this shim": SHIM}
-    if os.environ.get("BENCH_BASELINE_SHIM"):
-        shims["baseline"] = os.environ["BENCH_BASELINE_SHIM"]
+    shims = shims_to_compare()
     got = {name: [] for name in shims}
     for i in range(YIELD_ROUNDS):
         for name in (list(shims) if i % 2 else list(shims)[::-1]):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, sim_env
+from conftest import ROOT, shims_to_compare, sim_env
 from vgpu.paths import SHIM
 from vgpu.referee import start as start_referee
 
@@ -108,9 +108,7 @@ def test_side_by_side_pairs(duty, tmp_path, benchmark):
     after each (a training step that reads its loss), grids of 1 and 7200 blocks: each
     tenant's error over 6 s after 4 s, and the worst of the six 1 s windows in it, in
     points.  With BENCH_BASELINE_SHIM set, another build of the shim in the same rounds."""
-    shims = {"this shim": SHIM}
-    if os.environ.get("BENCH_BASELINE_SHIM"):
-        shims["baseline"] = os.environ["BENCH_BASELINE_SHIM"]
+    shims = shims_to_compare()
     windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
     rows = []
     for what, us, blocks in PAIR_CASES:

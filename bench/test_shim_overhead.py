@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, sim_env
+from conftest import ROOT, shims_to_compare, sim_env
 from vgpu import slices
 from vgpu.paths import SHIM
 
@@ -105,7 +105,7 @@ def _baseline_envs(tmp_path, made_slice, node):
     commit whose files and simgpu differ from these), it runs on its own simgpu node, in a
     standalone slice that its first run made (the case closest to joining a made slice that
     trees without `vgpu-ctl measure-context` have), beside that simgpu without a shim."""
-    shim = os.environ.get("BENCH_BASELINE_SHIM")
+    shim = shims_to_compare().get("baseline")
     if not shim:
         return {}
     old_simgpu = os.environ.get("BENCH_BASELINE_SIMGPU")
@@ -130,8 +130,9 @@ def test_32_processes_starting_at_once(tmp_path, bench_program, benchmark):
     envs = {"without": sim_env(tmp_path / "node"),
             "with": sim_env(tmp_path / "node", LD_PRELOAD=SHIM, VGPU_DIR=tmp_path / "vgpu", VGPU_SLICE="many",
                             VGPU_MEMORY_LIMIT="8Gi")}
-    if os.environ.get("BENCH_BASELINE_SHIM"):   # another build of the shim, side by side (_baseline_envs)
-        envs["baseline"] = {**envs["with"], "LD_PRELOAD": os.environ["BENCH_BASELINE_SHIM"],
+    baseline = shims_to_compare().get("baseline")
+    if baseline:   # another build of the shim, side by side (_baseline_envs)
+        envs["baseline"] = {**envs["with"], "LD_PRELOAD": baseline,
                             "VGPU_DIR": str(tmp_path / "vgpu-baseline")}
         if os.environ.get("BENCH_BASELINE_SIMGPU"):   # on its own simgpu, beside that simgpu without a shim
             envs["baseline without"] = {**sim_env(tmp_path / "baseline-node"),

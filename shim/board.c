@@ -177,7 +177,7 @@ int board_entry(int dev)
     if (!mine[dev].tried) {
         int section = -1, entry = -1;
         CUuuid uuid;
-        if (fd >= 0 && REAL(cuDeviceGetUuid_v2) && REAL(cuDeviceGetUuid_v2)(&uuid, dev) == CUDA_SUCCESS) {
+        if (fd >= 0 && REAL(cuDeviceGetUuid_v2) && real_cuDeviceGetUuid_v2(&uuid, dev) == CUDA_SUCCESS) {
             if (claim_lock(fd, F_WRLCK)) {
                 section = board_device(fd, (const uint8_t *)uuid.bytes);
                 if (section >= 0)

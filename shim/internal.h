@@ -54,7 +54,8 @@ VGPU_NVML_HOOKS(DECLARE_NVML)
  * start-up (resolve_cuda).  VGPU_CALLED_ON_USE: what only rarer paths call (another
  * context's stream, pools, graphs, the share board, views, shared memory, a context's
  * teardown), looked up on first use: 14 fewer dlsym calls in every process's start
- * (issue 31).  Those are only ever named as REAL(sym), never real_sym (NULL until then). */
+ * (issue 31).  Like a hook's own, such an entry point is asked for with REAL(sym) before
+ * real_sym is called (NULL until then). */
 #define VGPU_CALLED(X)                                                                     \
     X(cuCtxGetDevice, CUresult, (CUdevice *))                                              \
     X(cuDeviceGetCount, CUresult, (int *))                                                 \

@@ -541,8 +541,8 @@ static CUcontext primary_context(CUdevice dev)
     unsigned flags;
     int active = 0;
     CUcontext c = NULL;
-    if (!REAL(cuDevicePrimaryCtxGetState) || REAL(cuDevicePrimaryCtxGetState)(dev, &flags, &active) || !active ||
-        !REAL(cuDevicePrimaryCtxRetain) || REAL(cuDevicePrimaryCtxRetain)(&c, dev))
+    if (!REAL(cuDevicePrimaryCtxGetState) || real_cuDevicePrimaryCtxGetState(dev, &flags, &active) || !active ||
+        !REAL(cuDevicePrimaryCtxRetain) || real_cuDevicePrimaryCtxRetain(&c, dev))
         return NULL;
     if (REAL(cuDevicePrimaryCtxRelease_v2))
         real_cuDevicePrimaryCtxRelease_v2(dev);
@@ -577,7 +577,7 @@ static CUresult primary_release(CUresult (*real)(CUdevice), CUdevice dev)
     unsigned flags;
     int active = 1;
     if (r == CUDA_SUCCESS && c && REAL(cuDevicePrimaryCtxGetState) &&
-        REAL(cuDevicePrimaryCtxGetState)(dev, &flags, &active) == CUDA_SUCCESS && !active)
+        real_cuDevicePrimaryCtxGetState(dev, &flags, &active) == CUDA_SUCCESS && !active)
         refund_context(known_context(c));
     return r;
 }
@@ -691,13 +691,13 @@ int stream_device(CUstream stream)
 {
     CUcontext ctx, cur = NULL, popped;
     if (stream == NULL || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD ||
-        !REAL(cuStreamGetCtx) || !real_cuCtxGetCurrent || REAL(cuStreamGetCtx)(stream, &ctx) != CUDA_SUCCESS ||
+        !REAL(cuStreamGetCtx) || !real_cuCtxGetCurrent || real_cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS ||
         real_cuCtxGetCurrent(&cur) != CUDA_SUCCESS || ctx == cur)
         return current_device();
-    if (!REAL(cuCtxPushCurrent_v2) || !REAL(cuCtxPopCurrent_v2) || REAL(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
+    if (!REAL(cuCtxPushCurrent_v2) || !REAL(cuCtxPopCurrent_v2) || real_cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS)
         return -1;
     int dev = current_device();
-    REAL(cuCtxPopCurrent_v2)(&popped);
+    real_cuCtxPopCurrent_v2(&popped);
     return dev;
 }
 

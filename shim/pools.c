@@ -75,7 +75,7 @@ static void pool_settle_locked(struct pool *p, int trim)
         return;
     if (trim && REAL(cuMemPoolTrimTo))
         real_cuMemPoolTrimTo(p->pool, 0);
-    if (REAL(cuMemPoolGetAttribute)(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+    if (real_cuMemPoolGetAttribute(p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
         return;   /* (a destroyed pool is settled by the destroy hook) */
     uint64_t target = reserved + p->pending;
     if (target > p->charged)
@@ -363,21 +363,21 @@ static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
 {
     size_t n = 0;
     if (depth > 16 || !REAL(cuGraphGetNodes) || !REAL(cuGraphNodeGetType) || !REAL(cuGraphMemAllocNodeGetParams) ||
-        REAL(cuGraphGetNodes)(g, NULL, &n) != CUDA_SUCCESS)
+        real_cuGraphGetNodes(g, NULL, &n) != CUDA_SUCCESS)
         return -1;
     if (!n)
         return 0;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    int rc = nodes && REAL(cuGraphGetNodes)(g, nodes, &n) == CUDA_SUCCESS ? 0 : -1;
+    int rc = nodes && real_cuGraphGetNodes(g, nodes, &n) == CUDA_SUCCESS ? 0 : -1;
     for (size_t i = 0; rc == 0 && i < n; i++) {
         CUgraphNodeType type;
         CUDA_MEM_ALLOC_NODE_PARAMS p;
         CUgraph child;
-        if (REAL(cuGraphNodeGetType)(nodes[i], &type) != CUDA_SUCCESS)
+        if (real_cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS)
             rc = -1;
         else if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
             memset(&p, 0, sizeof p);
-            if (REAL(cuGraphMemAllocNodeGetParams)(nodes[i], &p) != CUDA_SUCCESS)
+            if (real_cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS)
                 rc = -1;
             else if (p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE && p.poolProps.location.id >= 0 &&
                      p.poolProps.location.id < VGPU_MAX_DEVICES) {
@@ -386,7 +386,7 @@ static int graph_need(CUgraph g, uint64_t need[VGPU_MAX_DEVICES], int depth)
             }
         } else if (type == CU_GRAPH_NODE_TYPE_GRAPH)
             rc = !REAL(cuGraphChildGraphNodeGetGraph) ||
-                 REAL(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) != CUDA_SUCCESS ||
+                 real_cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS ||
                  graph_need(child, need, depth + 1) ? -1 : 0;
     }
     free(nodes);
@@ -438,8 +438,8 @@ CUresult graph_memory_admit(CUgraphExec exec, uint64_t taken[VGPU_MAX_DEVICES])
         uint64_t need;
         cuuint64_t reserved = 0, used = 0;
         if (recall(graph_key(exec, d), &need) ||
-            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
-            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) ||
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used))
             continue;
         uint64_t spare = reserved > used ? reserved - used : 0;
         if (need <= spare)
@@ -533,7 +533,7 @@ void graph_memory_settle(int dev)
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
         cuuint64_t reserved;
         if (!(devs & 1u << d) ||
-            REAL(cuDeviceGetGraphMemAttribute)(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
+            real_cuDeviceGetGraphMemAttribute(d, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &reserved) != CUDA_SUCCESS)
             continue;
         reserved += graph_pending[d];    /* (what launches in flight were charged ahead stays) */
         if (reserved > graph_charged[d])

@@ -262,7 +262,7 @@ static CUresult ipc_open(CUresult (*real)(CUdeviceptr *, CUipcMemHandle, unsigne
         size_t size = 0;
         int dev = current_device();
         rec.ctx = context_id();
-        if (dev >= 0 && REAL(cuMemGetAddressRange_v2) && REAL(cuMemGetAddressRange_v2)(NULL, &size, *pdptr) == 0 &&
+        if (dev >= 0 && REAL(cuMemGetAddressRange_v2) && real_cuMemGetAddressRange_v2(NULL, &size, *pdptr) == 0 &&
             size) {
             if (admit(dev, vgpu_alloc_footprint(size)) != CUDA_SUCCESS) {
                 if (REAL(cuIpcCloseMemHandle))
@@ -365,7 +365,7 @@ SHIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle
     struct vmm rec = {*handle, 0, -1, 0, 1, s, 0};
     CUmemAllocationProp prop;
     if (s < 0 && REAL(cuMemGetAllocationPropertiesFromHandle) &&
-        REAL(cuMemGetAllocationPropertiesFromHandle)(&prop, *handle) == CUDA_SUCCESS) {
+        real_cuMemGetAllocationPropertiesFromHandle(&prop, *handle) == CUDA_SUCCESS) {
         int dev = location_device(&prop.location);
         if (dev == LOCATION_REFUSED) {
             if (REAL(cuMemRelease))

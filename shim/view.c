@@ -302,7 +302,7 @@ static int nvml_mapped;
 static int cuda_uuid(int dev, char out[40])   /* "8-4-4-4-12" hex, as after NVML's prefix */
 {
     CUuuid u;
-    if (!REAL(cuDeviceGetUuid_v2) || REAL(cuDeviceGetUuid_v2)(&u, dev) != CUDA_SUCCESS)
+    if (!REAL(cuDeviceGetUuid_v2) || real_cuDeviceGetUuid_v2(&u, dev) != CUDA_SUCCESS)
         return -1;
     const unsigned char *b = (const unsigned char *)u.bytes;
     snprintf(out, 40, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
