@@ -102,8 +102,9 @@ def test_loop_cpu_per_iteration_with_1000_slices(tmp_path, benchmark):
         key = state.replace(" ", "_")
         benchmark.extra_info[f"{key}_cpu_ms_mean"] = mean
         benchmark.extra_info[f"{key}_core_percent_at_1s"] = mean / 10
-        assert mean / 10 < GOAL_PERCENT, f"{state}: {mean / 10:.2f}% of a core"
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    over = [f"{state}: {mean / 10:.2f}% of a core" for state, (mean, *_) in rows.items() if mean / 10 >= GOAL_PERCENT]
+    assert not over, f"over the goal of {GOAL_PERCENT}% (every state measured first): {'; '.join(over)}"
 
 
 PROBE = """

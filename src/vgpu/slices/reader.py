@@ -112,6 +112,11 @@ class SliceView:
         c = usage.read_counters(self._ufd, d)
         return None if c is None else dict(zip(usage.COUNTERS, c))
 
+    def has_dead_slot(self) -> bool:
+        """Has a process of the slice ended (or is it ending) without its slot reaped yet?
+        Asked of the usage file as this view opened it; True without one (the reap looks)."""
+        return self._ufd is None or usage.has_dead_slot(self._ufd)
+
     def close(self):
         if self._ufd is not None:
             os.close(self._ufd)

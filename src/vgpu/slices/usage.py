@@ -33,10 +33,11 @@ CHARGE_AT = ffi.offsetof("struct vgpu_usage", "charge")
 ROW = struct.Struct("<%dQ" % MAX_PROCS)  # one device's charges, slot by slot
 PROCS_AT = ffi.offsetof("struct vgpu_usage", "procs")
 PROC = struct.Struct("<iIQ32sQQQQ")       # pid, state, started_ns, comm, start_ticks, pid_ns, (unused), flags
-assert PROC.size == ffi.sizeof("struct vgpu_usage_proc"), "struct vgpu_usage_proc moved"
+assert PROC.size == ffi.sizeof("struct vgpu_usage_proc") and PROC.size % 4 == 0, "struct vgpu_usage_proc moved"
 SEQ_AT = ffi.offsetof("struct vgpu_usage", "charge_seq")
 SEQ_SIZE = 4 * MAX_PROCS
 _ZERO_ROW = (0,) * MAX_PROCS
+_ZERO_ROW_BYTES = bytes(ROW.size)
 _NO_PROC = (0, 0, 0, b"", 0, 0, 0, 0)
 
 
@@ -116,10 +117,7 @@ def parse(head, procs, devices):
         at = DEVICES_AT + d * DEVICE_SIZE
         counters[d] = {c: int.from_bytes(head[at + off:at + off + 8], "little") for c, off in zip(STORED, _STORED_AT)}
     n = len(procs) // PROC.size
-    used = {i for i in range(n) if procs[i * PROC.size:i * PROC.size + 4] != b"\0\0\0\0"}
-    for r in rows.values():
-        if r != _ZERO_ROW:
-            used.update(i for i, v in enumerate(r) if v)
+    used = _used(procs, rows.values())
     out = []
     for i in sorted(used):
         pid, state, started, comm, ticks, pns, _, flags = PROC.unpack_from(procs, i * PROC.size) if i < n \
@@ -130,6 +128,34 @@ def parse(head, procs, devices):
                         bool(flags & lib.VGPU_PROC_FROM_FILE), shared, state if shared else 0,
                         0 if shared else state))
     return current, counters, out
+
+
+def _used(procs, rows):
+    """The slots in use: those whose record (in `procs`, the records of the first slots)
+    names a process, and those a charge row charges (a drain cut short)."""
+    n = len(procs) // PROC.size
+    used = {i for i, pid in enumerate(memoryview(procs)[:n * PROC.size].cast("i")[::PROC.size // 4]) if pid}
+    for r in rows:
+        if r != _ZERO_ROW:
+            used.update(i for i, v in enumerate(r) if v)
+    return used
+
+
+def has_dead_slot(fd) -> bool:
+    """Would a reap find work here: a used slot whose lock is free (its process gone, or
+    letting go)?  One pread and a lock test per used slot through a kept descriptor, where
+    a reap opens three files and parses every counter (the autoscaler asks each second for
+    every slice: its reaps were 93% of its loop at 1,000 slices).  True when the file cannot
+    be read whole: the reap says why."""
+    try:
+        data = os.pread(fd, SIZE, 0)
+        if len(data) < SIZE:
+            return True
+        rows = [ROW.unpack_from(data, at) for at in range(CHARGE_AT, CHARGE_AT + MAX_DEVICES * ROW.size, ROW.size)
+                if data[at:at + ROW.size] != _ZERO_ROW_BYTES]
+        return any(not slot_alive(fd, i) for i in _used(data[PROCS_AT:PROCS_AT + MAX_PROCS * PROC.size], rows))
+    except OSError:
+        return True
 
 
 def read_counters(fd, d):
