@@ -219,28 +219,38 @@ static void find_limit_vars(void)
 }
 
 /* The value for device i: per-device variable first, then the all-devices one; ours
- * before HAMi-core's.  Returns the variable's name, or NULL when none is set. */
-static const char *limit_var(enum limit_kind kind, int dev, const char **value, int *is_hami)
+ * before HAMi-core's.  Returns the value (NULL when none is set), with which variable
+ * holds it (limit_var_name). */
+struct limit_value {
+    const char *value;
+    int hami, per_device;
+};
+
+static struct limit_value limit_value(enum limit_kind kind, int dev)
 {
-    static TLS char name[64];
     for (int per_device = 1; per_device >= 0; per_device--)
         for (int h = 0; h < 2; h++) {
             const char *v = limit_values[kind][h][per_device ? dev : VGPU_MAX_DEVICES];
-            if (v && *v) {
-                if (per_device)
-                    snprintf(name, sizeof name, "%s_%d", limit_names[kind][h], dev);
-                else
-                    snprintf(name, sizeof name, "%s", limit_names[kind][h]);
-                *value = v;
-                *is_hami = h;
-                return name;
-            }
+            if (v && *v)
+                return (struct limit_value){v, h, per_device};
         }
-    return NULL;
+    return (struct limit_value){NULL, 0, 0};
+}
+
+/* The variable's name, for a message (only a refusal needs it). */
+static const char *limit_var_name(enum limit_kind kind, int dev, struct limit_value lv)
+{
+    static TLS char name[64];
+    if (lv.per_device)
+        snprintf(name, sizeof name, "%s_%d", limit_names[kind][lv.hami], dev);
+    else
+        snprintf(name, sizeof name, "%s", limit_names[kind][lv.hami]);
+    return name;
 }
 
 /* Fill a quota from the environment.  Returns 1 if any limit variable is set, 0 if none,
- * -1 (after saying why) if one is malformed. */
+ * -1 (after saying why) if one is malformed.  A value is parsed once, not once per device
+ * it covers (an all-devices variable covers 16: ~17k instructions at start-up). */
 static int quota_from_env(struct vgpu_quota *q, const char *name)
 {
     memset(q, 0, sizeof *q);
@@ -252,35 +262,46 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
     snprintf(q->name, sizeof q->name, "%s", name);
     int any = 0;
     find_limit_vars();
+    struct limit_value last_mem = {0}, last_sm = {0};
+    uint64_t mem = 0;
+    uint32_t sm = 0;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
         struct vgpu_quota_device *qd = &q->devices[d];
-        const char *value, *var;
-        int hami;
         qd->memory_max = qd->memory_request = qd->memory_limit = VGPU_UNLIMITED;
         qd->sm_max = qd->sm_request = qd->sm_limit = 10000;
-        if ((var = limit_var(LIMIT_MEMORY, d, &value, &hami))) {
+        struct limit_value lv = limit_value(LIMIT_MEMORY, d);
+        if (lv.value) {
             any = 1;
-            int bad = parse_size(value, hami, &qd->memory_max);
-            if (!bad && !hami && strspn(value, "0123456789") == strlen(value) && qd->memory_max &&
-                qd->memory_max < (1ull << 20)) {   /* vgpu-ctl's rule: a unit left out */
-                deny("%s=%s has no unit, so it is %s bytes: a size without a unit must be at least 1Mi "
-                     "(did you mean %sGi?)", var, value, value, value);
-                return -1;
+            if (lv.value != last_mem.value || lv.hami != last_mem.hami) {
+                const char *value = lv.value;
+                int bad = parse_size(value, lv.hami, &mem);
+                if (!bad && !lv.hami && strspn(value, "0123456789") == strlen(value) && mem &&
+                    mem < (1ull << 20)) {   /* vgpu-ctl's rule: a unit left out */
+                    deny("%s=%s has no unit, so it is %s bytes: a size without a unit must be at least 1Mi "
+                         "(did you mean %sGi?)", limit_var_name(LIMIT_MEMORY, d, lv), value, value, value);
+                    return -1;
+                }
+                if (bad) {
+                    deny("%s=%s is not a memory size (use bytes, Ki/Mi/Gi/Ti or K/M/G/T, e.g. 4Gi%s)",
+                         limit_var_name(LIMIT_MEMORY, d, lv), value, lv.hami ? "; or 4096m" : "");
+                    return -1;
+                }
+                last_mem = lv;
             }
-            if (bad) {
-                deny("%s=%s is not a memory size (use bytes, Ki/Mi/Gi/Ti or K/M/G/T, e.g. 4Gi%s)", var, value,
-                     hami ? "; or 4096m" : "");
-                return -1;
-            }
-            qd->memory_request = qd->memory_limit = qd->memory_max;
+            qd->memory_max = qd->memory_request = qd->memory_limit = mem;
         }
-        if ((var = limit_var(LIMIT_SM, d, &value, &hami))) {
+        lv = limit_value(LIMIT_SM, d);
+        if (lv.value) {
             any = 1;
-            if (parse_share(value, hami, &qd->sm_max)) {
-                deny("%s=%s is not a share of the GPU (use 1..100, e.g. 50%%)", var, value);
-                return -1;
+            if (lv.value != last_sm.value || lv.hami != last_sm.hami) {
+                if (parse_share(lv.value, lv.hami, &sm)) {
+                    deny("%s=%s is not a share of the GPU (use 1..100, e.g. 50%%)", limit_var_name(LIMIT_SM, d, lv),
+                         lv.value);
+                    return -1;
+                }
+                last_sm = lv;
             }
-            qd->sm_request = qd->sm_limit = qd->sm_max;
+            qd->sm_max = qd->sm_request = qd->sm_limit = sm;
         }
     }
     return any;

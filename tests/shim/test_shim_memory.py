@@ -1206,6 +1206,12 @@ def test_malformed_limit_fails_closed_naming_the_variable(node):
     assert_fails_closed(node.env(limit="abc"), "VGPU_MEMORY_LIMIT=abc")
 
 
+def test_a_malformed_per_device_limit_fails_closed_naming_it_among_good_ones(node):
+    # each value is parsed once for all the devices it covers: device 3's own variable
+    # is still read, and named, after the all-devices one served devices 0-2
+    assert_fails_closed(node.env(limit="4Gi", VGPU_MEMORY_LIMIT_3="abc"), "VGPU_MEMORY_LIMIT_3=abc")
+
+
 @pytest.mark.parametrize("variables,cap", [
     ({"CUDA_DEVICE_MEMORY_LIMIT": "1024m"}, GiB),                              # HAMi-core style
     ({"VGPU_MEMORY_LIMIT": "4Gi", "VGPU_MEMORY_LIMIT_0": "1Gi"}, GiB),         # per device wins
