@@ -35,8 +35,6 @@ from .slices.reader import NodeReader
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
 SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples
 REAP_S = 1.0           # dead processes' slots are reaped this often (their memory back within it)
-REAP_ALL_S = 30.0      # and every slice's reaped this often whatever its kept descriptor shows (a usage
-                       # file made again since the view opened it: the view reads the old one)
 
 
 # === the loop ===
@@ -72,7 +70,6 @@ class Autoscaler:
         self._capacity = {}     # device -> (bytes or None, when asked)
         self._problems = {}     # slices that cannot be read, as last logged
         self._reaped_at = None  # when dead processes' slots were last reaped
-        self._all_reaped_at = None   # when every slice was (REAP_ALL_S)
         self._lock = threading.Lock()
         # (name, device) -> NVML's share of the slice's processes (1/100 percent) or None: the
         # node agent's attribution when it runs the loop (vgpu.agent), else procfs.host_pids below
@@ -147,12 +144,9 @@ class Autoscaler:
             self._problems = dict(self.reader.problems)
         if self._reaped_at is None or now - self._reaped_at >= REAP_S:
             self._reaped_at = now
-            every = self._all_reaped_at is None or now - self._all_reaped_at >= REAP_ALL_S
-            if every:
-                self._all_reaped_at = now
             if not self.dry_run:
                 for name, v in views.items():
-                    if every or v.has_dead_slot():
+                    if v.has_dead_slot():     # (a reap opens and parses the file: only where there is work)
                         slices.reap_quietly(self.directory, name)
         items = []
         # pool -> sum of the quotas of every slice in it: a GPU (its index), or a MIG slice's

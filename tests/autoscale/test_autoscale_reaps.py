@@ -1,6 +1,7 @@
 """The autoscaler returns a dead process's memory to its slice within a second
 (autoscale.REAP_S), asking each slice's kept usage descriptor first whether any used
-slot's lock is free (usage.has_dead_slot) instead of reaping all of them every second.
+slot's lock is free (usage.has_dead_slot) instead of reaping all of them every second;
+a usage file made again under a slice is read (and reaped) from the next re-scan.
 
 Real processes under the shim on simgpu (tests/programs/tenant.py), one killed with
 SIGKILL; judged from the usage file as a plain read (which reaps nothing)."""
@@ -15,10 +16,11 @@ from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
 from vgpu import slices
 from vgpu._region import ffi, lib
-from vgpu.autoscale import REAP_ALL_S, REAP_S, Autoscaler
+from vgpu.autoscale import REAP_S, Autoscaler
 from vgpu.paths import SHIM
 from vgpu.policy import Policy
 from vgpu.slices import usage
+from vgpu.slices.reader import RESCAN_S
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -49,14 +51,14 @@ def test_a_killed_process_memory_is_back_at_the_next_second_and_a_live_ones_stay
         scaler = Autoscaler(directory, Policy(), interval=1.0, use_nvml=False, device_memory=24 * GiB,
                             log=lambda line: None)
         now = 1000.0
-        scaler.tick(now)                 # the first look reaps every slice (REAP_ALL_S)
+        scaler.tick(now)
         before = slices.read_usage(directory, "c1")
         assert len(before.procs) == 2 and all(p.alive for p in before.procs)
         dead, live = tenants
         dead.kill()
         dead.wait(10)
-        assert REAP_S < REAP_ALL_S
-        scaler.tick(now + REAP_S)        # a second later: only the kept descriptor's answer calls a reap
+        assert REAP_S < RESCAN_S
+        scaler.tick(now + REAP_S)        # a second later, no re-scan: the kept descriptor's answer calls the reap
         after = slices.read_usage(directory, "c1")
         assert [p.pid for p in after.procs] == [live.pid]
         assert after.devices[0]["memory_current"] == sum(after.procs[0].memory.values()) >= 256 * MiB
@@ -66,6 +68,27 @@ def test_a_killed_process_memory_is_back_at_the_next_second_and_a_live_ones_stay
         for t in tenants:
             t.kill()
             t.wait(10)
+
+
+def test_a_usage_file_made_again_is_read_and_reaped_from_the_next_rescan(tmp_path):
+    """A container can remove its usage file (its shim makes another): the view kept the
+    old one open, and would never see the new file's dead slots.  (A fixed cap: nothing
+    the autoscaler decides, no resize, reaps it instead.)"""
+    slices.create(tmp_path, "c1", {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    path = tmp_path / "c1" / "usage"
+    scaler = Autoscaler(tmp_path, Policy(), interval=1.0, use_nvml=False, device_memory=24 * GiB,
+                        log=lambda line: None)
+    now = 1000.0
+    scaler.tick(now)
+    buf = bytearray(path.read_bytes())
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(buf))
+    u.procs[2].pid, u.charge[0][2], u.slots_used = 4_000_000, 64 * MiB, 3    # a gone process's, no lock
+    (tmp_path / "c1" / "usage.new").write_bytes(bytes(buf))
+    os.replace(tmp_path / "c1" / "usage.new", path)
+    assert slices.read_usage(tmp_path, "c1").devices[0]["memory_current"] == 64 * MiB
+    scaler.tick(now + RESCAN_S + REAP_S)     # (a re-scan, whatever the directory's time says)
+    seen = slices.read_usage(tmp_path, "c1")
+    assert seen.procs == [] and seen.devices[0]["memory_current"] == 0
 
 
 def _lock(fd, slot, kind=fcntl.F_WRLCK):

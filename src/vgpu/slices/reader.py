@@ -55,6 +55,8 @@ class SliceView:
                 self._ufd = ufd
         finally:
             os.close(cfd)
+        ust = os.fstat(self._ufd) if self._ufd is not None else None
+        self.usage_ident = (ust.st_dev, ust.st_ino) if ust else None   # the usage file it reads
         self._q = ffi.cast("struct vgpu_quota *", ffi.from_buffer(self._qmm))
         self._gen_p = ffi.cast("uint64_t *", ffi.addressof(self._q, "generation"))
         self.gen = self.quota.generation
@@ -137,7 +139,8 @@ def _raise_open_files_limit():
 
 class NodeReader:
     """Every slice of a node directory, opened once; new and removed slices are found
-    when the directory changes (and every RESCAN_S)."""
+    when the directory changes (and every RESCAN_S), and so is a usage file made again
+    under a slice (a view reads the file it opened)."""
 
     def __init__(self, directory):
         _raise_open_files_limit()
@@ -179,14 +182,19 @@ class NodeReader:
                     st = os.stat(f"{entry.name}/{slices.QUOTA}", dir_fd=node_fd, follow_symlinks=False)
                 except OSError:
                     continue
-                found[entry.name] = (st.st_dev, st.st_ino)
+                try:     # (a container can remove its usage file; its shim makes another)
+                    ust = os.stat(f"{entry.name}/{slices.USAGE}", dir_fd=node_fd, follow_symlinks=False)
+                    usage_ident = (ust.st_dev, ust.st_ino)
+                except OSError:
+                    usage_ident = None
+                found[entry.name] = ((st.st_dev, st.st_ino), usage_ident)
             for gone in set(self.views) - set(found):
                 self.views.pop(gone).close()
             self.problems = {k: v for k, v in self.problems.items() if k in found}
-            for name, ident in sorted(found.items()):
+            for name, (ident, usage_ident) in sorted(found.items()):
                 v = self.views.get(name)
-                if v is not None and v.ident == ident:
-                    continue
+                if v is not None and v.ident == ident and v.usage_ident == usage_ident:
+                    continue     # (a slice made again, or its usage file: a new view, read from the start)
                 if v is not None:
                     self.views.pop(name).close()
                 try:

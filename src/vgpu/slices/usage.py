@@ -29,6 +29,11 @@ SLOTS_USED_AT = ffi.offsetof("struct vgpu_usage", "slots_used")
 DEVICES_AT = ffi.offsetof("struct vgpu_usage", "devices")
 DEVICE_SIZE = ffi.sizeof("struct vgpu_usage_device")
 _STORED_AT = tuple(ffi.offsetof("struct vgpu_usage_device", c) for c in STORED)
+assert list(_STORED_AT) == sorted(_STORED_AT), "struct vgpu_usage_device reordered"
+# the stored counters of a device record in one unpack (the autoscaler reads them for every
+# slice each interval): each field, with the bytes between them skipped
+_STORED_FIELDS = struct.Struct("<" + "".join(f"{off - end}xQ" if off > end else "Q"
+                                             for end, off in zip((0,) + tuple(a + 8 for a in _STORED_AT), _STORED_AT)))
 CHARGE_AT = ffi.offsetof("struct vgpu_usage", "charge")
 ROW = struct.Struct("<%dQ" % MAX_PROCS)  # one device's charges, slot by slot
 PROCS_AT = ffi.offsetof("struct vgpu_usage", "procs")
@@ -115,7 +120,7 @@ def parse(head, procs, devices):
     counters = {}
     for d in devices:
         at = DEVICES_AT + d * DEVICE_SIZE
-        counters[d] = {c: int.from_bytes(head[at + off:at + off + 8], "little") for c, off in zip(STORED, _STORED_AT)}
+        counters[d] = dict(zip(STORED, _STORED_FIELDS.unpack_from(head, at)))
     n = len(procs) // PROC.size
     used = _used(procs, rows.values())
     out = []
@@ -166,8 +171,7 @@ def read_counters(fd, d):
     row = os.pread(fd, ROW.size, charge_offset(d, 0))
     if len(data) != DEVICE_SIZE or len(row) != ROW.size:
         return None
-    return (sum(ROW.unpack(row)) & 0xFFFFFFFFFFFFFFFF,) + \
-        tuple(int.from_bytes(data[off:off + 8], "little") for off in _STORED_AT)
+    return (sum(ROW.unpack(row)) & 0xFFFFFFFFFFFFFFFF,) + _STORED_FIELDS.unpack_from(data)
 
 
 @dataclass
