@@ -194,8 +194,8 @@ class NodeReader:
             for name, (ident, usage_ident) in sorted(found.items()):
                 v = self.views.get(name)
                 if v is not None and v.ident == ident and v.usage_ident == usage_ident:
-                    continue     # (a slice made again, or its usage file: a new view, read from the start)
-                if v is not None:
+                    continue
+                if v is not None:    # the slice made again, or its usage file: a new view, read from the start
                     self.views.pop(name).close()
                 try:
                     self.views[name] = SliceView(self.directory, node_fd, name)
