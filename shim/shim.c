@@ -262,7 +262,7 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
     snprintf(q->name, sizeof q->name, "%s", name);
     int any = 0;
     find_limit_vars();
-    struct limit_value last_mem = {0}, last_sm = {0};
+    const char *last_mem = NULL, *last_sm = NULL;   /* the values parsed last */
     uint64_t mem = 0;
     uint32_t sm = 0;
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
@@ -272,7 +272,7 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
         struct limit_value lv = limit_value(LIMIT_MEMORY, d);
         if (lv.value) {
             any = 1;
-            if (lv.value != last_mem.value || lv.hami != last_mem.hami) {
+            if (lv.value != last_mem) {   /* (a pointer into one variable's text) */
                 const char *value = lv.value;
                 int bad = parse_size(value, lv.hami, &mem);
                 if (!bad && !lv.hami && strspn(value, "0123456789") == strlen(value) && mem &&
@@ -286,20 +286,20 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
                          limit_var_name(LIMIT_MEMORY, d, lv), value, lv.hami ? "; or 4096m" : "");
                     return -1;
                 }
-                last_mem = lv;
+                last_mem = lv.value;
             }
             qd->memory_max = qd->memory_request = qd->memory_limit = mem;
         }
         lv = limit_value(LIMIT_SM, d);
         if (lv.value) {
             any = 1;
-            if (lv.value != last_sm.value || lv.hami != last_sm.hami) {
+            if (lv.value != last_sm) {
                 if (parse_share(lv.value, lv.hami, &sm)) {
                     deny("%s=%s is not a share of the GPU (use 1..100, e.g. 50%%)", limit_var_name(LIMIT_SM, d, lv),
                          lv.value);
                     return -1;
                 }
-                last_sm = lv;
+                last_sm = lv.value;
             }
             qd->sm_max = qd->sm_request = qd->sm_limit = sm;
         }
@@ -537,20 +537,24 @@ static uint64_t inode_of(const char *path)
 
 /* Who this process is (its start and pid namespace: a slot's and a standalone quota's
  * owner fields), read once per process: neither changes for a process (setns and unshare
- * move only the children it makes after), and a forked child has another pid, so it reads
- * its own.  A standalone slice's maker read both twice, a reap the namespace once per slot. */
+ * move only the children it makes after).  A child reads its own: atfork_child forgets
+ * the parent's, and a child made without fork's handlers (a raw clone) has another pid --
+ * unless that pid was the reader's, its ancestor that has since exited, so the handler
+ * is the rule and the pid the fallback.  A standalone slice's maker read both twice, a
+ * reap the namespace once per slot. */
 struct identity {
     uint64_t start_ticks, pid_ns;
 };
 
+static int32_t identity_read_by;   /* the pid that read own_identity's; 0: not read in this process */
+
 static struct identity own_identity(void)
 {
     static struct identity id;
-    static int32_t read_by;   /* the pid that read id */
     int32_t me = (int32_t)getpid();
-    if (LOAD(&read_by) != me) {
+    if (LOAD(&identity_read_by) != me) {
         id = (struct identity){read_start_ticks(), inode_of("/proc/self/ns/pid")};
-        STORE(&read_by, me);
+        STORE(&identity_read_by, me);
     }
     return id;
 }
@@ -794,6 +798,7 @@ static void atfork_child(void)
     pthread_mutex_init(&nvml_resolve_lock, NULL);
     S.slot = -1;
     S.next_claim_ns = 0;
+    STORE(&identity_read_by, 0);   /* (own_identity: the parent's start is not ours) */
     if (S.usage_fd >= 0) {
         S.usage_fd = open(S.usage_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);   /* the inherited one stays open */
         if (S.usage_fd < 0)

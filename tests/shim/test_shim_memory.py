@@ -29,7 +29,7 @@ import pytest
 
 from tests.helpers.simnode import make_sim_env, run_python
 from tests.helpers.wait import wait_gone, wait_until
-from vgpu import slices
+from vgpu import procfs, slices
 from vgpu._region import ffi, lib
 from vgpu.paths import SHIM
 
@@ -780,6 +780,79 @@ def test_forked_child_keeps_its_parents_charge_until_it_exits(node, spawn, tmp_p
         release.touch()         # a failed run leaves no child waiting for it
     wait_gone(child)
     assert (node.usage().current, node.usage().procs, node.referee().used) == (0, {}, 0)
+
+
+REUSED_PID = """
+import ctypes, json, os, time
+import pynvml as n
+
+def say(obj):
+    os.write(1, (json.dumps(obj) + "\\n").encode())
+
+# A: NVML only, so CUDA stays usable in its children; its view reaps the dead slot the test
+# wrote, and reading that slot's owner reads A's own identity
+n.nvmlInit()
+n.nvmlDeviceGetComputeRunningProcesses(n.nvmlDeviceGetHandleByIndex(0))
+time.sleep(0.05)                   # (a clock tick at least between A's start and C's)
+a = os.getpid()
+if os.fork():
+    say({"a": a})
+    os._exit(0)
+os.read(0, 3)                      # B: A is gone; a child C with A's pid
+for _ in range(50):
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(a - 1))
+    c = os.fork()
+    if c == 0:
+        if os.getpid() != a:
+            os._exit(3)
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+        say({"c": os.getpid(), "rcs": [cuda.cuInit(0), cuda.cuDeviceGet(ctypes.byref(dev), 0),
+                                       cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev),
+                                       cuda.cuCtxSetCurrent(ctx),
+                                       cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(1 << 20))]})
+        while os.read(0, 1):
+            pass
+        os._exit(0)
+    if os.waitpid(c, 0)[1] >> 8 != 3:
+        os._exit(0)
+say({"c": None})
+"""
+
+
+def test_a_process_at_an_ancestors_pid_records_its_own_start_in_its_slot(node):
+    """The shim reads its process's identity once: a child forked after that reads its own.
+    Its pid tells it apart from its parent, but not from an ancestor that has exited: A
+    reads its identity, forks B and exits; B forks C, which gets A's pid (set through
+    ns_last_pid) and allocates.  C's slot must record C's start, or the reapers and the
+    node agent would take C for another process at its pid (the exit-race rule)."""
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("needs root: the next pid is set through /proc/sys/kernel/ns_last_pid")
+    node.create(memory="4Gi")
+    buf = bytearray(node.usage_path().read_bytes())
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(buf))
+    u.procs[0].pid, u.procs[0].pid_ns, u.procs[0].start_ticks = 4_000_000, procfs.pid_ns(), 1   # gone
+    u.charge[0][0], u.slots_used = 64 * MiB, 1
+    node.usage_path().write_bytes(bytes(buf))
+    p = subprocess.Popen([sys.executable, "-c", REUSED_PID], env=node.env(limit=None), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        a = json.loads(p.stdout.readline() or "{}").get("a")
+        assert a and p.wait(30) == 0, p.stderr.read()
+        a_start = {x.start_ticks for x in slices.read_usage(node.dir, "c1").procs if x.pid == a}
+        assert len(a_start) == 1, "A claimed no slot"
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        c = json.loads(p.stdout.readline())
+        assert c == {"c": a, "rcs": [SUCCESS] * 5}, "no child got A's pid (another process took it)"
+        c_start = procfs.start_ticks(a)
+        assert c_start not in a_start
+        assert {x.start_ticks for x in slices.read_usage(node.dir, "c1").procs if x.pid == a} == a_start | {c_start}
+    finally:
+        p.stdin.close()          # C ends on it, and B after C
+        p.wait(30)
+    wait_gone(a)
 
 
 # === memory shared between processes (IPC, shareable handles): the exporter pays ===
