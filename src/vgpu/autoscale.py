@@ -27,6 +27,7 @@ import time
 
 from . import nvml, procfs, slices
 from .agent.model import record_place
+from .inotify import IN_CLOSE_WRITE, open_inotify
 from .policy import (MEMORY, SM, Item, Policy, could_change, new_track, observe_values, plan,
                      restart)
 from .quantities import SHARE_FULL, UNLIMITED, format_utc
@@ -35,6 +36,68 @@ from .slices.reader import NodeReader
 HOST_PIDS_TTL_S = 5.0  # NVML path: how long a slice's host pids are trusted
 SMOOTH_S = 5.0         # SM use is measured over up to this much of the latest samples
 REAP_S = 1.0           # dead processes' slots are reaped this often (their memory back within it)
+REAP_SWEEP = 30        # ... and every slice is looked at once in this many, whatever inotify said
+
+
+# === which slices may hold a dead process's slot ===
+
+class _DeadSlotWatch:
+    """Which slices a reap should look at: asking each slice's usage file every second
+    (usage.has_dead_slot: a pread and a lock test per used slot) was 12-24 us a slice, most
+    of the loop at 1,000 slices.  A process leaving its slice closes its usage file, which
+    inotify reports (vgpu.inotify); the event comes just before its lock is let go, so a
+    slice is looked at in the reap after its event and in the next.  A reap's own close of
+    the file is an event too: a slice whose dead process is still letting go of its memory
+    (its slot kept) is looked at every reap until it is drained.  A slice new to the loop (or
+    whose usage file was made again) is looked at once; every slice once in REAP_SWEEP reaps
+    (an event lost, a slot a container wrote by hand); every slice every time where there
+    is no inotify, or its queue overflowed."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.inotify = open_inotify(IN_CLOSE_WRITE)
+        self.seen = None         # reader.changes when the watches were last made to match its views
+        self.watched = {}        # name -> the view whose usage file is watched
+        self.unwatched = []      # slices with no watch (no usage file, no watch left): looked at every time
+        self.names = []          # every slice, for the sweep
+        self.again = set()       # looked at in the next reap too
+        self.reaps = 0
+
+    def suspects(self):
+        """The names of the reader's views to look at in this reap."""
+        views = self.reader.views
+        self.reaps += 1
+        if self.inotify is None:
+            return list(views)
+        closed = {name for name, _ in self.inotify.events()}
+        out = closed | self.again
+        self.again = closed
+        if self.inotify.overflowed:
+            out = set(views)
+        if self.seen != self.reader.changes or len(self.inotify.wds) != len(self.watched):
+            out |= self._watch(views)    # (views made or dropped; or a watch the kernel removed)
+        out.update(self.unwatched, self.names[self.reaps % REAP_SWEEP::REAP_SWEEP])
+        return [name for name in out if name in views]
+
+    def _watch(self, views):
+        """Watch every view's usage file (a watch is on the file its view reads: one made
+        again is a new view, watched anew); returns the slices newly watched."""
+        self.seen = self.reader.changes
+        for name in [n for n in self.watched if n not in views]:
+            self.inotify.unwatch(name)
+            del self.watched[name]
+        new, self.unwatched = set(), []
+        for name, v in views.items():
+            if self.watched.get(name) is v and name in self.inotify.wds:
+                continue
+            self.watched.pop(name, None)
+            if v.watch_closes(self.inotify):
+                self.watched[name] = v
+                new.add(name)
+            else:
+                self.unwatched.append(name)
+        self.names = list(views)
+        return new
 
 
 # === the loop ===
@@ -70,6 +133,7 @@ class Autoscaler:
         self._capacity = {}     # device -> (bytes or None, when asked)
         self._problems = {}     # slices that cannot be read, as last logged
         self._reaped_at = None  # when dead processes' slots were last reaped
+        self._dead_slots = None if dry_run else _DeadSlotWatch(self.reader)   # (a dry run reaps nothing)
         self._lock = threading.Lock()
         # (name, device) -> NVML's share of the slice's processes (1/100 percent) or None: the
         # node agent's attribution when it runs the loop (vgpu.agent), else procfs.host_pids below
@@ -145,8 +209,8 @@ class Autoscaler:
         if self._reaped_at is None or now - self._reaped_at >= REAP_S:
             self._reaped_at = now
             if not self.dry_run:
-                for name, v in views.items():
-                    if v.has_dead_slot():     # (a reap opens and parses the file: only where there is work)
+                for name in self._dead_slots.suspects():
+                    if views[name].has_dead_slot():   # (a reap opens and parses the file: only where there is work)
                         slices.reap_quietly(self.directory, name)
         items = []
         # pool -> sum of the quotas of every slice in it: a GPU (its index), or a MIG slice's
@@ -170,12 +234,12 @@ class Autoscaler:
                 if not (mem_managed or sm_managed):
                     if q.memory_max == UNLIMITED:    # no cap: count what it holds
                         c = v.read(d)
-                        mem_alloc[pool] = mem_alloc.get(pool, 0) + (c["memory_current"] if c else 0)
+                        mem_alloc[pool] = mem_alloc.get(pool, 0) + (c[0] if c else 0)   # (memory_current)
                     continue
                 c = v.read(d)
                 if c is None:
                     continue            # usage file cut short: no sample (its windows wait)
-                mem, oom, gpu, thr = c["memory_current"], c["oom_refusals"], c["gpu_time_ns"], c["throttled_ns"]
+                mem, _, oom, _, gpu, thr, _ = c      # usage.COUNTERS
                 if q.memory_max == UNLIMITED:
                     mem_alloc[pool] = mem_alloc.get(pool, 0) + mem
                 st = state.get(d)

@@ -201,6 +201,8 @@ def could_change(track: Track, policy: Policy, now, request=None) -> bool:
     """Cheap test: can decide() return anything but a quiet hold?  (The loop asks for
     each of 1,000s of tracks every interval; most are in band, or resting at their
     request.)"""
+    if track.hot_since is None and track.cold_since is None and track.pressure_at is None:
+        return False     # in band, never refused: the common case, asked first
     if now - track.since < policy.cooldown_s:
         return False
     w = now - policy.window

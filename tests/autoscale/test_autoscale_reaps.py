@@ -1,7 +1,9 @@
 """The autoscaler returns a dead process's memory to its slice within a second
 (autoscale.REAP_S), asking each slice's kept usage descriptor first whether any used
-slot's lock is free (usage.has_dead_slot) instead of reaping all of them every second;
-a usage file made again under a slice is read (and reaped) from the next re-scan.
+slot's lock is free (usage.has_dead_slot) instead of reaping all of them every second,
+and asking only the slices inotify saw a process leave (and every slice once in
+REAP_SWEEP reaps, and every one every time without inotify); a usage file made again
+under a slice is read (and reaped) from the next re-scan.
 
 Real processes under the shim on simgpu (tests/programs/tenant.py), one killed with
 SIGKILL; judged from the usage file as a plain read (which reaps nothing)."""
@@ -14,13 +16,15 @@ import sys
 
 from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
-from vgpu import slices
+import pytest
+
+from vgpu import autoscale, procfs, slices
 from vgpu._region import ffi, lib
-from vgpu.autoscale import REAP_S, Autoscaler
+from vgpu.autoscale import REAP_S, REAP_SWEEP, Autoscaler
 from vgpu.paths import SHIM
 from vgpu.policy import Policy
 from vgpu.slices import usage
-from vgpu.slices.reader import RESCAN_S
+from vgpu.slices.reader import RESCAN_S, SliceView
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -129,3 +133,100 @@ def test_has_dead_slot_is_true_exactly_when_a_used_slots_lock_is_free(tmp_path):
     finally:
         os.close(ro)
         os.close(holder)
+
+
+def _scaler(directory):
+    return Autoscaler(directory, Policy(), interval=1.0, use_nvml=False, device_memory=24 * GiB,
+                      log=lambda line: None)
+
+
+def _looked_at(monkeypatch):
+    """Counts has_dead_slot per slice (what a reap asks each slice it looks at)."""
+    seen = {}
+    real = SliceView.has_dead_slot
+
+    def counted(self):
+        seen[self.name] = seen.get(self.name, 0) + 1
+        return real(self)
+    monkeypatch.setattr(SliceView, "has_dead_slot", counted)
+    return seen
+
+
+def _forge_slot(fd, slot, pid, memory, start_ticks=0, pid_ns=0):
+    """A slot as a shim writes it, with no lock held: pwrite through `fd` (no close: inotify
+    sees nothing)."""
+    buf = bytearray(usage.SIZE)
+    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(buf))
+    u.procs[slot].pid, u.procs[slot].start_ticks, u.procs[slot].pid_ns = pid, start_ticks, pid_ns
+    os.pwrite(fd, bytes(buf[usage.pid_offset(slot):usage.pid_offset(slot + 1)]), usage.pid_offset(slot))
+    os.pwrite(fd, memory.to_bytes(8, "little"), usage.charge_offset(0, slot))
+    os.pwrite(fd, (slot + 1).to_bytes(4, "little"), usage.SLOTS_USED_AT)
+
+
+def test_a_slot_dead_without_a_close_is_found_by_the_sweep_and_quiet_slices_are_asked_once_a_sweep(
+        tmp_path, monkeypatch):
+    """No process closed a usage file: each of 2 * REAP_SWEEP slices is asked once in
+    REAP_SWEEP reaps (not every second), and a dead slot written by hand (no close, no
+    event) is reaped at its slice's turn."""
+    names = [f"c{i:02d}" for i in range(2 * REAP_SWEEP)]
+    for name in names:
+        slices.create(tmp_path, name, {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    scaler = _scaler(tmp_path)
+    now = 1000.0
+    scaler.tick(now)                     # every slice new to the loop: asked once
+    seen = _looked_at(monkeypatch)
+    fd = os.open(tmp_path / "c07" / "usage", os.O_RDWR)
+    try:
+        _forge_slot(fd, 2, 4_000_000, 64 * MiB)    # a gone process's, no lock
+        for k in range(1, REAP_SWEEP + 1):
+            scaler.tick(now + k * REAP_S)
+    finally:
+        os.close(fd)
+    assert slices.read_usage(tmp_path, "c07").devices[0]["memory_current"] == 0
+    assert {n: c for n, c in seen.items() if n != "c07"} == {n: 1 for n in names if n != "c07"}
+    assert 1 <= seen["c07"] <= 4         # its turn; then its reap's own close of the file: asked twice more
+
+
+def test_without_inotify_every_slice_is_asked_every_reap(tmp_path, monkeypatch):
+    monkeypatch.setattr(autoscale, "open_inotify", lambda mask: None)
+    for name in ("a", "b", "c"):
+        slices.create(tmp_path, name, {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    scaler = _scaler(tmp_path)
+    seen = _looked_at(monkeypatch)
+    now = 1000.0
+    for k in range(4):
+        scaler.tick(now + k * REAP_S)
+    assert seen == {"a": 4, "b": 4, "c": 4}
+    fd = os.open(tmp_path / "b" / "usage", os.O_RDWR)
+    try:
+        _forge_slot(fd, 0, 4_000_000, 64 * MiB)
+        scaler.tick(now + 4 * REAP_S)
+    finally:
+        os.close(fd)
+    assert slices.read_usage(tmp_path, "b").devices[0]["memory_current"] == 0
+
+
+def test_a_slot_whose_process_is_still_there_is_asked_every_reap_until_it_is_gone(tmp_path, monkeypatch):
+    """A slot whose lock is free but whose process is still there (exiting, or exec'd
+    without the file) keeps its charge; the slice is asked again every reap, not only after
+    the event and the reap after it, so the charge is back in the reap after the process
+    ends (with no event then: its file was closed long before)."""
+    if procfs.pid_ns() != procfs.ROOT_PID_NS:
+        pytest.skip("the reaper looks a slot's process up in its own pid namespace: the test's")
+    slices.create(tmp_path, "c1", {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    scaler = _scaler(tmp_path)
+    now = 1000.0
+    scaler.tick(now)
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        fd = os.open(tmp_path / "c1" / "usage", os.O_RDWR)
+        _forge_slot(fd, 1, child.pid, 64 * MiB, procfs.start_ticks(child.pid), procfs.pid_ns())
+        os.close(fd)                     # the close: inotify's event
+        for k in (1, 2, 3):              # the event's reap, the one after, and one more
+            scaler.tick(now + k * REAP_S)
+            assert slices.read_usage(tmp_path, "c1").devices[0]["memory_current"] == 64 * MiB
+    finally:
+        child.kill()
+        child.wait(10)
+    scaler.tick(now + 4 * REAP_S)
+    assert slices.read_usage(tmp_path, "c1").devices[0]["memory_current"] == 0

@@ -41,7 +41,7 @@ The package, one module per concept:
   settings   what the agent tolerates and does (Settings, parse_actions, its constants)
   usage      a slice's usage file as the agent reads it (slots, charge rows)
   model      what a look is made of (Tracked, Attribution, Place, ProcRow, SliceDevice, Snapshot)
-  watch      inotify on usage files, pidfds in epoll, a slice's kept files
+  watch      pidfds in epoll (and vgpu.inotify on usage files), a slice's kept files
   driver     where NVML lists which processes (GPUs, MIG devices)      } the Observer,
   attribute  whose slice a process on the GPU is                       } one class in
   evidence   the bracketed second look at a gap; a slot's lock holders } four modules

@@ -7,6 +7,7 @@ import threading
 import time
 
 from .. import driverlimits, health, procfs, slices
+from ..inotify import IN_CLOSE_WRITE
 from ..quantities import format_utc
 from ..slices.reader import NodeReader
 from .act import Holder, _signal
@@ -16,7 +17,6 @@ from .model import Tracked, json_device
 from .observe import Observer
 from .settings import ORPHAN_S, RECHECK_AFTER, Settings
 from .state import read_state, write_state
-from .watch import IN_CLOSE_WRITE
 
 # === the agent ===
 

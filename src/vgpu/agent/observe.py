@@ -5,6 +5,7 @@ import threading
 import time
 
 from .. import nvml, procfs, slices
+from ..inotify import IN_CLOSE_WRITE, IN_OPEN, open_inotify
 from ..slices import usage
 from ..slices.reader import NodeReader
 from .attribute import Attributing
@@ -13,7 +14,7 @@ from .evidence import Evidence
 from .model import ProcRow, SliceDevice, Snapshot, Tracked
 from .settings import RECHECK_S, SWEEP_LOOKS, Settings
 from .usage import UsageReader
-from .watch import _Poller, _SliceFiles, _inotify
+from .watch import _Poller, _SliceFiles
 
 
 class _Look:
@@ -77,7 +78,7 @@ class Observer(DriverLook, Attributing, Evidence):
         # epoll set: registered once, and a wait costs what is ready, not what is watched
         self.poller = _Poller()
         self._by_fd = {}
-        self.inotify = _inotify()
+        self.inotify = open_inotify(IN_OPEN | IN_CLOSE_WRITE)
         if self.inotify is not None:
             self.poller.register(self.inotify.fd)
 

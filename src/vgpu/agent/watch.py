@@ -1,78 +1,11 @@
-"""Watching without polling: inotify on the usage files, pidfds in an epoll set, a slice's kept files."""
+"""Watching without polling: pidfds in an epoll set (with the inotify descriptor: vgpu.inotify), a slice's kept files."""
 import os
 import select
-import struct
 import time
 
 from .. import podlabels, slices
 from .settings import RECENT_NS
 from .usage import UsageReader
-
-
-# === inotify: a process of a slice opening or closing its usage file ===
-
-IN_OPEN, IN_CLOSE_WRITE, IN_IGNORED, IN_DONT_FOLLOW = 0x20, 0x8, 0x8000, 0x02000000
-_EVENT = struct.Struct("iIII")
-
-
-class Inotify:
-    """Watches usage files for opens (a process joins the slice) and closes after writing
-    (one left it: ended, or exec'd; every shim process opens its usage file read-write),
-    so a dead process's slot is reaped when it goes, whatever pid namespace it lived in.
-    None of this is needed for correctness -- every slice is also looked at every
-    SWEEP_LOOKS looks -- only for speed; without inotify every look reads every slice."""
-
-    def __init__(self):
-        import ctypes
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if self.fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1")
-        self.names = {}          # watch descriptor -> slice
-        self.wds = {}            # slice -> watch descriptor
-
-    def watch(self, name, path):
-        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), IN_OPEN | IN_CLOSE_WRITE | IN_DONT_FOLLOW)
-        if wd < 0:
-            return False
-        self.unwatch(name)
-        self.names[wd], self.wds[name] = name, wd
-        return True
-
-    def unwatch(self, name):
-        wd = self.wds.pop(name, None)
-        if wd is not None and self.names.pop(wd, None) is not None:
-            self._libc.inotify_rm_watch(self.fd, wd)
-
-    def events(self):
-        """[(slice, mask)] of what happened since the last call."""
-        out = []
-        while True:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return out
-            at = 0
-            while at + _EVENT.size <= len(data):
-                wd, mask, _, n = _EVENT.unpack_from(data, at)
-                at += _EVENT.size + n
-                name = self.names.get(wd)
-                if mask & IN_IGNORED:
-                    if name is not None:
-                        del self.names[wd]
-                        self.wds.pop(name, None)
-                elif name is not None:
-                    out.append((name, mask))
-
-    def close(self):
-        os.close(self.fd)
-
-
-def _inotify():
-    try:
-        return Inotify()
-    except (OSError, AttributeError):
-        return None
 
 
 # === the observer ===

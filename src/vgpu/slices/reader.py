@@ -18,6 +18,7 @@ RESCAN_S = 30.0        # look for new / removed slices at least this often (and 
 RECENT_NS = 100_000_000   # a directory changed this recently (0.1 s: timestamps move by the jiffy) is scanned again next time
 
 _UNREAD = object()
+_NO_COUNTERS = (0,) * len(usage.COUNTERS)
 
 
 class SliceView:
@@ -107,17 +108,18 @@ class SliceView:
         return True
 
     def read(self, d):
-        """Device d's counters {usage.COUNTERS name: value}; zeros without a usage file;
+        """Device d's counters, a tuple in usage.COUNTERS order; zeros without a usage file;
         None when the file has been cut short (its container's doing: skip it)."""
-        if self._ufd is None:
-            return dict.fromkeys(usage.COUNTERS, 0)
-        c = usage.read_counters(self._ufd, d)
-        return None if c is None else dict(zip(usage.COUNTERS, c))
+        return _NO_COUNTERS if self._ufd is None else usage.read_counters(self._ufd, d)
 
     def has_dead_slot(self) -> bool:
         """Has a process of the slice ended (or is it ending) without its slot reaped yet?
         Asked of the usage file as this view opened it; True without one (the reap looks)."""
         return self._ufd is None or usage.has_dead_slot(self._ufd)
+
+    def watch_closes(self, inotify) -> bool:
+        """Have `inotify` (vgpu.inotify) report the closes of the usage file this view reads."""
+        return self._ufd is not None and inotify.watch_fd(self.name, self._ufd)
 
     def close(self):
         if self._ufd is not None:
@@ -147,6 +149,7 @@ class NodeReader:
         self.directory = slices.node_dir(directory)
         self.views = {}          # name -> SliceView
         self.problems = {}       # name -> why it cannot be read
+        self.changes = 0         # counts the views made and dropped (a view made again is both)
         self._mtime = None
         self._scanned = -math.inf
 
@@ -172,6 +175,7 @@ class NodeReader:
         if node_fd is None:
             for gone in list(self.views):
                 self.views.pop(gone).close()
+                self.changes += 1
             self.problems = {}
             return self.views
         try:
@@ -190,6 +194,7 @@ class NodeReader:
                 found[entry.name] = ((st.st_dev, st.st_ino), usage_ident)
             for gone in set(self.views) - set(found):
                 self.views.pop(gone).close()
+                self.changes += 1
             self.problems = {k: v for k, v in self.problems.items() if k in found}
             for name, (ident, usage_ident) in sorted(found.items()):
                 v = self.views.get(name)
@@ -197,8 +202,10 @@ class NodeReader:
                     continue
                 if v is not None:    # the slice made again, or its usage file: a new view, read from the start
                     self.views.pop(name).close()
+                    self.changes += 1
                 try:
                     self.views[name] = SliceView(self.directory, node_fd, name)
+                    self.changes += 1
                     self.problems.pop(name, None)
                 except (slices.VgpuError, OSError) as e:
                     self.problems[name] = str(e)

@@ -165,13 +165,13 @@ def has_dead_slot(fd) -> bool:
 
 def read_counters(fd, d):
     """Device d's counters as a tuple in COUNTERS order (memory_current modulo 2^64), from
-    two preads; None when the file is cut short."""
+    one pread of its record through its charge row; None when the file is cut short."""
     at = DEVICES_AT + d * DEVICE_SIZE
-    data = os.pread(fd, DEVICE_SIZE, at)
-    row = os.pread(fd, ROW.size, charge_offset(d, 0))
-    if len(data) != DEVICE_SIZE or len(row) != ROW.size:
+    row_at = charge_offset(d, 0) - at
+    data = os.pread(fd, row_at + ROW.size, at)
+    if len(data) != row_at + ROW.size:
         return None
-    return (sum(ROW.unpack(row)) & 0xFFFFFFFFFFFFFFFF,) + _STORED_FIELDS.unpack_from(data)
+    return (sum(ROW.unpack_from(data, row_at)) & 0xFFFFFFFFFFFFFFFF,) + _STORED_FIELDS.unpack_from(data)
 
 
 @dataclass
