@@ -72,12 +72,15 @@ class Inotify:
                     out.append((name, mask))
 
     def close(self):
-        if self.fd >= 0:
+        if getattr(self, "fd", -1) >= 0:     # (-1, or unset: __init__ failed)
             os.close(self.fd)
             self.fd = -1
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:   # (at interpreter exit a module's names may be gone already)
+            pass
 
 
 def open_inotify(mask):
