@@ -1184,6 +1184,12 @@ def test_shim_maps_the_quota_read_only_and_never_writes_it(node, spawn):
     assert (after[1].st_mtime_ns, after[1].st_ino) == (before[1].st_mtime_ns, before[1].st_ino)
 
 
+def _as_nobody():
+    """preexec_fn: the child drops to nobody (65534) before it runs."""
+    os.setgid(65534)
+    os.setuid(65534)
+
+
 def test_container_cannot_raise_its_own_cap(c_program):
     """Deployment shape: the controller writes the quota (mode 0444, in a directory the
     container cannot write); the container runs unprivileged.  When the tests run as root
@@ -1203,17 +1209,12 @@ def test_container_cannot_raise_its_own_cap(c_program):
         node.quota_path().write_bytes(quota_bytes(256 * MiB))
         node.quota_path().chmod(0o444)
         node.usage_path().touch(mode=0o600)
-        preexec = None
         if as_root:
             os.chown(node.usage_path(), 65534, 65534)
-
-            def preexec():
-                os.setgid(65534)
-                os.setuid(65534)
         ctr.chmod(0o555)
         out = subprocess.run([str(client), str(node.quota_path()), str(256 * MiB)],
                              env=node.env(limit="100Gi"), capture_output=True, text=True, timeout=60,
-                             preexec_fn=preexec, cwd=root)
+                             preexec_fn=_as_nobody if as_root else None, cwd=root)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == {"open_for_writing": errno.EACCES, "unlink": errno.EACCES,
                                           "alloc_cap": SUCCESS, "alloc_one_more": OUT_OF_MEMORY}
