@@ -230,3 +230,28 @@ def test_a_slot_whose_process_is_still_there_is_asked_every_reap_until_it_is_gon
         child.wait(10)
     scaler.tick(now + 4 * REAP_S)
     assert slices.read_usage(tmp_path, "c1").devices[0]["memory_current"] == 0
+
+
+def test_a_slice_whose_close_came_before_its_lock_went_is_looked_at_again(tmp_path):
+    """The kernel reports a close (fsnotify) before it lets the file's locks go (__fput):
+    a reap that comes in between finds the slot still locked.  The slice is looked at in the
+    next reap too, where the lock is gone (let go here without a close: no second event)."""
+    names = [f"c{i:02d}" for i in range(4)]
+    for name in names:
+        slices.create(tmp_path, name, {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    scaler = _scaler(tmp_path)
+    now = 1000.0
+    scaler.tick(now)
+    holder = os.open(tmp_path / "c00" / "usage", os.O_RDWR)
+    try:
+        _forge_slot(holder, 5, 4_000_000, 64 * MiB)
+        _lock(holder, 5)                                   # still held at the first look
+        os.close(os.open(tmp_path / "c00" / "usage", os.O_RDWR))   # the close: inotify's event
+        scaler.tick(now + REAP_S)
+        assert slices.read_usage(tmp_path, "c00").devices[0]["memory_current"] == 64 * MiB
+        _lock(holder, 5, fcntl.F_UNLCK)
+        scaler.tick(now + 2 * REAP_S)
+        assert slices.read_usage(tmp_path, "c00").devices[0]["memory_current"] == 0
+    finally:
+        os.close(holder)
+    assert REAP_SWEEP > 3                                  # (no sweep turn of c00's in these reaps)
