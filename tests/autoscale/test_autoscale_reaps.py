@@ -8,6 +8,7 @@ under a slice is read (and reaped) from the next re-scan.
 Real processes under the shim on simgpu (tests/programs/tenant.py), one killed with
 SIGKILL; judged from the usage file as a plain read (which reaps nothing)."""
 import fcntl
+import gc
 import json
 import os
 import struct
@@ -255,3 +256,19 @@ def test_a_slice_whose_close_came_before_its_lock_went_is_looked_at_again(tmp_pa
     finally:
         os.close(holder)
     assert REAP_SWEEP > 3                                  # (no sweep turn of c00's in these reaps)
+
+
+def test_an_autoscaler_let_go_of_leaves_no_descriptor_open(tmp_path):
+    """A view keeps its slice's usage file open; one dropped with its reader (an autoscaler
+    a long-lived process made and forgot) closes it, and the watcher its inotify descriptor."""
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+    for i in range(20):
+        slices.create(tmp_path, f"c{i:02d}", {0: slices.device_quota(4 * GiB)}, overcommit=True)
+    before = open_fds()
+    scaler = _scaler(tmp_path)
+    scaler.tick(1000.0)
+    assert open_fds() >= before + 20
+    del scaler
+    gc.collect()
+    assert open_fds() == before

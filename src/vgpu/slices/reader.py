@@ -122,10 +122,18 @@ class SliceView:
         return self._ufd is not None and inotify.watch_fd(self.name, self._ufd)
 
     def close(self):
-        if self._ufd is not None:
+        if getattr(self, "_ufd", None) is not None:     # (unset: __init__ failed)
             os.close(self._ufd)
             self._ufd = None
         self._q = self._gen_p = None      # the mapping goes when its last reference does
+
+    def __del__(self):
+        # a view dropped without close() (its reader forgotten) must not keep its descriptor:
+        # a long-lived process making readers would run out of them
+        try:
+            self.close()
+        except Exception:   # (at interpreter exit a module's names may be gone already)
+            pass
 
 
 def _raise_open_files_limit():
