@@ -15,10 +15,10 @@ import struct
 import subprocess
 import sys
 
-from tests.helpers.paths import PROGRAMS
-from tests.helpers.simnode import make_sim_env
 import pytest
 
+from tests.helpers.paths import PROGRAMS
+from tests.helpers.simnode import make_sim_env
 from vgpu import autoscale, procfs, slices
 from vgpu._region import ffi, lib
 from vgpu.autoscale import REAP_S, REAP_SWEEP, Autoscaler
