@@ -6,16 +6,22 @@
 leaves what it measured.)
 
 Builds the shim (system C compiler), then runs each check in a child process under it
-and prints one JSON summary.  Needs an NVIDIA GPU with its driver, PyTorch with CUDA, and
-nvidia-ml-py.  Without a GPU it prints {"gpu": null, "message": "no GPU found ..."} and
+and prints one JSON summary.  Needs an NVIDIA GPU with its driver, PyTorch with CUDA,
+Triton (nvml_meaning, duty, woken) and nvidia-ml-py; the checks that make slices (made
+slice, woken, burst) need the package's cffi part: `make venv`, or where the packages are
+the machine's own, `cd src && python3 vgpu/_region_build.py` (cffi and pycparser).  Without a GPU it prints {"gpu": null, "message": "no GPU found ..."} and
 exits 0, so it is safe to run anywhere.
 
 Checks:
-  start_up          bench/programs/first_alloc.c and overhead.c on the real driver, with and
-                    without the shim, interleaved: main() to the first allocation (standalone
-                    slice, and a slice made where the context cost was measured), median cuInit
-                    of 32 processes starting at once, ns per cuMemAlloc+cuMemFree and per
-                    cuMemGetInfo
+  start_up          bench/programs/first_alloc.c on the real driver: main() to the first
+                    allocation without the shim, in a standalone slice, and in a slice made
+                    where the node's context cost was measured (vgpu.overhead); interleaved
+  start_up_32       bench/programs/overhead.c: median cuInit of 32 processes starting at once,
+                    and ns per cuMemAlloc+cuMemFree (1 MiB) and per cuMemGetInfo, with and
+                    without the shim, interleaved
+  nvml_meaning      what NVML's per-process utilization (the shim's correction reads it as GPU
+                    time) reports for one tenant of known duty, no shim: against its kernels'
+                    count and the device's utilization
   duty              the side-by-side pairs of bench/test_compute_share_bench.py on hardware:
                     30/70% tenants of 20 ms kernels (a Triton kernel of fixed work, 1 block and
                     7200 blocks), back to back and with a sync after each, and four tenants
@@ -39,8 +45,11 @@ Checks:
                     threshold UINT64_MAX): the pool's reserve must still be charged; within
                     the agent's tolerance (the larger of 64 MiB and 2%)
   burst             the 30/70 pair again with the 30% slice in burst mode (guaranteed 30%, up
-                    to 100%): alone it takes the GPU, next to the 70% slice it gets 30%; needs
-                    the vgpu package built here (`make venv`) to make the slices
+                    to 100%): alone it takes the GPU, next to the 70% slice it gets 30%, by
+                    throughput against an unlimited solo run (and NVML's shares)
+  driver_limit      NVML's per-cgroup memory limit on a process without the shim; it sets a
+                    driver limit (on a cgroup of its own, cleared after): leave it out with
+                    --only on a GPU you may not change the settings of
 """
 import functools
 import json
@@ -99,6 +108,8 @@ def vgpu_package():
     try:
         sys.path.insert(0, str(ROOT / "src"))
         import vgpu.slices
+        # (its own children, `python -m vgpu.overhead`, import it from here too)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
         return vgpu, None
     except ImportError as e:
         return None, f"the vgpu package is not built here ({e}): run `make venv` first"
@@ -108,10 +119,10 @@ def plain_env():
     return {k: v for k, v in os.environ.items() if not k.startswith(("VGPU_", "CUDA_DEVICE_"))}
 
 
-def child(code, env, timeout=120, args=()):
-    """Run `code` in python under `env`; its last stdout line is JSON."""
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+def child(code, env, timeout=120, args=(), program=None):
+    """Run `code` (or the file `program`) in python under `env`; its last stdout line is JSON."""
+    p = subprocess.run([sys.executable, *([program] if program else ["-c", textwrap.dedent(code)]), *args], env=env,
+                       capture_output=True, text=True, timeout=timeout)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode or not lines:
         return {"error": f"exit {p.returncode}: {p.stderr.strip()[-400:]}"}
@@ -127,17 +138,17 @@ def under_shim(shim, vgpu_dir, name, **limits):
 
 MEMORY = """
 import json, torch
-GiB = 1 << 30
-free, total = torch.cuda.mem_get_info()
-a = torch.empty(int(1.5 * GiB), dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()    # (total: the cap; free: what the context left of it)
+part = int(free * 0.6)                     # one fits; two do not
+a = torch.empty(part, dtype=torch.uint8, device="cuda")
 try:
-    b = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    b = torch.empty(part, dtype=torch.uint8, device="cuda")
     refused = False
 except torch.OutOfMemoryError:
     refused = True
 del a
 torch.cuda.empty_cache()
-b = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+b = torch.empty(part, dtype=torch.uint8, device="cuda")
 print(json.dumps({"total": total, "free": free, "refused_past_cap": refused, "recovered": True}))
 """
 
@@ -291,20 +302,23 @@ def run_side_by_side(code, envs, seconds):
 
 
 def burst_check(shim, vdir):
-    """The 30/70 pair with the 30% slice in burst mode, through the package's own slices."""
-    try:
-        sys.path.insert(0, str(ROOT / "src"))
-        from vgpu import slices
-    except ImportError as e:
-        return {"skipped": f"the vgpu package is not built here ({e}): run `make venv` first"}
+    """The 30/70 pair with the 30% slice in burst mode, through the package's own slices: NVML's
+    shares, and each one's throughput against an unlimited solo run (judged by throughput)."""
+    vgpu, why = vgpu_package()
+    if not vgpu:
+        return {"skipped": why}
+    from vgpu import slices
     slices.create(vdir, "b30", {0: slices.device_quota(sm=10000, sm_request=3000)}, overcommit=True)
     slices.create(vdir, "c70", {0: slices.device_quota(sm=7000)}, overcommit=True)
-    [(alone, _)] = run_side_by_side(MATMUL, [under_shim(shim, vdir, "b30")], SHARE_S)
+    [(_, solo)] = run_side_by_side(MATMUL, [plain_env()], SHARE_S)
+    [(alone, alone_out)] = run_side_by_side(MATMUL, [under_shim(shim, vdir, "b30")], SHARE_S)
     pair = run_side_by_side(MATMUL, [under_shim(shim, vdir, "b30"), under_shim(shim, vdir, "c70")], SHARE_S)
-    shared = [share for share, _ in pair]
-    ok = alone is not None and alone >= 90 and None not in shared and abs(shared[0] - 30) <= 5 and \
-        abs(shared[1] - 70) <= 5
-    return {"ok": ok, "alone_nvml_percent": alone, "with_70_nvml_percent": shared}
+    base = solo.get("iterations_per_s") or float("nan")
+    alone_tp = 100 * alone_out.get("iterations_per_s", 0) / base
+    pair_tp = [100 * out.get("iterations_per_s", 0) / base for _, out in pair]
+    ok = alone_tp >= 90 and abs(pair_tp[0] - 30) <= 5 and abs(pair_tp[1] - 70) <= 5
+    return {"ok": ok, "alone_throughput_percent_of_solo": alone_tp, "with_70_throughput_percent_of_solo": pair_tp,
+            "alone_nvml_percent": alone, "with_70_nvml_percent": [share for share, _ in pair]}
 
 
 DRIVER_LIMIT = """
@@ -349,9 +363,17 @@ def driver_limit_check(tmp):
     return {"ok": bool(r.get("refused_past_limit")) and r_after is None, "after_clear": r_after, **r}
 
 
+def run_program(exe, *args, env):
+    """A bench program's `key=value` output."""
+    out = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=60, check=True)
+    return {k: float(v) for k, v in (kv.split("=") for kv in out.stdout.split())}
+
+
 def start_up_check(shim, tmp):
-    """bench/test_shim_overhead.py's start-up and per-call rows, on the real driver."""
-    first, over = c_program("first_alloc", tmp), c_program("overhead", tmp)
+    """bench/test_shim_overhead.py's one-process start-up row on the real driver: main() to the
+    first allocation without the shim, in a standalone slice, and in a made slice where the
+    node's context cost was measured first; interleaved rounds, medians."""
+    first = c_program("first_alloc", tmp)
     plain = plain_env()
     envs = {"without": plain,
             "standalone": under_shim(shim, Path(tmp) / "vgpu-alone", "alone", VGPU_MEMORY_LIMIT="8Gi")}
@@ -367,39 +389,43 @@ def start_up_check(shim, tmp):
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
 
-    def run(exe, *args, env):
-        out = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=60, check=True)
-        return {k: float(v) for k, v in (kv.split("=") for kv in out.stdout.split())}
-
     for env in envs.values():   # each slice makes its files before the rounds
-        run(first, env=env)
+        run_program(first, env=env)
     rounds = {k: [] for k in envs}
     for i in range(10):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
-            rounds[name].append(run(first, env=envs[name]))
+            rounds[name].append(run_program(first, env=envs[name]))
     med = {k: {m: statistics.median(r[m] for r in v) / 1000 for m in v[0]} for k, v in rounds.items()}
     one = {k: {"first_alloc_us": round(m["first_alloc_ns"]), "added_us": round(m["first_alloc_ns"] -
            med["without"]["first_alloc_ns"]), "cuInit_us": round(m["init_ns"])} for k, m in med.items()}
+    return {"one_process": one, "made_slice": why}
 
+
+def start_up_32_check(shim, tmp):
+    """32 processes starting at once (median cuInit per round), and ns per memory call."""
+    over = c_program("overhead", tmp)
+    plain, shimmed = plain_env(), under_shim(shim, Path(tmp) / "vgpu-alone", "alone", VGPU_MEMORY_LIMIT="8Gi")
     crowd = {"without": [], "with": []}
-    for i in range(4):
+    for i in range(6):
         for name in (["without", "with"] if i % 2 else ["with", "without"]):
-            env = plain if name == "without" else envs["standalone"]
+            env = plain if name == "without" else shimmed
             procs = [subprocess.Popen([str(over), "10", "info"], env=env, stdout=subprocess.PIPE, text=True)
                      for _ in range(32)]
             inits = [float(p.communicate(timeout=120)[0].split()[0].split("=")[1]) / 1000 for p in procs]
             crowd[name].append(statistics.median(inits))
     w, s = statistics.median(crowd["without"]), statistics.median(crowd["with"])
+    return {"32_at_once_median_cuInit_us": {"without": round(w), "with": round(s), "ratio": round(s / w, 2),
+                                            "rounds": crowd}, "per_call_ns": per_call_check(over, plain, shimmed)}
 
+
+def per_call_check(over, plain, shimmed):
+    """ns per cuMemAlloc+cuMemFree (1 MiB) and per cuMemGetInfo, interleaved rounds: medians."""
     calls = {"without": [], "with": []}
     for i in range(3):
         for name in (["without", "with"] if i % 2 else ["with", "without"]):
-            calls[name].append(run(over, "20000", env=plain if name == "without" else envs["standalone"]))
-    per_call = {k: {m: round(statistics.median(r[m] for r in v), 1) for m in ("alloc_free_ns", "meminfo_ns")}
-                for k, v in calls.items()}
-    return {"one_process": one, "32_at_once_median_cuInit_us": {"without": round(w), "with": round(s),
-            "ratio": round(s / w, 2), "rounds": crowd}, "per_call_ns": per_call,
-            "made_slice": why}
+            calls[name].append(run_program(over, "20000", env=plain if name == "without" else shimmed))
+    return {k: {m: round(statistics.median(r[m] for r in v), 1) for m in ("alloc_free_ns", "meminfo_ns")}
+            for k, v in calls.items()}
 
 
 SPIN = """
@@ -434,11 +460,14 @@ start = float(sys.stdin.readline()) + delay
 time.sleep(max(0.0, start - time.time()))
 done, launches = [], 0
 while time.time() < start + seconds:
+    launched = time.time()
     step()
     launches += 1
-    if mode == "sync":
+    if mode in ("sync", "half"):
         torch.cuda.synchronize()
         done.append(time.time())
+    if mode == "half":   # idle as long as the launch and its kernel took: about a 50% duty cycle
+        time.sleep(done[-1] - launched)
 torch.cuda.synchronize()
 print(json.dumps({"done": done, "launches": launches}))
 """
@@ -447,21 +476,34 @@ DUTY_WINDOWS = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
 
 
 @functools.lru_cache(maxsize=None)
+def spin_program():
+    """SPIN as a file (Triton's jit reads a kernel's source, which `python -c` has not)."""
+    path = Path(tempfile.mkdtemp(prefix="vgpu-gpu-check-spin-")) / "spin.py"
+    path.write_text(SPIN)
+    return str(path)
+
+
+def solo_ms(blocks, n):
+    got = child(None, plain_env(), args=[str(blocks), str(n), "calibrate", "0", "0"], program=spin_program())
+    if "ms" not in got:
+        raise RuntimeError(f"the Triton kernel did not run: {got.get('error')}")
+    return got["ms"]
+
+
+@functools.lru_cache(maxsize=None)
 def spin_calibration():
     """(blocks, n) for 20 ms kernels of 1 and 7200 blocks, and each one's solo ms (no shim)."""
     sizes = {}
     for blocks, n in ((1, 1 << 20), (7200, 1 << 14)):
-        ms = child(SPIN, plain_env(), args=[str(blocks), str(n), "calibrate", "0", "0"])["ms"]
-        n = max(16, int(n * KERNEL_MS / ms) // 16 * 16)   # a multiple of 16: Triton specialises on it
-        sizes[blocks] = (n, child(SPIN, plain_env(), args=[str(blocks), str(n), "calibrate", "0", "0"])["ms"])
+        n = max(16, int(n * KERNEL_MS / solo_ms(blocks, n)) // 16 * 16)   # a multiple of 16: Triton specialises
+        sizes[blocks] = (n, solo_ms(blocks, n))
     return sizes
 
 
-def run_spins(tenants, seconds, windows):
+def run_spins(tenants, seconds, windows, also=None):
     """tenants: [(env, blocks, n, mode, delay s)], started together once all are ready.
     Returns (start time, NVML shares per window per tenant, each tenant's output)."""
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SPIN), str(b), str(n), mode, str(seconds),
-                               str(delay)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for env, b, n, mode, delay in tenants]
     try:
         for p in procs:   # each has its context and its compiled kernel
@@ -472,7 +514,13 @@ def run_spins(tenants, seconds, windows):
         for p in procs:
             p.stdin.write(f"{start}\n")
             p.stdin.flush()
+        if also:   # (another sampler, in a thread beside NVML's per-process one)
+            import threading
+            sampler = threading.Thread(target=also, args=(start, windows))
+            sampler.start()
         nvml = nvml_windows([p.pid for p in procs], start, windows)
+        if also:
+            sampler.join()
         outs = []
         for p in procs:
             out, err = p.communicate(timeout=seconds + 60)
@@ -520,6 +568,32 @@ def errors(shares, targets):
     """(error over the whole window, worst 1 s window's error) in points; shares[0] is the whole."""
     return (round(max(abs(g - t) for g, t in zip(shares[0], targets)), 1),
             round(max(abs(g - t) for w in shares[1:] for g, t in zip(w, targets)), 1))
+
+
+def nvml_meaning_check():
+    """What NVML's per-process utilization (smUtil, which the shim's correction reads as GPU
+    time) reports on this GPU for work of known duty, no shim: one tenant at a time, 1 and
+    7200 blocks, back to back and at a 50% duty cycle (idle as long as each kernel took),
+    against the duty its kernels' count gives and the device's own utilization."""
+    import pynvml
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    sizes, rows = spin_calibration(), {}
+    for blocks in (1, 7200):
+        for mode in ("sync", "half"):
+            n, ms = sizes[blocks]
+            device = []
+
+            def sample_device(start, windows):
+                while time.time() < start + windows[0][1]:
+                    time.sleep(0.2)
+                    device.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            start, nvml, [out] = run_spins([(plain_env(), blocks, n, mode, 0.0)], 4.5, [[1.0, 4.0]],
+                                           also=sample_device)
+            rows[f"{blocks} block{'s' if blocks > 1 else ''}, {'back to back' if mode == 'sync' else '50% duty'}"] = {
+                "counted": counted(out["done"], start, ms / 1000, [[1.0, 4.0]])[0], "process_smUtil": nvml[0][0],
+                "device_gpu_util": round(statistics.mean(device[5:]), 1) if len(device) > 5 else None}
+    return rows
 
 
 def duty_check(shim, tmp):
@@ -625,8 +699,9 @@ def main():
             [(g_share, g)] = run_side_by_side(GRAPH, [under_shim(shim, vdir, "graph", VGPU_SM_LIMIT="30%")], SHARE_S)
             return {"ok": g_share is not None and abs(g_share - 30) <= 5, "nvml_percent": g_share, **g}
 
-        plan = [("start_up", lambda: start_up_check(shim, tmp)), ("expandable", memory),
-                ("duty", lambda: duty_check(shim, tmp)), ("woken", lambda: woken_check(shim, tmp)),
+        plan = [("start_up", lambda: start_up_check(shim, tmp)), ("start_up_32", lambda: start_up_32_check(shim, tmp)),
+                ("expandable", memory),
+                ("nvml_meaning", nvml_meaning_check), ("duty", lambda: duty_check(shim, tmp)), ("woken", lambda: woken_check(shim, tmp)),
                 ("launch_overhead", launch_overhead), ("shares", shares), ("graph_replay", graph_replay),
                 ("footprint", lambda: footprint_check(shim, Path(tmp) / "vgpu-footprint")),
                 ("burst", lambda: burst_check(shim, Path(tmp) / "vgpu-burst")),
