@@ -9,8 +9,9 @@ Builds the shim (system C compiler), then runs each check in a child process und
 and prints one JSON summary.  Needs an NVIDIA GPU with its driver, PyTorch with CUDA,
 Triton (nvml_meaning, duty, woken) and nvidia-ml-py; the checks that make slices (made
 slice, woken, burst) need the package's cffi part: `make venv`, or where the packages are
-the machine's own, `cd src && python3 vgpu/_region_build.py` (cffi and pycparser).  Without a GPU it prints {"gpu": null, "message": "no GPU found ..."} and
-exits 0, so it is safe to run anywhere.
+the machine's own, `cd src && python3 vgpu/_region_build.py` (cffi and pycparser).
+Without a GPU it prints {"gpu": null, "message": "no GPU found ..."} and exits 0, so it
+is safe to run anywhere.
 
 Checks:
   start_up          bench/programs/first_alloc.c on the real driver: main() to the first
@@ -51,9 +52,11 @@ Checks:
                     driver limit (on a cgroup of its own, cleared after): leave it out with
                     --only on a GPU you may not change the settings of
 """
+import atexit
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -478,7 +481,9 @@ DUTY_WINDOWS = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
 @functools.lru_cache(maxsize=None)
 def spin_program():
     """SPIN as a file (Triton's jit reads a kernel's source, which `python -c` has not)."""
-    path = Path(tempfile.mkdtemp(prefix="vgpu-gpu-check-spin-")) / "spin.py"
+    folder = tempfile.mkdtemp(prefix="vgpu-gpu-check-spin-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = Path(folder) / "spin.py"
     path.write_text(SPIN)
     return str(path)
 
@@ -503,8 +508,9 @@ def spin_calibration():
 def run_spins(tenants, seconds, windows, also=None):
     """tenants: [(env, blocks, n, mode, delay s)], started together once all are ready.
     Returns (start time, NVML shares per window per tenant, each tenant's output)."""
-    procs = [subprocess.Popen([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env, b, n, mode, delay in tenants]
+    procs = [subprocess.Popen([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for env, b, n, mode, delay in tenants]
     try:
         for p in procs:   # each has its context and its compiled kernel
             line = p.stdout.readline()
@@ -700,8 +706,8 @@ def main():
             return {"ok": g_share is not None and abs(g_share - 30) <= 5, "nvml_percent": g_share, **g}
 
         plan = [("start_up", lambda: start_up_check(shim, tmp)), ("start_up_32", lambda: start_up_32_check(shim, tmp)),
-                ("expandable", memory),
-                ("nvml_meaning", nvml_meaning_check), ("duty", lambda: duty_check(shim, tmp)), ("woken", lambda: woken_check(shim, tmp)),
+                ("expandable", memory), ("nvml_meaning", nvml_meaning_check),
+                ("duty", lambda: duty_check(shim, tmp)), ("woken", lambda: woken_check(shim, tmp)),
                 ("launch_overhead", launch_overhead), ("shares", shares), ("graph_replay", graph_replay),
                 ("footprint", lambda: footprint_check(shim, Path(tmp) / "vgpu-footprint")),
                 ("burst", lambda: burst_check(shim, Path(tmp) / "vgpu-burst")),
