@@ -28,7 +28,9 @@ Checks:
                     7200 blocks), back to back and with a sync after each, and four tenants
                     10/20/30/40% (guarantees that add up to the whole GPU): each one's error
                     over 6 s after 4 s and the worst 1 s window, by NVML and, with a sync after
-                    each kernel, by the kernels each finished (count x the kernel's solo time)
+                    each kernel, by the kernels each finished (count x the kernel's solo time);
+                    with both, `nvml_samples`: what NVML's per-process samples are like (per
+                    call, their age, missing ones) and the shim's own 0.5 s reading of them
   woken             a 70% slice wakes next to one bursting to 100% (guaranteed 30%): its share
                     over its first second, counted as above; needs the vgpu package's cffi part
   mem_get_info      torch.cuda.mem_get_info() reports the cap as total
@@ -505,9 +507,10 @@ def spin_calibration():
     return sizes
 
 
-def run_spins(tenants, seconds, windows, also=None):
+def run_spins(tenants, seconds, windows, also=None, diag=None):
     """tenants: [(env, blocks, n, mode, delay s)], started together once all are ready.
-    Returns (start time, NVML shares per window per tenant, each tenant's output)."""
+    Returns (start time, NVML shares per window per tenant, each tenant's output); `diag`:
+    nvml_windows's."""
     procs = [subprocess.Popen([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for env, b, n, mode, delay in tenants]
@@ -524,7 +527,7 @@ def run_spins(tenants, seconds, windows, also=None):
             import threading
             sampler = threading.Thread(target=also, args=(start, windows))
             sampler.start()
-        nvml = nvml_windows([p.pid for p in procs], start, windows)
+        nvml = nvml_windows([p.pid for p in procs], start, windows, diag)
         if also:
             sampler.join()
         outs = []
@@ -540,25 +543,56 @@ def run_spins(tenants, seconds, windows, also=None):
                 p.wait()
 
 
-def nvml_windows(pids, start, windows):
+def nvml_windows(pids, start, windows, diag=None):
     """NVML per-process utilization, time-weighted over each window (seconds after `start`):
-    [[share of pid, ...] per window].  A process NVML does not list in an interval was idle."""
+    [[share of pid, ...] per window].  A process NVML does not list in an interval was idle.
+    With `diag` (a dict), also what the samples are like over the first window, per pid:
+    how many NVML returns per call, how old their timestamps are, how often a pid has none,
+    and the shim's own reading (shim/compute.c own_utilization: every 0.5 s, the samples
+    since 0.5 s ago, a pid without one counted idle) -- to tell, on a GPU, whether the
+    driver samples each process often enough for that reading."""
     import pynvml
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def read(since):
+        got = {}
+        try:
+            for smp in pynvml.nvmlDeviceGetProcessUtilization(h, int(since * 1e6)):
+                got.setdefault(smp.pid, []).append((smp.smUtil, smp.timeStamp / 1e6))
+        except pynvml.NVMLError:
+            pass
+        return got
+
     end = start + max(b for _, b in windows)
-    intervals, last = [], time.time()
+    first = windows[0]
+    intervals, shim_reads, last, polls = [], [], time.time(), 0
+    counts, lags = {pid: [] for pid in pids}, {pid: [] for pid in pids}
     while last < end:
         time.sleep(0.25)
         now = time.time()
-        got = {}
-        try:
-            for smp in pynvml.nvmlDeviceGetProcessUtilization(h, int(last * 1e6)):
-                got.setdefault(smp.pid, []).append(smp.smUtil)
-        except pynvml.NVMLError:
-            pass
-        intervals.append((last - start, now - start, {pid: sum(v) / len(v) for pid, v in got.items()}))
+        got = read(last)
+        intervals.append((last - start, now - start, {pid: sum(u for u, _ in v) / len(v) for pid, v in got.items()}))
+        if first[0] <= now - start <= first[1]:
+            for pid in pids:
+                counts[pid].append(len(got.get(pid, ())))
+                lags[pid] += [1000 * (now - ts) for _, ts in got.get(pid, ())]
+            polls += 1
+            if polls % 2 == 0:   # as the shim reads it
+                shim = read(now - 0.5)
+                shim_reads.append({pid: sum(u for u, _ in v) for pid, v in shim.items()})
         last = now
+    if diag is not None and polls:
+        diag.update({
+            "polls": polls,
+            "samples_per_call_max": [max(counts[p]) for p in pids],
+            "polls_without_a_sample": [counts[p].count(0) for p in pids],
+            "sample_age_ms_median": [round(statistics.median(lags[p])) if lags[p] else None for p in pids],
+            "as_the_shim_reads": {
+                "reads": len(shim_reads),
+                "reads_without_a_sample": [sum(p not in r for r in shim_reads) for p in pids],
+                "mean_percent": [round(statistics.mean(r.get(p, 0) for r in shim_reads), 1) if shim_reads else None
+                                 for p in pids]}})
     return [[round(sum(u.get(pid, 0) * max(0.0, min(b, t1) - max(a, t0)) for t0, t1, u in intervals) / (b - a), 1)
              for pid in pids] for a, b in windows]
 
@@ -594,11 +628,13 @@ def nvml_meaning_check():
                 while time.time() < start + windows[0][1]:
                     time.sleep(0.2)
                     device.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            diag = {}
             start, nvml, [out] = run_spins([(plain_env(), blocks, n, mode, 0.0)], 4.5, [[1.0, 4.0]],
-                                           also=sample_device)
+                                           also=sample_device, diag=diag)
             rows[f"{blocks} block{'s' if blocks > 1 else ''}, {'back to back' if mode == 'sync' else '50% duty'}"] = {
                 "counted": counted(out["done"], start, ms / 1000, [[1.0, 4.0]])[0], "process_smUtil": nvml[0][0],
-                "device_gpu_util": round(statistics.mean(device[5:]), 1) if len(device) > 5 else None}
+                "device_gpu_util": round(statistics.mean(device[5:]), 1) if len(device) > 5 else None,
+                "nvml_samples": diag}
     return rows
 
 
@@ -613,8 +649,9 @@ def duty_check(shim, tmp):
         n, ms = sizes[blocks]
         tenants = [(under_shim(shim, Path(tmp) / f"vgpu-duty-{len(rows)}", f"t{i}", VGPU_SM_LIMIT=f"{t}%"),
                     blocks, n, mode, 0.0) for i, t in enumerate(targets)]
-        start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS)
-        row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets)}
+        diag = {}
+        start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS, diag=diag)
+        row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets), "nvml_samples": diag}
         if mode == "sync" and all("done" in o for o in outs):
             by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
             row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
