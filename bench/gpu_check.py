@@ -572,11 +572,12 @@ def nvml_windows(pids, start, windows, diag=None):
         time.sleep(0.25)
         now = time.time()
         got = read(last)
+        answered = time.time()
         intervals.append((last - start, now - start, {pid: sum(u for u, _ in v) / len(v) for pid, v in got.items()}))
         if first[0] <= now - start <= first[1]:
             for pid in pids:
                 counts[pid].append(len(got.get(pid, ())))
-                lags[pid] += [1000 * (now - ts) for _, ts in got.get(pid, ())]
+                lags[pid] += [1000 * (answered - ts) for _, ts in got.get(pid, ())]
             polls += 1
             if polls % 2 == 0:   # as the shim reads it
                 shim = read(now - 0.5)

@@ -1,0 +1,52 @@
+"""bench/gpu_check.py's two referees of a share on hardware, checked where they can be: the
+count of finished kernels (arithmetic), and its NVML reading against simgpu's NVML, whose
+per-process utilization is exact (a tenant that keeps the device busy reads 100%)."""
+import json
+import subprocess
+import sys
+
+from tests.helpers.paths import ROOT
+from tests.helpers.simnode import make_sim_env, run_python
+
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+
+def test_a_share_counted_from_finished_kernels_cuts_them_at_the_window():
+    # a 20 ms kernel finishing every 40 ms from 0.04 s: half the device's time
+    done = [100.0 + 0.04 * k for k in range(1, 100)]
+    assert gpu_check.counted(done, 100.0, 0.02, [[0.5, 1.5]]) == [50.0]
+    # a window from 10 ms into a kernel to the end of the next: 10 ms + 20 ms of 40 ms
+    assert gpu_check.counted(done, 100.0, 0.02, [[0.03, 0.08]]) == [round(100 * 0.03 / 0.05, 1)]
+    assert gpu_check.counted([], 100.0, 0.02, [[0.5, 1.5]]) == [0.0]
+
+
+def test_errors_are_the_worst_tenant_over_the_whole_and_over_one_second_windows():
+    shares = [[29.0, 70.5], [27.0, 71.0], [31.5, 69.0]]
+    assert gpu_check.errors(shares, (30, 70)) == (1.0, 3.0)
+
+
+def test_nvml_windows_weighs_each_window_by_its_own_time(tmp_path, c_program):
+    """A tenant that keeps simgpu busy (2 ms kernels back to back, no shim) from 1 s to 3.2 s:
+    over [0.5, 1.5] s half busy, over [1.5, 2.5] s all, over [0.5, 2.5] s three quarters; a
+    sample in every poll once it runs, and the shim's own 0.5 s reading of the time it covers."""
+    duty = c_program("duty")
+    env = make_sim_env(tmp_path / "node")
+    subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
+    out = run_python(f"""
+        import json, subprocess, sys, time
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import gpu_check
+        start, diag = time.time(), {{}}
+        p = subprocess.Popen(["sh", "-c", "sleep 1; exec {duty} 2000 2.2"], stdout=subprocess.DEVNULL)
+        shares = gpu_check.nvml_windows([p.pid], start, [[0.5, 2.5], [0.5, 1.5], [1.5, 2.5]], diag)
+        p.wait()
+        print(json.dumps({{"shares": shares, "diag": diag}}))
+    """, env).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert [round(share / 5) * 5 for [share] in got["shares"]] == [75, 50, 100], got
+    diag = got["diag"]
+    assert diag["samples_per_call_max"] == [1] and diag["polls_without_a_sample"][0] <= diag["polls"] // 4 + 1
+    assert diag["sample_age_ms_median"][0] >= 0   # (simgpu stamps a sample with the time of the call)
+    # its reads look back 0.5 s from inside [0.5, 2.5] s, so cover about [0.25, 2.25] s: 62.5%
+    assert 50 <= diag["as_the_shim_reads"]["mean_percent"][0] <= 75, diag
