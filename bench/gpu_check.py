@@ -157,12 +157,20 @@ b = torch.empty(part, dtype=torch.uint8, device="cuda")
 print(json.dumps({"total": total, "free": free, "refused_past_cap": refused, "recovered": True}))
 """
 
+# A tenant of run_together: set up (PyTorch's import and context take seconds), say so,
+# and start at the time the parent sends, beside the others.
+READY = """
+print(json.dumps({"ready": True}), flush=True)
+t0 = float(sys.stdin.readline())
+time.sleep(max(0.0, t0 - time.time()))
+"""
 MATMUL = """
 import json, sys, time, torch
-seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 10
+seconds = float(sys.argv[1])
 x = torch.randn(4096, 4096, device="cuda")
 torch.cuda.synchronize()
-n, t0 = 0, time.time()
+""" + READY + """
+n = 0
 while time.time() - t0 < seconds:
     for _ in range(10):
         y = x @ x
@@ -183,7 +191,8 @@ torch.cuda.synchronize()
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     y = x @ x
-n, t0 = 0, time.time()
+""" + READY + """
+n = 0
 while time.time() - t0 < seconds:
     g.replay()
     n += 1
@@ -271,39 +280,12 @@ print(json.dumps({"us_per_iteration": (time.perf_counter() - t0) / n * 1e6}))
 """
 
 
-def nvml_shares(pids, seconds, warmup=2.0):
-    """Average NVML per-process utilization of `pids` over `seconds` after `warmup`."""
-    import pynvml
-    pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(0)
-    time.sleep(warmup)
-    acc, span = {p: 0.0 for p in pids}, 0.0
-    last = time.time()
-    end = last + seconds
-    while time.time() < end:
-        time.sleep(0.5)
-        now = time.time()
-        try:
-            for s in pynvml.nvmlDeviceGetProcessUtilization(h, int(last * 1e6)):
-                if s.pid in acc:
-                    acc[s.pid] += s.smUtil * (now - last)
-        except pynvml.NVMLError:
-            pass
-        span += now - last
-        last = now
-    return {p: acc[p] / span for p in pids} if span else {}
-
-
 def run_side_by_side(code, envs, seconds):
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(seconds)], env=e,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for e in envs]
-    shares = nvml_shares([p.pid for p in procs], seconds - 4)
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=seconds + 120)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        outs.append(json.loads(lines[-1]) if lines else {"error": err.strip()[-400:]})
-    return [(shares.get(p.pid), o) for p, o in zip(procs, outs)]
+    """`code` (MATMUL, GRAPH) under each env, started together: [(NVML share over their
+    run but its first and last second, its output)]."""
+    _, [shares], outs = run_together([([sys.executable, "-c", textwrap.dedent(code), str(seconds)], e) for e in envs],
+                                     seconds, [[1.0, seconds - 1.0]])
+    return list(zip(shares, outs))
 
 
 def burst_check(shim, vdir):
@@ -508,17 +490,30 @@ def spin_calibration():
 
 
 def run_spins(tenants, seconds, windows, also=None, diag=None):
-    """tenants: [(env, blocks, n, mode, delay s)], started together once all are ready.
-    Returns (start time, NVML shares per window per tenant, each tenant's output); `diag`:
-    nvml_windows's."""
-    procs = [subprocess.Popen([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for env, b, n, mode, delay in tenants]
+    """tenants: [(env, blocks, n, mode, delay s)] of SPIN, started together (run_together)."""
+    return run_together([([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)], env)
+                         for env, b, n, mode, delay in tenants], seconds, windows, also, diag)
+
+
+def run_together(tenants, seconds, windows, also=None, diag=None):
+    """tenants: [(argv, env)] of programs that print a JSON line once set up, then read a start
+    time (epoch seconds) on stdin and run `seconds` from it, ending with a JSON line.  Started
+    together once all are set up.  Returns (start time, NVML shares per window (seconds from
+    the start) per tenant, each one's last JSON line); `also(start, windows)` runs in a
+    thread meanwhile; `diag`: nvml_windows's."""
+    # stderr to files: a chatty tenant (PyTorch's warnings) must not fill a pipe nobody reads
+    errs = [tempfile.TemporaryFile(mode="w+") for _ in tenants]
+    procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+             for (argv, env), err in zip(tenants, errs)]
+
+    def stderr_of(i):
+        errs[i].seek(0)
+        return errs[i].read().strip()[-400:]
     try:
-        for p in procs:   # each has its context and its compiled kernel
-            line = p.stdout.readline()
-            if not line.startswith("{"):
-                raise RuntimeError(f"a tenant did not start: {p.stderr.read().strip()[-400:]}")
+        for i, p in enumerate(procs):   # each has its context (and its compiled kernel)
+            if not p.stdout.readline().startswith("{"):
+                p.wait(timeout=60)
+                raise RuntimeError(f"a tenant did not start: {stderr_of(i)}")
         start = time.time() + 0.2
         for p in procs:
             p.stdin.write(f"{start}\n")
@@ -531,16 +526,18 @@ def run_spins(tenants, seconds, windows, also=None, diag=None):
         if also:
             sampler.join()
         outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=seconds + 60)
+        for i, p in enumerate(procs):
+            out, _ = p.communicate(timeout=seconds + 60)
             lines = [line for line in out.splitlines() if line.startswith("{")]
-            outs.append(json.loads(lines[-1]) if lines else {"error": err.strip()[-400:]})
+            outs.append(json.loads(lines[-1]) if lines else {"error": stderr_of(i)})
         return start, nvml, outs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for err in errs:
+            err.close()
 
 
 def nvml_windows(pids, start, windows, diag=None):
