@@ -109,7 +109,8 @@ struct vgpu_usage_proc {
     uint32_t state;             /* a process's slot: its pid as NVML lists it (the root pid namespace's),
                                    written by the node agent, which sees both; 0 = unknown.  A hint,
                                    used only to keep a dead process's slot charged while the driver
-                                   lists memory under that pid.  A shared slot: see VGPU_PROC_SHARED */
+                                   lists memory under that pid, and to find the container's processes
+                                   in NVML's utilization (compute.c).  A shared slot: see VGPU_PROC_SHARED */
     uint64_t started_ns;
     char comm[32];
     uint64_t start_ticks;       /* its start time: clock ticks after boot (/proc/self/stat field 22) */

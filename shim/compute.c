@@ -523,8 +523,9 @@ static uint64_t wall_us(void)
 }
 
 /* What NVML saw the container's processes use on `dev` over the last `window_ns`: the
- * sum of their per-process SM and memory utilization (percent of the device).  0 when
- * NVML says no process ran; -1 when NVML cannot say. */
+ * sum of their per-process SM and memory utilization (percent of the device).  Returns
+ * how many samples of theirs NVML had (0: none of them ran, or none was sampled in the
+ * window); -1 when NVML cannot say. */
 static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64_t *mem_pct)
 {
     *sm_pct = *mem_pct = 0;
@@ -540,22 +541,41 @@ static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64
         return 0;   /* no process ran a kernel in the window */
     if (r != NVML_SUCCESS)
         return -1;
+    int own = 0;
     for (unsigned int i = 0; i < n; i++)
-        for (int p = 0; p < VGPU_MAX_PROCS; p++)
-            if ((unsigned)LOAD(&S.usage->procs[p].pid) == smp[i].pid && smp[i].pid) {
+        for (int p = 0; p < VGPU_MAX_PROCS; p++) {
+            /* NVML names processes by their host pid: the node agent writes it in the slot
+             * (state).  Before it has, only a process of the root pid namespace is known by
+             * its own: a container's pid may be a neighbour's host pid.  (A tenant writing
+             * another's pid there misleads only its own cost scale, which its usage file
+             * holds anyway.) */
+            const struct vgpu_usage_proc *slot = &S.usage->procs[p];
+            if (LOAD(&slot->flags) & VGPU_PROC_SHARED)
+                continue;
+            uint32_t host = LOAD(&slot->state);
+            if (!host && LOAD(&slot->pid_ns) == ROOT_PID_NS_INODE)
+                host = (uint32_t)LOAD(&slot->pid);
+            if (host && host == smp[i].pid) {
                 *sm_pct += smp[i].smUtil;
                 *mem_pct += smp[i].memUtil;
+                own++;
             }
-    return 0;
+        }
+    return own;
 }
 
 /* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
- * NOT_MEASURED when NVML cannot say. */
+ * NOT_MEASURED when NVML cannot say -- or has no sample of theirs in the window.  It is
+ * only asked after the container launched work in the window, and a driver samples each
+ * process at its own pace (1/6 s to 1 s by product, nvidia-smi(1)): no sample in a window
+ * shorter than that is no news, not idleness.  Read as idle, every other half-second
+ * window of a 1 s pace halved the cost scale's measure: a 30/70% pair ran 50/50 (simgpu's
+ * SIMGPU_PROCESS_SAMPLE_MS=1000). */
 #define NOT_MEASURED UINT64_MAX
 static uint64_t measured_ns(int dev, uint64_t window_ns)
 {
     uint64_t sm, mem;
-    if (own_utilization(dev, window_ns, &sm, &mem))
+    if (own_utilization(dev, window_ns, &sm, &mem) <= 0)
         return NOT_MEASURED;
     return sm * window_ns / 100;
 }
@@ -889,7 +909,7 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
         utilization->gpu = utilization->memory = 0;   /* a device the slice was not given */
         return r;
     }
-    if (own_utilization(dev, UTIL_WINDOW_NS, &sm, &mem) == 0) {
+    if (own_utilization(dev, UTIL_WINDOW_NS, &sm, &mem) >= 0) {
         gpu = sm_max >= SM_FULL ? sm : sm * SM_FULL / sm_max;
         utilization->memory = (unsigned int)(mem > 100 ? 100 : mem);
     } else if (sm_max < SM_FULL) {

@@ -460,11 +460,32 @@ static uint64_t wall_us(void)
     return (uint64_t)ts.tv_sec * SEC_US + (uint64_t)ts.tv_nsec / 1000u;
 }
 
+/* SIMGPU_PROCESS_SAMPLE_MS=P (unset or 0: off): answer as a driver that samples each process
+ * every P ms rather than over whatever window is asked for.  nvml.h
+ * (nvmlDeviceGetProcessUtilization): one sample structure per process, stamped with the CPU
+ * time it was recorded, and only those newer than lastSeenTimeStamp; nvidia-smi(1): the
+ * utilization sample period is 1/6 s to 1 s by product.  Each process has a phase of its
+ * own (a V100's single answer has held busy processes' samples seconds apart, as published
+ * in the KubernetesNotes repository's gpu/nvml-python notes).  A sample is its process's
+ * share of the period before its timestamp. */
+static uint64_t sample_period_us(void)
+{
+    static _Atomic long long period = -1;
+    long long p = atomic_load(&period);
+    if (p < 0) {
+        const char *e = getenv("SIMGPU_PROCESS_SAMPLE_MS");
+        p = e ? atoll(e) * 1000 : 0;
+        atomic_store(&period, p > 0 ? p : 0);
+    }
+    return p > 0 ? (uint64_t)p : 0;
+}
+
 /* One sample per live process that ran kernels on the device in the window
  * [lastSeenTimeStamp, now), clamped to the last second (also when lastSeenTimeStamp is 0).
  * Timestamps are wall-clock microseconds, as with the real driver, so clients that pass
  * time.time()-based values work; every sample carries the time of the call, so passing
- * it back as lastSeenTimeStamp reads the interval since the previous call.  smUtil is
+ * it back as lastSeenTimeStamp reads the interval since the previous call (with
+ * SIMGPU_PROCESS_SAMPLE_MS: its process's latest sample and its time, as above).  smUtil is
  * that process's share of the window; the other engines are 0.  No process ran:
  * NOT_FOUND.  Fills samples[] (SIMGPU_MAX_PROCS) and *count. */
 static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long lastSeenTimeStamp,
@@ -488,13 +509,27 @@ static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long 
 
     simgpu_reap_dead();
     struct simgpu_node *n = simgpu_node();
+    uint64_t period_us = sample_period_us();
     *count = 0;
     for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
         int32_t pid = atomic_load(&n->procs[i].pid);
-        uint64_t busy = pid > 0 ? simgpu_busy_ns(d, pid, from, now) : 0;
+        if (pid <= 0)
+            continue;
+        uint64_t a = from, b = now, stamp = now_us;
+        if (period_us) {   /* its latest sample: the period before it, if newer than the caller's */
+            uint64_t phase = (uint64_t)pid * 7919u % period_us;
+            if (now_us < phase + period_us)
+                continue;
+            stamp = (now_us - phase) / period_us * period_us + phase;
+            if (stamp <= lastSeenTimeStamp || (now_us - stamp + period_us) * 1000 > now)
+                continue;
+            b = now - (now_us - stamp) * 1000;
+            a = b - period_us * 1000;
+        }
+        uint64_t busy = simgpu_busy_ns(d, pid, a, b);
         if (busy)
             samples[(*count)++] = (nvmlProcessUtilizationSample_t){
-                .pid = (unsigned int)pid, .timeStamp = now_us, .smUtil = percent(busy, from, now)};
+                .pid = (unsigned int)pid, .timeStamp = stamp, .smUtil = percent(busy, a, b)};
     }
     return *count ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
 }

@@ -91,6 +91,89 @@ def test_two_tenants_that_wait_for_each_kernel_still_get_their_shares(tmp_path, 
         assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, got
 
 
+@pytest.mark.parametrize("mode", ["sync", "kernel"])
+def test_shares_hold_where_the_driver_samples_each_process_once_a_second(tmp_path, c_program, mode):
+    """A real driver keeps a per-process utilization sample every 1/6 s to 1 s, by product
+    (simgpu's SIMGPU_PROCESS_SAMPLE_MS; the referee still reads the exact timeline).  The
+    shim's correction looks every 0.5 s: a window without a sample of its processes is no
+    news.  Read as idle, it halved the correction's measure: the 30/70% pair ran 50/50
+    with a sync after each of its 20 ms kernels, 38/62 with them back to back."""
+    a, b = (tenant_env(tmp_path, name, share, SIMGPU_PROCESS_SAMPLE_MS="1000") for name, share in
+            (("a", "30%"), ("b", "70%")))
+    [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 20000, mode), (b, 20000, mode)], 10.5,
+                                   [[4.0, 10.0]])
+    assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
+
+
+def in_own_pid_namespace(exe, args, env):
+    """A tenant in a pid namespace of its own, as in a container (the host's /proc kept, so
+    simgpu's NVML lists its host pid, as a driver does): (unshare's Popen, the host pid)."""
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", str(exe), *map(str, args)], env=env,
+                             stdout=subprocess.DEVNULL)
+    children = f"/proc/{outer.pid}/task/{outer.pid}/children"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        pids = open(children).read().split() if os.path.exists(children) else []
+        if pids:
+            return outer, int(pids[0])
+        time.sleep(0.01)
+    outer.kill()
+    raise AssertionError("the namespaced tenant did not start")
+
+
+def needs_pid_namespaces():
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+
+
+def test_tenants_in_pid_namespaces_of_their_own_get_their_shares(tmp_path, c_program):
+    """A container's processes know their pids in its namespace; NVML lists host pids.  The
+    correction found none of the container's processes in NVML's answer, read the container
+    as idle every half second, and cut its cost scale to a sixteenth: a 30/70% pair in two
+    containers ran 50/50.  A process outside the root pid namespace is found by the host pid
+    the node agent writes in its slot, and no agent here: no correction, the estimates stand."""
+    needs_pid_namespaces()
+    exe = c_program("duty")
+    tenants = [in_own_pid_namespace(exe, [20000, 10.5, "sync"], tenant_env(tmp_path, name, share))
+               for name, share in (("a", "30%"), ("b", "70%"))]
+    t0 = time.time()
+    referee = start_referee([host for _, host in tenants], [[4.0, 10.0]], t0, make_sim_env(tmp_path / "node"))
+    out, err = referee.communicate(timeout=60)
+    for outer, _ in tenants:
+        assert outer.wait(timeout=30) == 0
+    assert referee.returncode == 0, err
+    [[got_a, got_b]] = json.loads(out)
+    assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
+
+
+def test_the_correction_finds_a_namespaced_process_by_the_host_pid_the_agent_wrote(tmp_path, c_program):
+    """Two namespaced tenants; the test plays the node agent for one of them, writing its host
+    pid in its slot (`state`): that slice's correction measures and stores a cost scale
+    within seconds, the other's never does (its processes are not found, so not measured)."""
+    needs_pid_namespaces()
+    exe = c_program("duty")
+    envs = {name: kept_slice_env(tmp_path, name, "30%") for name in ("seen", "unseen")}
+    tenants = {name: in_own_pid_namespace(exe, [2000, 4.5, "kernel"], env) for name, env in envs.items()}
+
+    def usage(name):
+        return ffi.from_buffer("struct vgpu_usage *", (tmp_path / "vgpu" / name / "usage").read_bytes())
+    deadline = time.time() + 5
+    while not any(p.pid for p in usage("seen").procs) and time.time() < deadline:
+        time.sleep(0.01)
+    slot = next(i for i, p in enumerate(usage("seen").procs) if p.pid)
+    fd = os.open(tmp_path / "vgpu" / "seen" / "usage", os.O_RDWR)
+    try:
+        os.pwrite(fd, tenants["seen"][1].to_bytes(4, "little"),
+                  ffi.offsetof("struct vgpu_usage", "procs") + slot * ffi.sizeof("struct vgpu_usage_proc") +
+                  ffi.offsetof("struct vgpu_usage_proc", "state"))
+    finally:
+        os.close(fd)
+    for outer, _ in tenants.values():
+        assert outer.wait(timeout=30) == 0
+    assert usage("seen").devices[0].sm_correction != 0
+    assert usage("unseen").devices[0].sm_correction == 0
+
+
 def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, c_program):
     """sm.max caps a container; it does not reserve time against an unlimited neighbour."""
     a, b = tenant_env(tmp_path, "a", "30%"), tenant_env(tmp_path, "b")
