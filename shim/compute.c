@@ -538,7 +538,7 @@ static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64
         return -1;
     nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
     if (r == NVML_ERROR_NOT_FOUND)
-        return 0;   /* no process ran a kernel in the window */
+        return 0;   /* no process ran a kernel in the window, or none was sampled in it */
     if (r != NVML_SUCCESS)
         return -1;
     int own = 0;
