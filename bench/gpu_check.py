@@ -326,11 +326,10 @@ def driver_limit_check(tmp):
     hard limit on a cgroup of our own, a process in it WITHOUT the shim allocating past it,
     then the limit cleared.  Skipped (with why) where the driver, nvidia-ml-py, cgroup v2 or
     root is missing."""
-    try:
-        sys.path.insert(0, str(ROOT / "src"))
-        from vgpu import driverlimits
-    except ImportError as e:
-        return {"skipped": f"the vgpu package is not built here ({e})"}
+    vgpu, why = vgpu_package()
+    if not vgpu:
+        return {"skipped": why}
+    from vgpu import driverlimits
     try:
         path = driverlimits.make_slice_cgroup(tmp, f"gpu-check-{os.getpid()}")
         driverlimits.apply(path, {0: (0, 1 << 30)})
@@ -364,17 +363,17 @@ def start_up_check(shim, tmp):
     plain = plain_env()
     envs = {"without": plain,
             "standalone": under_shim(shim, Path(tmp) / "vgpu-alone", "alone", VGPU_MEMORY_LIMIT="8Gi")}
-    vgpu, why = vgpu_package()
+    vgpu, made_slice = vgpu_package()   # (why not, or what was measured for it)
     if vgpu:   # a container's case: the node's context cost measured, then a slice made
         from vgpu import overhead, slices
         made = Path(tmp) / "vgpu-made"
         made.mkdir()
         try:
-            why = {"context_measured": overhead.measure(made)}
+            made_slice = {"context_measured": overhead.measure(made)}
             slices.create(made, "one", {0: slices.device_quota(memory=8 << 30)}, overcommit=True)
             envs["made slice"] = under_shim(shim, made, "one")
         except Exception as e:
-            why = f"{type(e).__name__}: {e}"
+            made_slice = f"{type(e).__name__}: {e}"
 
     for env in envs.values():   # each slice makes its files before the rounds
         run_program(first, env=env)
@@ -385,7 +384,7 @@ def start_up_check(shim, tmp):
     med = {k: {m: statistics.median(r[m] for r in v) / 1000 for m in v[0]} for k, v in rounds.items()}
     one = {k: {"first_alloc_us": round(m["first_alloc_ns"]), "added_us": round(m["first_alloc_ns"] -
            med["without"]["first_alloc_ns"]), "cuInit_us": round(m["init_ns"])} for k, m in med.items()}
-    return {"one_process": one, "made_slice": why}
+    return {"one_process": one, "made_slice": made_slice}
 
 
 def start_up_32_check(shim, tmp):
@@ -442,8 +441,8 @@ if mode == "calibrate":   # solo ms of the kernel at n (no shim), after a second
     print(json.dumps({"ms": sorted(ms)[2]}))
     raise SystemExit
 step(); torch.cuda.synchronize()
-print(json.dumps({"ready": True}), flush=True)
-start = float(sys.stdin.readline()) + delay
+""" + READY + """
+start = t0 + delay
 time.sleep(max(0.0, start - time.time()))
 done, launches = [], 0
 while time.time() < start + seconds:
@@ -546,8 +545,8 @@ def nvml_windows(pids, start, windows, diag=None):
     With `diag` (a dict), also what the samples are like over the first window, per pid:
     how many NVML returns per call, how old their timestamps are, how often a pid has none,
     and the shim's own reading (shim/compute.c own_utilization: every 0.5 s, the samples
-    since 0.5 s ago, a pid without one counted idle) -- to tell, on a GPU, whether the
-    driver samples each process often enough for that reading."""
+    since 0.5 s ago; here a pid without one counts 0, where the shim skips the window) --
+    to tell, on a GPU, how often the driver samples each process."""
     import pynvml
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(0)

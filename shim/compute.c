@@ -541,26 +541,27 @@ static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64
         return 0;   /* no process ran a kernel in the window, or none was sampled in it */
     if (r != NVML_SUCCESS)
         return -1;
+    /* Each slot's process as NVML names it, by its host pid: the node agent writes that in
+     * the slot (state).  Before it has, only a process of the root pid namespace is known by
+     * its own: a container's pid may be a neighbour's host pid.  A free slot keeps its last
+     * process's state (drain_slot clears only the pid): none.  (A tenant writing another's
+     * pid there misleads only its own cost scale, which its usage file holds anyway.) */
+    uint32_t nvml_pid[VGPU_MAX_PROCS];
+    for (int p = 0; p < VGPU_MAX_PROCS; p++) {
+        const struct vgpu_usage_proc *slot = &S.usage->procs[p];
+        uint32_t host = LOAD(&slot->state);
+        if (!host && LOAD(&slot->pid_ns) == ROOT_PID_NS_INODE)
+            host = (uint32_t)LOAD(&slot->pid);
+        nvml_pid[p] = LOAD(&slot->pid) > 0 && !(LOAD(&slot->flags) & VGPU_PROC_SHARED) ? host : 0;
+    }
     int own = 0;
     for (unsigned int i = 0; i < n; i++)
-        for (int p = 0; p < VGPU_MAX_PROCS; p++) {
-            /* NVML names processes by their host pid: the node agent writes it in the slot
-             * (state).  Before it has, only a process of the root pid namespace is known by
-             * its own: a container's pid may be a neighbour's host pid.  (A tenant writing
-             * another's pid there misleads only its own cost scale, which its usage file
-             * holds anyway.) */
-            const struct vgpu_usage_proc *slot = &S.usage->procs[p];
-            if (LOAD(&slot->flags) & VGPU_PROC_SHARED)
-                continue;
-            uint32_t host = LOAD(&slot->state);
-            if (!host && LOAD(&slot->pid_ns) == ROOT_PID_NS_INODE)
-                host = (uint32_t)LOAD(&slot->pid);
-            if (host && host == smp[i].pid) {
+        for (int p = 0; p < VGPU_MAX_PROCS; p++)
+            if (nvml_pid[p] && nvml_pid[p] == smp[i].pid) {
                 *sm_pct += smp[i].smUtil;
                 *mem_pct += smp[i].memUtil;
                 own++;
             }
-        }
     return own;
 }
 

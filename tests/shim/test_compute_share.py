@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from tests.helpers.simnode import make_sim_env, run_python
 from vgpu.cli import main
-from vgpu._region import ffi
+from vgpu._region import ffi, lib
 from vgpu.paths import SHIM
 from vgpu.referee import start as start_referee
 
@@ -172,6 +172,32 @@ def test_the_correction_finds_a_namespaced_process_by_the_host_pid_the_agent_wro
         assert outer.wait(timeout=30) == 0
     assert usage("seen").devices[0].sm_correction != 0
     assert usage("unseen").devices[0].sm_correction == 0
+
+
+def test_a_free_slots_leftover_host_pid_is_not_the_slices(tmp_path, c_program):
+    """A slot keeps the host pid the agent wrote for its last process after it is freed
+    (drain_slot clears only the pid).  A neighbour outside the slice (no shim, a 2 ms kernel
+    at a time) that holds that pid now must not count as the slice's in the correction:
+    counted, its GPU time drove the slice's cost scale to the 16x bound; not counted, the
+    scale stays near 1 (0.97-0.98 in three runs)."""
+    exe = c_program("duty")
+    env = kept_slice_env(tmp_path, "a", "30%")
+    neighbour = subprocess.Popen([str(exe), "2000", "6", "sync"], env=make_sim_env(tmp_path / "node"),
+                                 stdout=subprocess.DEVNULL)
+    usage = tmp_path / "vgpu" / "a" / "usage"
+    last = lib.VGPU_MAX_PROCS - 1
+    fd = os.open(usage, os.O_RDWR)
+    try:
+        os.pwrite(fd, neighbour.pid.to_bytes(4, "little"),
+                  ffi.offsetof("struct vgpu_usage", "procs") + last * ffi.sizeof("struct vgpu_usage_proc") +
+                  ffi.offsetof("struct vgpu_usage_proc", "state"))
+    finally:
+        os.close(fd)
+    tenant = subprocess.Popen([str(exe), "2000", "6"], env=env, stdout=subprocess.DEVNULL)
+    assert tenant.wait(timeout=60) == 0 and neighbour.wait(timeout=60) == 0
+    u = ffi.from_buffer("struct vgpu_usage *", usage.read_bytes())
+    one = 65536   # the cost scale's 1.0 (16.16 fixed point)
+    assert u.procs[last].pid == 0 and 0 < u.devices[0].sm_correction <= one * 3 // 2, u.devices[0].sm_correction
 
 
 def test_share_is_a_ceiling_and_an_unlimited_neighbour_takes_the_rest(tmp_path, c_program):
