@@ -75,7 +75,8 @@ struct vgpu_quota {
      * standalone one: the last of its processes does); the node agent removes it once that
      * process and the slice's own are gone */
     uint64_t owner_pid;         /* as the node's pid namespace owner_pid_ns sees it */
-    uint64_t owner_start;       /* its start time: clock ticks after boot (/proc/<pid>/stat field 22) */
+    uint64_t owner_start;       /* a time it was running at, as a slot's start_ticks (its start time,
+                                   /proc/<pid>/stat field 22, or later) */
     uint64_t owner_pid_ns;      /* inode of that pid namespace (/proc/<pid>/ns/pid) */
     uint64_t reserved[29];
 };
@@ -102,8 +103,9 @@ struct vgpu_usage_device {
 
 /* Who a slot's process is, as it said when it claimed the slot.  The node agent uses
  * these to find the process (pid_ns + pid + start_ticks name one process, whatever pid
- * namespace the reader is in) and checks them against the kernel before it relies on
- * them: like everything in the usage file, they are written by the container. */
+ * namespace the reader is in: the process at that pid that started no later than
+ * start_ticks, vgpu/procfs.py started_by) and checks them against the kernel before it
+ * relies on them: like everything in the usage file, they are written by the container. */
 struct vgpu_usage_proc {
     int32_t pid;                /* as the process sees itself; 0 = free slot */
     uint32_t state;             /* a process's slot: its pid as NVML lists it (the root pid namespace's),
@@ -113,7 +115,9 @@ struct vgpu_usage_proc {
                                    in NVML's utilization (compute.c).  A shared slot: see VGPU_PROC_SHARED */
     uint64_t started_ns;
     char comm[32];
-    uint64_t start_ticks;       /* its start time: clock ticks after boot (/proc/self/stat field 22) */
+    uint64_t start_ticks;       /* a time it was running at, in the clock ticks after boot of its start
+                                   time (/proc/self/stat field 22): the shim writes its claim's
+                                   CLOCK_BOOTTIME; 0 = unknown */
     uint64_t pid_ns;            /* inode of its pid namespace (/proc/self/ns/pid); 0 = unknown */
     uint64_t cgroup_id;         /* 0: unused since issue 31 (the node agent reads /proc/<pid>/cgroup itself) */
     uint64_t flags;             /* VGPU_PROC_* */

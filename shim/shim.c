@@ -514,19 +514,20 @@ static int read_stat(const char *path, char *state, uint64_t *start_ticks)
     return 0;
 }
 
-/* When this process started: its main thread's start (the same field of the same task
- * as /proc/self/stat shows), read from the thread's own stat, which does not sum the CPU
- * time of every thread.  With 32 processes starting at once the first read of
- * /proc/self/stat took 0.6-2 ms at the median (this machine, kernel 6.18), the thread's
- * 23 us. */
-static uint64_t read_start_ticks(void)
+/* A time this process was running at, in the clock ticks after boot of /proc/<pid>/stat's
+ * start time (field 22: CLOCK_BOOTTIME at fork, in 1/USER_HZ s): now.  A slot records it
+ * in place of the start time itself, which costs the process its first /proc lookups
+ * (27 us of the 40 the identity took at start-up, this machine) -- and it names the
+ * process as exactly: the process at its pid whose start is no later than it can only be
+ * the one that had the pid then; a later one started after that one ended
+ * (vgpu/procfs.py started_by, the rule every reader applies). */
+static uint64_t running_ticks(void)
 {
-    char state, path[64];
-    uint64_t ticks;
-    snprintf(path, sizeof path, "/proc/self/task/%d/stat", (int)getpid());
-    if (read_stat(path, &state, &ticks) == 0 || read_stat("/proc/self/stat", &state, &ticks) == 0)
-        return ticks;
-    return 0;
+    struct timespec ts;
+    long hz = sysconf(_SC_CLK_TCK);   /* USER_HZ (the auxiliary vector's AT_CLKTCK) */
+    if (clock_gettime(CLOCK_BOOTTIME, &ts) || hz <= 0)
+        return 0;
+    return (uint64_t)ts.tv_sec * (uint64_t)hz + (uint64_t)ts.tv_nsec / (1000000000ull / (uint64_t)hz);
 }
 
 static uint64_t inode_of(const char *path)
@@ -535,15 +536,15 @@ static uint64_t inode_of(const char *path)
     return stat(path, &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-/* Who this process is (its start and pid namespace: a slot's and a standalone quota's
- * owner fields), read once per process: neither changes for a process (setns and unshare
+/* Who this process is (a time it was running at, and its pid namespace: a slot's and a
+ * standalone quota's owner fields), read once per process: neither changes for a process (setns and unshare
  * move only the children it makes after).  A child reads its own: atfork_child forgets
  * the parent's, and a child made without fork's handlers (a raw clone) has another pid --
  * unless that pid was the reader's, its ancestor that has since exited, so the handler
  * is the rule and the pid the fallback.  A standalone slice's maker read both twice, a
  * reap the namespace once per slot. */
 struct identity {
-    uint64_t start_ticks, pid_ns;
+    uint64_t start_ticks, pid_ns;   /* start_ticks: running_ticks() at the first read */
 };
 
 static int32_t identity_read_by;   /* the pid that read own_identity's; 0: not read in this process */
@@ -553,7 +554,7 @@ static struct identity own_identity(void)
     static struct identity id;
     int32_t me = (int32_t)getpid();
     if (LOAD(&identity_read_by) != me) {
-        id = (struct identity){read_start_ticks(), inode_of("/proc/self/ns/pid")};
+        id = (struct identity){running_ticks(), inode_of("/proc/self/ns/pid")};
         STORE(&identity_read_by, me);
     }
     return id;
@@ -564,7 +565,8 @@ static struct identity own_identity(void)
  * before the release of the files through which the driver holds its device memory (a
  * real driver's context teardown can take seconds): drained then, the slot would hand on
  * budget the device still spends.  So a slot whose lock is free is drained only once its
- * process is gone, its pid is another process's (another start time), or it is a zombie
+ * process is gone, its pid is a later process's (one that started after the slot's was
+ * running), or it is a zombie
  * with no other thread left: do_exit releases the files before exit_notify makes the
  * zombie, and a thread group's table goes with its last thread (kernel/exit.c).  A
  * process still there keeps its charge (exiting; or alive without the file, as after an
@@ -589,12 +591,12 @@ static enum owner slot_owner(int i)
     if (pid <= 0 || !ticks || !pid_ns || pid == getpid())
         return OWNER_UNKNOWN;
     char path[64], state, status[2048];
-    uint64_t now_ticks;
+    uint64_t start_now;   /* the start of the process at the pid now */
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    if (read_stat(path, &state, &now_ticks))
+    if (read_stat(path, &state, &start_now))
         return OWNER_GONE;
-    if (now_ticks != ticks)
-        return OWNER_UNKNOWN;
+    if (start_now > ticks)
+        return OWNER_UNKNOWN;   /* started after the slot's process was running: a later process */
     if (state != 'Z' && state != 'X')
         return OWNER_THERE;
     snprintf(path, sizeof path, "/proc/%d/status", (int)pid);

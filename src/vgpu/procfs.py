@@ -151,16 +151,27 @@ def exists(pid) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
+def started_by(start, ticks) -> bool:
+    """Is the process at a pid now, which started at `start`, the one a record of that pid
+    made at `ticks` names?  A record holds its process's start time or any later time it
+    was running at, in the same clock ticks after boot (the shim writes its claim's
+    CLOCK_BOOTTIME: no /proc read at start-up).  Only the process that had the pid then can
+    have started no later and have it now: a later one started after that one ended.  (A
+    pid handed on within the same 10 ms tick would pass, as with an equal start time.)
+    0 = no record: never."""
+    return start is not None and bool(ticks) and start <= ticks
+
+
 def same_process(pid, ticks) -> bool:
-    """Is `pid` still the process that started at `ticks`?"""
-    return ticks is not None and start_ticks(pid) == ticks
+    """Is `pid` still the process a record made at `ticks` names (started_by)?"""
+    return started_by(start_ticks(pid), ticks)
 
 
 THERE, GONE, REUSED = "there", "gone", "reused"
 
 
 def owner(pid, ticks) -> str:
-    """Where the process that started at `ticks` under `pid` is: THERE (running, or exiting
+    """Where the process a record of `pid` made at `ticks` names (started_by) is: THERE (running, or exiting
     and not done with its files), GONE (no such pid, or a zombie with no other thread left:
     do_exit releases the files before exit_notify makes the zombie, and a thread group's
     table goes with its last thread), or REUSED (its pid is another process's).  A dead
@@ -174,7 +185,7 @@ def owner(pid, ticks) -> str:
         state, start = fields[0], int(fields[_FIELD_START])
     except (ValueError, IndexError):
         return GONE
-    if start != ticks:
+    if not started_by(start, ticks):
         return REUSED
     if state not in (b"Z", b"X"):
         return THERE

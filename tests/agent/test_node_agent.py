@@ -23,8 +23,9 @@ from tests.helpers.containers import mount_script, namespaces_work
 from tests.helpers.exposition import series
 from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
+from tests.helpers.slots import boot_ticks
 from tests.helpers.wait import process_state, wait_until
-from vgpu import agent as node_agent, install, nvml, referee, runtime, slices
+from vgpu import agent as node_agent, install, nvml, procfs, referee, runtime, slices
 from vgpu.quantities import UNLIMITED
 from vgpu.paths import SHIM, simgpu_dir
 
@@ -320,14 +321,19 @@ def assert_json_devices(obj, where="$"):
 
 # === the shim says who it is ===
 
-def test_a_slot_records_its_process_s_start_time_and_pid_namespace(node_, spawn):
+def test_a_slot_records_a_time_its_process_ran_at_and_its_pid_namespace(node_, spawn):
+    """The slot's start_ticks: no earlier than the process's start time (/proc/<pid>/stat
+    field 22) and no later than now, in the same ticks -- the record procfs.started_by
+    holds it to."""
     node_.ctl("create", "a", "--memory", "1Gi")
     t = spawn(node_.shim_env("a"))
     (p,) = node_.usage("a").procs
+    now = boot_ticks()
     with open(f"/proc/{t.pid}/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    assert (p.pid, p.start_ticks, p.pid_ns, p.from_file) == (t.pid, ticks, os.stat(f"/proc/{t.pid}/ns/pid").st_ino,
-                                                             False)
+        started = int(f.read().rsplit(")", 1)[1].split()[19])
+    assert (p.pid, p.pid_ns, p.from_file) == (t.pid, os.stat(f"/proc/{t.pid}/ns/pid").st_ino, False)
+    assert started <= p.start_ticks <= now
+    assert procfs.same_process(t.pid, p.start_ticks)
 
 
 # === reaping ===

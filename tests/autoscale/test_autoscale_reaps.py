@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers.paths import PROGRAMS
 from tests.helpers.simnode import make_sim_env
+from tests.helpers.slots import forge_slot
 from vgpu import autoscale, procfs, slices
 from vgpu._region import ffi, lib
 from vgpu.autoscale import REAP_S, REAP_SWEEP, Autoscaler
@@ -153,17 +154,6 @@ def _looked_at(monkeypatch):
     return seen
 
 
-def _forge_slot(fd, slot, pid, memory, start_ticks=0, pid_ns=0):
-    """A slot as a shim writes it, with no lock held: pwrite through `fd` (no close: inotify
-    sees nothing)."""
-    buf = bytearray(usage.SIZE)
-    u = ffi.cast("struct vgpu_usage *", ffi.from_buffer(buf))
-    u.procs[slot].pid, u.procs[slot].start_ticks, u.procs[slot].pid_ns = pid, start_ticks, pid_ns
-    os.pwrite(fd, bytes(buf[usage.pid_offset(slot):usage.pid_offset(slot + 1)]), usage.pid_offset(slot))
-    os.pwrite(fd, memory.to_bytes(8, "little"), usage.charge_offset(0, slot))
-    os.pwrite(fd, (slot + 1).to_bytes(4, "little"), usage.SLOTS_USED_AT)
-
-
 def test_a_slot_dead_without_a_close_is_found_by_the_sweep_and_quiet_slices_are_asked_once_a_sweep(
         tmp_path, monkeypatch):
     """No process closed a usage file: each of 2 * REAP_SWEEP slices is asked once in
@@ -178,7 +168,7 @@ def test_a_slot_dead_without_a_close_is_found_by_the_sweep_and_quiet_slices_are_
     seen = _looked_at(monkeypatch)
     fd = os.open(tmp_path / "c07" / "usage", os.O_RDWR)
     try:
-        _forge_slot(fd, 2, 4_000_000, 64 * MiB)    # a gone process's, no lock
+        forge_slot(fd, 2, 4_000_000, 64 * MiB)    # a gone process's, no lock
         for k in range(1, REAP_SWEEP + 1):
             scaler.tick(now + k * REAP_S)
     finally:
@@ -200,7 +190,7 @@ def test_without_inotify_every_slice_is_asked_every_reap(tmp_path, monkeypatch):
     assert seen == {"a": 4, "b": 4, "c": 4}
     fd = os.open(tmp_path / "b" / "usage", os.O_RDWR)
     try:
-        _forge_slot(fd, 0, 4_000_000, 64 * MiB)
+        forge_slot(fd, 0, 4_000_000, 64 * MiB)
         scaler.tick(now + 4 * REAP_S)
     finally:
         os.close(fd)
@@ -221,7 +211,7 @@ def test_a_slot_whose_process_is_still_there_is_asked_every_reap_until_it_is_gon
     child = subprocess.Popen(["sleep", "600"])
     try:
         fd = os.open(tmp_path / "c1" / "usage", os.O_RDWR)
-        _forge_slot(fd, 1, child.pid, 64 * MiB, procfs.start_ticks(child.pid), procfs.pid_ns())
+        forge_slot(fd, 1, child.pid, 64 * MiB, procfs.start_ticks(child.pid), procfs.pid_ns())
         os.close(fd)                     # the close: inotify's event
         for k in (1, 2, 3):              # the event's reap, the one after, and one more
             scaler.tick(now + k * REAP_S)
@@ -245,7 +235,7 @@ def test_a_slice_whose_close_came_before_its_lock_went_is_looked_at_again(tmp_pa
     scaler.tick(now)
     holder = os.open(tmp_path / "c00" / "usage", os.O_RDWR)
     try:
-        _forge_slot(holder, 5, 4_000_000, 64 * MiB)
+        forge_slot(holder, 5, 4_000_000, 64 * MiB)
         _lock(holder, 5)                                   # still held at the first look
         os.close(os.open(tmp_path / "c00" / "usage", os.O_RDWR))   # the close: inotify's event
         scaler.tick(now + REAP_S)

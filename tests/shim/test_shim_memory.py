@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.simnode import make_sim_env, run_python
+from tests.helpers.slots import boot_ticks
 from tests.helpers.wait import wait_gone, wait_until
 from vgpu import procfs, slices
 from vgpu._region import ffi, lib
@@ -688,31 +689,39 @@ def test_storm_of_processes_never_exceeds_the_cap(node, c_program):
 
 def test_killed_process_memory_returns_to_the_container(node, spawn):
     """kill -9: the budget comes back through the slot's lock, not the pid (here the dead
-    process's slot is even made to name a live pid before anyone looks)."""
+    process's slot is even made to name a live pid before anyone looks: a process started
+    after the victim's slot was claimed, as one that reused its pid would be)."""
     survivor = spawn(node.env(limit="2Gi"))
     for reaped_by in ("view", "refused allocation"):
         victim = spawn(node.env(limit="2Gi"))
         assert victim.call("alloc", 1 * GiB)[0] == SUCCESS
+        claimed_by = boot_ticks()        # (no earlier than the time the victim's slot records)
         assert node.usage().procs == {survivor.pid: 0, victim.pid: GiB}
         offset = usage_slot_offset(node.usage_path(), victim.pid)
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(10)
-        fd = os.open(node.usage_path(), os.O_WRONLY)
-        os.pwrite(fd, struct.pack("<i", os.getpid()), offset)      # a live pid: "pid reuse"
-        os.close(fd)
-        if reaped_by == "view":
-            t0 = time.monotonic()
-            wait_until(lambda: survivor.call("info") == [SUCCESS, 2 * GiB, 2 * GiB], 5,
-                       "the victim's slot reaped by a view", every=0.05)
-            took = time.monotonic() - t0
-            assert node.usage().current == 0
-        else:
-            t0 = time.monotonic()
-            assert survivor.call("alloc", 2 * GiB)[0] == SUCCESS
-            took = time.monotonic() - t0
-            assert node.usage().current == 2 * GiB
-        assert took < 5
-        assert os.getpid() not in node.usage().procs
+        assert wait_until(lambda: boot_ticks() > claimed_by, 5, every=0.002)
+        later = subprocess.Popen(["sleep", "600"])
+        try:
+            fd = os.open(node.usage_path(), os.O_WRONLY)
+            os.pwrite(fd, struct.pack("<i", later.pid), offset)         # a later process at its pid: "pid reuse"
+            os.close(fd)
+            if reaped_by == "view":
+                t0 = time.monotonic()
+                wait_until(lambda: survivor.call("info") == [SUCCESS, 2 * GiB, 2 * GiB], 5,
+                           "the victim's slot reaped by a view", every=0.05)
+                took = time.monotonic() - t0
+                assert node.usage().current == 0
+            else:
+                t0 = time.monotonic()
+                assert survivor.call("alloc", 2 * GiB)[0] == SUCCESS
+                took = time.monotonic() - t0
+                assert node.usage().current == 2 * GiB
+            assert took < 5
+            assert later.pid not in node.usage().procs
+        finally:
+            later.kill()
+            later.wait(10)
     assert node.usage().procs == {survivor.pid: 2 * GiB}
     assert node.referee().used == 2 * GiB
 
@@ -821,12 +830,12 @@ say({"c": None})
 """
 
 
-def test_a_process_at_an_ancestors_pid_records_its_own_start_in_its_slot(node):
+def test_a_process_at_an_ancestors_pid_records_its_own_identity_in_its_slot(node):
     """The shim reads its process's identity once: a child forked after that reads its own.
     Its pid tells it apart from its parent, but not from an ancestor that has exited: A
     reads its identity, forks B and exits; B forks C, which gets A's pid (set through
-    ns_last_pid) and allocates.  C's slot must record C's start, or the reapers and the
-    node agent would take C for another process at its pid (the exit-race rule)."""
+    ns_last_pid) and allocates.  C's slot must name C (a time C ran at), or the reapers and
+    the node agent would take C for A, whose slot names a time before C started."""
     if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
         pytest.skip("needs root: the next pid is set through /proc/sys/kernel/ns_last_pid")
     node.create(memory="4Gi")
@@ -847,8 +856,10 @@ def test_a_process_at_an_ancestors_pid_records_its_own_start_in_its_slot(node):
         c = json.loads(p.stdout.readline())
         assert c == {"c": a, "rcs": [SUCCESS] * 5}, "no child got A's pid (another process took it)"
         c_start = procfs.start_ticks(a)
-        assert c_start not in a_start
-        assert {x.start_ticks for x in slices.read_usage(node.dir, "c1").procs if x.pid == a} == a_start | {c_start}
+        (a_record,) = a_start
+        assert not procfs.started_by(c_start, a_record), "A's slot names C"
+        c_record = {x.start_ticks for x in slices.read_usage(node.dir, "c1").procs if x.pid == a} - a_start
+        assert len(c_record) == 1 and procfs.started_by(c_start, c_record.pop()), "C's slot does not name C"
     finally:
         p.stdin.close()          # C ends on it, and B after C
         p.wait(30)

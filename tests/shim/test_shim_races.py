@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import PROGRAMS
+from tests.helpers.slots import boot_ticks, forge_slot
 from tests.helpers.wait import process_state, wait_until
 from tests.shim.test_shim_memory import (PRELUDE, GiB, MiB, Node, run_sampler, sampler_summary,  # noqa: F401 (fixture)
                                          spawn)
-from vgpu import slices, status
+from vgpu import procfs, slices, status
 from vgpu._region import ffi, lib
 from vgpu.autoscale import Autoscaler
 from vgpu.metrics import NodeCollector
@@ -173,6 +174,45 @@ def test_a_slot_whose_lock_is_free_is_not_drained_while_its_process_still_holds_
     holder.kill()
     assert other.call("alloc", 768 * MiB)[0] == 0
     assert settled(node) == node.referee().used == 768 * MiB
+
+
+@pytest.mark.parametrize("record", ["before it started", "its start", "a time it ran at"])
+def test_a_free_slot_is_the_process_at_its_pid_only_if_that_started_no_later_than_the_slot_says(node, spawn,
+                                                                                                 record):
+    """A slot records a time its process was running at (the shim writes its claim's
+    CLOCK_BOOTTIME, in the ticks of /proc/<pid>/stat's start time: no /proc read at
+    start-up).  Whoever finds the slot's lock free takes the process now at its pid for the
+    slot's own only if that started no later (procfs.started_by): a later process at the
+    pid started after the slot's ended.  Here a slot with no lock names a live process of
+    our pid namespace, charged 512 MiB of a 1 GiB cap: recorded before that process started,
+    the pid is another's and the charge is let go at once -- by the shim (a process's 768
+    MiB fits) and by vgpu-ctl; recorded at its start or later, it is that process, still
+    there: the charge stays (768 MiB refused) until it ends."""
+    if procfs.pid_ns() is None:
+        pytest.skip("no /proc/self/ns/pid to record")
+    node.create(memory="1Gi")
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        started = procfs.start_ticks(sleeper.pid)
+        assert wait_until(lambda: boot_ticks() > started, 5, every=0.002)      # (a later tick than its start)
+        running = boot_ticks()
+        ticks = {"before it started": started - 1, "its start": started, "a time it ran at": running}[record]
+        kept = record != "before it started"
+        fd = os.open(node.usage_path(), os.O_RDWR)
+        try:
+            forge_slot(fd, 0, sleeper.pid, 512 * MiB, ticks, procfs.pid_ns())
+            other = spawn(node.env(limit=None))
+            assert other.call("alloc", 768 * MiB)[0] == (2 if kept else 0)     # the shim's reap on a refusal
+            if not kept:
+                assert other.call("free", 0) == 0
+            forge_slot(fd, 0, sleeper.pid, 512 * MiB, ticks, procfs.pid_ns())
+        finally:
+            os.close(fd)
+        assert settled(node) == (512 * MiB if kept else 0)                     # vgpu-ctl's
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+    assert settled(node) == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

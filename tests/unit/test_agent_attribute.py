@@ -112,8 +112,10 @@ def test_a_live_pid_that_an_ended_processs_slot_also_names():
     node = Node()
     t = process(10, start=5000)
     mine = Attribution("train", "usage-file", "sliced")
-    # a slot of its own start, or one that records none: its own, nothing earlier
-    assert node._reused(10, t, mine, [("train", slot(10, start_ticks=5000)), ("train", slot(10))]) is None
+    # a slot of its own start, of a time it ran at (the shim's claim), or one that records
+    # none: its own, nothing earlier
+    assert node._reused(10, t, mine, [("train", slot(10, start_ticks=5000)), ("train", slot(10, start_ticks=5042)),
+                                      ("train", slot(10))]) is None
     # an earlier process's slot in its own slice: counted as its own
     a, earlier = node._reused(10, t, mine, [("train", slot(10, start_ticks=4000))])
     assert (a.slice, a.method, a.state, a.reused) == ("train", "usage-file", "sliced", True)

@@ -51,8 +51,9 @@ class Attributing:
             return None      # there, but not readable from here: as it was
         else:
             start = None
-        # a zombie's own slot only if it started when the slot says (a shared slot records no start)
-        found = [(n, sl) for n, sl in found if sl.shared or start is None or sl.start_ticks in (0, start)]
+        # a zombie's own slot only if the slot names it (started_by; a shared slot records no start)
+        found = [(n, sl) for n, sl in found
+                 if sl.shared or start is None or not sl.start_ticks or procfs.started_by(start, sl.start_ticks)]
         names = sorted({n for n, _ in found})
         if not names:
             return None
@@ -73,7 +74,8 @@ class Attributing:
         never acted on, rather than the live process's."""
         # (a shared slot records no start: its exporter is another process only when it is
         # of another slice)
-        earlier = [(n, sl) for n, sl in naming if (n != a.slice if sl.shared else sl.start_ticks not in (0, t.start))]
+        earlier = [(n, sl) for n, sl in naming
+                   if (n != a.slice if sl.shared else sl.start_ticks and not procfs.started_by(t.start, sl.start_ticks))]
         if not earlier:
             return None
         names = sorted({n for n, _ in earlier})

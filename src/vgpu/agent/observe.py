@@ -152,7 +152,7 @@ class Observer(DriverLook, Attributing, Evidence):
             if t is None and sl.pid > 0 and sl.pid_ns == self.my_pid_ns and by_usage is not None and \
                     not_slots.get(sl.pid) != sl.start_ticks:
                 t = self._watch_slot(sl, by_usage, now)
-            if t is None or not t.visible or t.start != sl.start_ticks:
+            if t is None or not t.visible or not procfs.started_by(t.start, sl.start_ticks):
                 unsure = True
         return reclaimed, unsure
 
@@ -161,7 +161,7 @@ class Observer(DriverLook, Attributing, Evidence):
         its pidfd; None when another process has that pid now, or none (remembered, so the
         slot is not looked up again)."""
         t = self.track(sl.pid)
-        if t.visible and t.start == sl.start_ticks:
+        if t.visible and procfs.started_by(t.start, sl.start_ticks):
             self._usage_of(t, by_usage, now)
             return t
         self._drop(t)
@@ -215,7 +215,7 @@ class Observer(DriverLook, Attributing, Evidence):
         if pid_ns != self.my_pid_ns:
             return False
         t = self.tracked.get(pid)
-        return t is not None and t.visible and t.start == start_ticks
+        return t is not None and t.visible and procfs.started_by(t.start, start_ticks)
 
     # --- one look ---
 
@@ -330,7 +330,7 @@ class Observer(DriverLook, Attributing, Evidence):
                         t = tracked.get(sl.pid) if sl.pid > 0 and sl.pid_ns == my_pid_ns else None
                         if t is not None and (sl.pid, t) in watched:
                             continue
-                        if t is not None and t.visible and t.start == sl.start_ticks:
+                        if t is not None and t.visible and procfs.started_by(t.start, sl.start_ticks):
                             more = (more or set()) | {(sl.pid, t)}     # watched from now on
                             continue
                         unwatched = True
@@ -550,7 +550,7 @@ class Observer(DriverLook, Attributing, Evidence):
                     row.comm = row.comm or hs[0].comm
                 elif t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
-                    if sl is not None and (not sl.start_ticks or sl.start_ticks == t.start):
+                    if sl is not None and (not sl.start_ticks or procfs.started_by(t.start, sl.start_ticks)):
                         if sl.pid_ns != my_pid_ns and sl.host_pid != pid and sl.start_ticks:
                             self._note_host_pid(a.slice, sl, pid)
                         keep = True
