@@ -514,13 +514,13 @@ static int read_stat(const char *path, char *state, uint64_t *start_ticks)
     return 0;
 }
 
-/* A time this process was running at, in the clock ticks after boot of /proc/<pid>/stat's
- * start time (field 22: CLOCK_BOOTTIME at fork, in 1/USER_HZ s): now.  A slot records it
- * in place of the start time itself, which costs the process its first /proc lookups
- * (27 us of the 40 the identity took at start-up, this machine) -- and it names the
- * process as exactly: the process at its pid whose start is no later than it can only be
- * the one that had the pid then; a later one started after that one ended
- * (vgpu/procfs.py started_by, the rule every reader applies). */
+/* Now, as a time this process was running at: CLOCK_BOOTTIME in the clock ticks after
+ * boot of /proc/<pid>/stat's start time (field 22: CLOCK_BOOTTIME at fork, in 1/USER_HZ s,
+ * rounded down alike).  A slot records it in place of the start time itself, which cost
+ * the process its first /proc lookups (27 us of the 40 the identity took at start-up, this
+ * machine), and it names the process as exactly: the process at its pid that started no
+ * later can only be the one that had the pid then; a later one started after that one
+ * ended (vgpu/procfs.py started_by, the rule every reader applies). */
 static uint64_t running_ticks(void)
 {
     struct timespec ts;
@@ -537,8 +537,9 @@ static uint64_t inode_of(const char *path)
 }
 
 /* Who this process is (a time it was running at, and its pid namespace: a slot's and a
- * standalone quota's owner fields), read once per process: neither changes for a process (setns and unshare
- * move only the children it makes after).  A child reads its own: atfork_child forgets
+ * standalone quota's owner fields), read once per process: the time stays one it ran at,
+ * and the namespace does not change for a process (setns and unshare move only the
+ * children it makes after).  A child reads its own: atfork_child forgets
  * the parent's, and a child made without fork's handlers (a raw clone) has another pid --
  * unless that pid was the reader's, its ancestor that has since exited, so the handler
  * is the rule and the pid the fallback.  A standalone slice's maker read both twice, a
@@ -565,10 +566,10 @@ static struct identity own_identity(void)
  * before the release of the files through which the driver holds its device memory (a
  * real driver's context teardown can take seconds): drained then, the slot would hand on
  * budget the device still spends.  So a slot whose lock is free is drained only once its
- * process is gone, its pid is a later process's (one that started after the slot's was
- * running), or it is a zombie
- * with no other thread left: do_exit releases the files before exit_notify makes the
- * zombie, and a thread group's table goes with its last thread (kernel/exit.c).  A
+ * process is gone, its pid is a later process's (one that started after the time the slot
+ * records), or it is a zombie with no other thread left: do_exit releases the files
+ * before exit_notify makes the zombie, and a thread group's table goes with its last
+ * thread (kernel/exit.c).  A
  * process still there keeps its charge (exiting; or alive without the file, as after an
  * exec of a program without the shim: its charge stays until it exits).  Our own slot
  * from before an exec is ours to drain.  Only a process of our own pid namespace can be

@@ -171,12 +171,13 @@ THERE, GONE, REUSED = "there", "gone", "reused"
 
 
 def owner(pid, ticks) -> str:
-    """Where the process a record of `pid` made at `ticks` names (started_by) is: THERE (running, or exiting
-    and not done with its files), GONE (no such pid, or a zombie with no other thread left:
-    do_exit releases the files before exit_notify makes the zombie, and a thread group's
-    table goes with its last thread), or REUSED (its pid is another process's).  A dead
-    slot is drained only once its process is not THERE: its lock may drop before the
-    descriptors through which the driver holds its memory (shim/shim.c slot_owner)."""
+    """Where the process a record of `pid` made at `ticks` names (started_by) is: THERE
+    (running, or exiting and not done with its files), GONE (no such pid, or a zombie with
+    no other thread left: do_exit releases the files before exit_notify makes the zombie,
+    and a thread group's table goes with its last thread), or REUSED (its pid is a later
+    process's).  A dead slot is drained only once its process is not THERE: its lock may
+    drop before the descriptors through which the driver holds its memory (shim/shim.c
+    slot_owner)."""
     data = _read(f"/proc/{pid}/stat", 2048)
     if not data:
         return GONE
