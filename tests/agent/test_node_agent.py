@@ -321,12 +321,18 @@ def assert_json_devices(obj, where="$"):
 
 # === the shim says who it is ===
 
-def test_a_slot_records_a_time_its_process_ran_at_and_its_pid_namespace(node_, spawn):
+@pytest.mark.parametrize("pid_ns_from", ["a pidfd", "/proc"])
+def test_a_slot_records_a_time_its_process_ran_at_and_its_pid_namespace(node_, spawn, c_program, pid_ns_from):
     """The slot's start_ticks: no earlier than the process's start time (/proc/<pid>/stat
     field 22) and no later than now, in the same ticks -- the record procfs.started_by
-    holds it to."""
+    holds it to.  Its pid namespace as /proc shows it, found through a pidfd of its own, or
+    from /proc where pidfd_open fails (tests/programs/no_pidfd.c, preloaded before the
+    shim)."""
     node_.ctl("create", "a", "--memory", "1Gi")
-    t = spawn(node_.shim_env("a"))
+    env = node_.shim_env("a")
+    if pid_ns_from == "/proc":
+        env["LD_PRELOAD"] = f"{c_program('no_pidfd', ('-shared', '-fPIC'))} {env['LD_PRELOAD']}"
+    t = spawn(env)
     (p,) = node_.usage("a").procs
     now = boot_ticks()
     with open(f"/proc/{t.pid}/stat") as f:
