@@ -10,7 +10,9 @@ import json
 import mmap
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -172,6 +174,52 @@ def test_the_correction_finds_a_namespaced_process_by_the_host_pid_the_agent_wro
         assert outer.wait(timeout=30) == 0
     assert usage("seen").devices[0].sm_correction != 0
     assert usage("unseen").devices[0].sm_correction == 0
+
+
+def test_with_the_node_agent_namespaced_tenants_are_corrected_and_get_their_shares(tmp_path, c_program):
+    """The whole loop, real components: two tenants in pid namespaces of their own, 30/70%,
+    20 ms kernels with a sync after each, and `vgpu-ctl agent` on the node.  The agent finds
+    each tenant's slot by the process that maps the usage file (its pid in its namespace,
+    and a time it ran at, 50 ms after it started) and writes the host pid NVML lists it by
+    into the slot; each slice's correction then measures (a cost scale stored) and the
+    shares hold, judged by the referee."""
+    needs_pid_namespaces()
+    exe = c_program("duty")
+    envs = {name: kept_slice_env(tmp_path, name, share) for name, share in (("a", "30%"), ("b", "70%"))}
+    agent = subprocess.Popen([str(Path(sys.executable).parent / "vgpu-ctl"), "agent", "--interval", "200ms",
+                              "--dir", str(tmp_path / "vgpu")], env=make_sim_env(tmp_path / "node"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tenants, referee = {}, None
+    try:
+        # (each process starts 50 ms before it execs the tenant and claims its slot: a slot's
+        # time is then several clock ticks after its process's start)
+        tenants = {name: in_own_pid_namespace("sh", ["-c", f"sleep 0.05; exec {exe} 20000 10.5 sync"], env)
+                   for name, env in envs.items()}
+        t0 = time.time()
+        referee = start_referee([host for _, host in tenants.values()], [[4.0, 10.0]], t0,
+                                make_sim_env(tmp_path / "node"))
+
+        def usage(name):
+            return ffi.from_buffer("struct vgpu_usage *", (tmp_path / "vgpu" / name / "usage").read_bytes())
+        written = {}
+        while time.time() < t0 + 4 and len(written) < 2:
+            written = {name: host for name, (_, host) in tenants.items()
+                       if any(p.pid and p.state == host for p in usage(name).procs)}
+            time.sleep(0.05)
+        out, err = referee.communicate(timeout=60)
+        for outer, _ in tenants.values():
+            assert outer.wait(timeout=30) == 0
+    finally:
+        for p in [outer for outer, _ in tenants.values()] + ([referee] if referee else []):
+            p.kill()
+            p.wait(10)
+        agent.terminate()
+        agent_err = agent.communicate(timeout=30)[1]
+    assert set(written) == {"a", "b"}, f"the agent wrote no host pid for {set(envs) - set(written)}: {agent_err[-600:]}"
+    assert referee.returncode == 0, err
+    assert all(usage(name).devices[0].sm_correction != 0 for name in envs)
+    [[got_a, got_b]] = json.loads(out)
+    assert abs(got_a - 30) <= MARGIN and abs(got_b - 70) <= MARGIN, (got_a, got_b)
 
 
 def test_a_free_slots_leftover_host_pid_is_not_the_slices(tmp_path, c_program):
