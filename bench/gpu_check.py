@@ -31,6 +31,10 @@ Checks:
                     each kernel, by the kernels each finished (count x the kernel's solo time);
                     with both, `nvml_samples`: what NVML's per-process samples are like (per
                     call, their age, missing ones) and the shim's own 0.5 s reading of them
+  duty_containers   duty's first pair, each tenant in a pid namespace of its own (as in a
+                    container: unshare --pid, needs root) and the node agent running: the
+                    correction finds the tenants in NVML by the host pids the agent writes;
+                    also whether it wrote them (needs the vgpu package and its dependencies)
   woken             a 70% slice wakes next to one bursting to 100% (guaranteed 30%): its share
                     over its first second, counted as above; needs the vgpu package's cffi part
   mem_get_info      torch.cuda.mem_get_info() reports the cap as total
@@ -55,6 +59,7 @@ Checks:
                     --only on a GPU you may not change the settings of
 """
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -488,18 +493,39 @@ def spin_calibration():
     return sizes
 
 
-def run_spins(tenants, seconds, windows, also=None, diag=None):
-    """tenants: [(env, blocks, n, mode, delay s)] of SPIN, started together (run_together)."""
-    return run_together([([sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)], env)
-                         for env, b, n, mode, delay in tenants], seconds, windows, also, diag)
+# a tenant in a pid namespace of its own, as in a container (the host's /proc and mounts
+# kept): NVML lists it by its host pid, which its shim does not know
+IN_OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
-def run_together(tenants, seconds, windows, also=None, diag=None):
+def run_spins(tenants, seconds, windows, also=None, diag=None, namespaced=False):
+    """tenants: [(env, blocks, n, mode, delay s)] of SPIN, started together (run_together);
+    namespaced: each in a pid namespace of its own."""
+    prefix = IN_OWN_PID_NAMESPACE if namespaced else []
+    return run_together([([*prefix, sys.executable, spin_program(), str(b), str(n), mode, str(seconds), str(delay)],
+                          env) for env, b, n, mode, delay in tenants], seconds, windows, also, diag,
+                        namespaced=namespaced)
+
+
+def namespaced_pid(outer, timeout=10.0):
+    """The host pid of the process `unshare --fork` (pid `outer`) started."""
+    children = Path(f"/proc/{outer}/task/{outer}/children")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = children.read_text().split() if children.exists() else []
+        if pids:
+            return int(pids[0])
+        time.sleep(0.01)
+    raise RuntimeError(f"unshare ({outer}) started no process")
+
+
+def run_together(tenants, seconds, windows, also=None, diag=None, namespaced=False):
     """tenants: [(argv, env)] of programs that print a JSON line once set up, then read a start
     time (epoch seconds) on stdin and run `seconds` from it, ending with a JSON line.  Started
     together once all are set up.  Returns (start time, NVML shares per window (seconds from
     the start) per tenant, each one's last JSON line); `also(start, windows)` runs in a
-    thread meanwhile; `diag`: nvml_windows's."""
+    thread meanwhile; `diag`: nvml_windows's.  namespaced: each argv starts with
+    IN_OWN_PID_NAMESPACE, and NVML is read for the process it started."""
     # stderr to files: a chatty tenant (PyTorch's warnings) must not fill a pipe nobody reads
     errs = [tempfile.TemporaryFile(mode="w+") for _ in tenants]
     procs = [subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -521,7 +547,7 @@ def run_together(tenants, seconds, windows, also=None, diag=None):
             import threading
             sampler = threading.Thread(target=also, args=(start, windows))
             sampler.start()
-        nvml = nvml_windows([p.pid for p in procs], start, windows, diag)
+        nvml = nvml_windows([namespaced_pid(p.pid) if namespaced else p.pid for p in procs], start, windows, diag)
         if also:
             sampler.join()
         outs = []
@@ -659,6 +685,70 @@ def duty_check(shim, tmp):
             "worst_error_points": worst, "rows": rows}
 
 
+@contextlib.contextmanager
+def node_agent(vdir):
+    """`vgpu-ctl agent` (this tree's, reporting only) watching `vdir` meanwhile; yields a
+    dict whose "stderr" is the end of what it wrote there, once it has stopped."""
+    ended = {}
+    with tempfile.TemporaryFile(mode="w+") as log:
+        agent = subprocess.Popen([sys.executable, "-c", "import sys; from vgpu.cli import main; sys.exit(main())",
+                                  "agent", "--interval", "200ms", "--dir", str(vdir)], env=plain_env(),
+                                 stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            yield ended
+        finally:
+            agent.terminate()
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+            log.seek(0)
+            ended["stderr"] = log.read().strip()[-600:]
+
+
+def duty_containers_check(shim, tmp):
+    """duty's first pair (30/70%, 1 block, a sync after each 20 ms kernel) with each tenant in
+    a pid namespace of its own, as in a container, and the node agent (`vgpu-ctl agent`)
+    watching their slices: the shim's correction reads NVML by the host pid the agent writes
+    into each slot.  Also: the host pids the agent wrote (none: the correction never
+    measured, and the estimates stood alone)."""
+    if subprocess.run([*IN_OWN_PID_NAMESPACE, "true"], capture_output=True).returncode:
+        return {"skipped": "needs pid namespaces (unshare --pid: root)"}
+    vgpu, why = vgpu_package()
+    if not vgpu:
+        return {"skipped": why}
+    from vgpu import slices
+    n, ms = spin_calibration()[1]
+    vdir = Path(tmp) / "vgpu-containers"
+    vdir.mkdir()
+    targets = (30, 70)
+    with node_agent(vdir) as agent:
+        tenants = [(under_shim(shim, vdir, f"t{i}", VGPU_SM_LIMIT=f"{t}%"), 1, n, "sync", 0.0)
+                   for i, t in enumerate(targets)]
+        host_pids = {}
+
+        def note_host_pids(start, windows):   # what the agent wrote, while the slices are there
+            while time.time() < start + windows[0][1] and len(host_pids) < len(targets):
+                for i in range(len(targets)):
+                    try:
+                        u = slices.read_usage(vdir, f"t{i}")
+                    except (slices.NotFound, slices.BadFile, OSError):   # not made yet
+                        continue
+                    host_pids.update({f"t{i}": p.host_pid for p in (u.procs if u else ()) if p.host_pid})
+                time.sleep(0.1)
+        diag = {}
+        start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS, also=note_host_pids, diag=diag, namespaced=True)
+    row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets), "nvml_samples": diag,
+           "agent_wrote_host_pids": host_pids, "agent_stderr": agent["stderr"]}
+    if all("done" in o for o in outs):
+        by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
+        row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
+    row["launches"] = [o.get("launches", o.get("error")) for o in outs]
+    worst = row.get("counted_error_points", row["nvml_error_points"])[0]
+    return {"ok": worst <= 1.0 and len(host_pids) == len(targets), "worst_error_points": worst, **row}
+
+
 def woken_check(shim, tmp):
     """bench/test_burst_bench.py's yield case on hardware: t0 (guaranteed 30%, up to 100%)
     saturates with 20 ms kernels back to back; t1 (guaranteed 70%) wakes 3 s later, a sync
@@ -741,7 +831,9 @@ def main():
 
         plan = [("start_up", lambda: start_up_check(shim, tmp)), ("start_up_32", lambda: start_up_32_check(shim, tmp)),
                 ("expandable", memory), ("nvml_meaning", nvml_meaning_check),
-                ("duty", lambda: duty_check(shim, tmp)), ("woken", lambda: woken_check(shim, tmp)),
+                ("duty", lambda: duty_check(shim, tmp)),
+                ("duty_containers", lambda: duty_containers_check(shim, tmp)),
+                ("woken", lambda: woken_check(shim, tmp)),
                 ("launch_overhead", launch_overhead), ("shares", shares), ("graph_replay", graph_replay),
                 ("footprint", lambda: footprint_check(shim, Path(tmp) / "vgpu-footprint")),
                 ("burst", lambda: burst_check(shim, Path(tmp) / "vgpu-burst")),

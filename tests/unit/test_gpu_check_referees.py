@@ -5,8 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.paths import ROOT
 from tests.helpers.simnode import make_sim_env, run_python
+from vgpu.paths import SHIM
 
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
@@ -50,3 +53,55 @@ def test_nvml_windows_weighs_each_window_by_its_own_time(tmp_path, c_program):
     assert diag["sample_age_ms_median"][0] >= 0   # (simgpu stamps a sample with the time of the call)
     # its reads look back 0.5 s from inside [0.5, 2.5] s, so cover about [0.25, 2.25] s: 62.5%
     assert 50 <= diag["as_the_shim_reads"]["mean_percent"][0] <= 75, diag
+
+
+# run_together's protocol (a JSON line once set up, the start time on stdin), then 2 ms
+# kernels back to back for 2 s: the duty program, exec'd in the same process
+RUN_TOGETHER_TENANT = """
+import json, os, sys, time
+print(json.dumps({{"ready": True}}), flush=True)
+t0 = float(sys.stdin.readline())
+time.sleep(max(0.0, t0 - time.time()))
+os.execv({duty!r}, [{duty!r}, "2000", "2.0"])
+"""
+
+
+def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_into_its_slot(tmp_path, c_program):
+    """duty_containers' plumbing, on simgpu: a tenant of run_together in a pid namespace of its
+    own (IN_OWN_PID_NAMESPACE), under the shim in a standalone slice, with gpu_check's node
+    agent watching the slices.  NVML is read for the process unshare started (2 ms kernels
+    back to back: the window all busy; unshare's own pid would read 0), and the agent writes
+    the host pid NVML lists it by into its slot."""
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("needs root and pid namespaces")
+    duty = c_program("duty")
+    env = make_sim_env(tmp_path / "node")
+    subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
+    vdir = tmp_path / "vgpu"
+    vdir.mkdir()
+    tenant = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(vdir), "VGPU_SLICE": "t0", "VGPU_MEMORY_LIMIT": "1Gi"}
+    out = run_python(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import gpu_check
+        from vgpu import slices
+        TENANT = {RUN_TOGETHER_TENANT.format(duty=str(duty))!r}
+        written = []
+
+        def note(start, windows):
+            while time.time() < start + 2.0 and not written:
+                try:
+                    u = slices.read_usage({str(vdir)!r}, "t0")
+                except slices.NotFound:     # (the tenant has not made its slice yet)
+                    u = None
+                written.extend(p.host_pid for p in (u.procs if u else ()) if p.host_pid)
+                time.sleep(0.05)
+        with gpu_check.node_agent({str(vdir)!r}) as agent:
+            start, nvml, outs = gpu_check.run_together(
+                [([*gpu_check.IN_OWN_PID_NAMESPACE, sys.executable, "-c", TENANT], {tenant!r})], 2.0, [[0.5, 1.5]],
+                also=note, namespaced=True)
+        print(json.dumps({{"nvml": nvml, "written": written, "agent": agent["stderr"]}}))
+    """, env, timeout=120).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert got["nvml"][0][0] >= 90, got
+    assert got["written"], got
