@@ -15,6 +15,8 @@ def shims_to_compare():
     """This shim, and another build of it where BENCH_BASELINE_SHIM names one (an older
     commit's, built aside: docs/benchmarks.md), to run side by side in the same rounds."""
     baseline = os.environ.get("BENCH_BASELINE_SHIM")
+    if baseline and not os.path.isfile(baseline):   # (LD_PRELOAD only warns: it would measure no shim)
+        pytest.exit(f"BENCH_BASELINE_SHIM={baseline} is no file: build it first (docs/benchmarks.md)", returncode=2)
     return {"this shim": SHIM, **({"baseline": baseline} if baseline else {})}
 
 
