@@ -59,6 +59,13 @@ def test_exit_while_threads_free_never_passes_the_cap_and_leaves_nothing(node, l
     sampler = run_sampler(node, c_program, interval_us=1000)
     a = subprocess.Popen(lifecycle("hold", 512 * MiB), env=node.env(limit=str(cap)), stdout=subprocess.PIPE,
                          text=True)
+
+    def only_a_charged(who):
+        # whatever the process did when it exited, its slot ends empty: no wrap, no leftover.
+        # Its slot's lock can still be held just after its parent reaped it: under load
+        # (eight of these runs at once on two cores), 3 runs in 176 found B's slot locked,
+        # its whole charge standing, with no /proc entry left, and 10 ms later emptied
+        wait_until(lambda: settled(node) == 512 * MiB, 2, f"{who}'s slot emptied")
     try:
         assert json.loads(a.stdout.readline()) == {"alloc": 0}
         rng = random.Random(13)
@@ -66,17 +73,17 @@ def test_exit_while_threads_free_never_passes_the_cap_and_leaves_nothing(node, l
             b = subprocess.run(lifecycle("exit-freeing", 16, 16 * MiB, rng.randrange(0, 3000)),
                                env=node.env(limit=str(cap)), capture_output=True, timeout=30)
             assert b.returncode == 0, b.stderr
+            only_a_charged("B")
             if i % 10 == 9:
                 c = subprocess.run(lifecycle("fill", 16 * MiB), env=node.env(limit=str(cap)), capture_output=True,
                                    text=True, timeout=30)
                 assert json.loads(c.stdout) == {"held": cap - 512 * MiB, "error": 0}
-            # whatever B was doing when it exited, its slot ends empty: no wrap, no leftover
-            assert settled(node) == 512 * MiB
+                only_a_charged("C")
         assert node.referee().used == 512 * MiB
     finally:
         a.kill()
         a.wait()
-    seen = sampler_summary(sampler)
+        seen = sampler_summary(sampler)
     assert seen["max_used"] <= cap, f"the device held {seen['max_used'] - cap} bytes over the cap"
     assert settled(node) == node.referee().used == 0
 
