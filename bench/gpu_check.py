@@ -661,6 +661,26 @@ def nvml_meaning_check():
     return rows
 
 
+def duty_row(tenants, targets, mode, ms, also=None, namespaced=False):
+    """One row of the duty table: the tenants (run_spins's) run together for 10.5 s; each
+    one's NVML share and error against `targets`, with a sync after each kernel (`mode`
+    "sync") also by the kernels it finished (each `ms` alone), and NVML's samples."""
+    diag = {}
+    start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS, also=also, diag=diag, namespaced=namespaced)
+    row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets), "nvml_samples": diag}
+    if mode == "sync" and all("done" in o for o in outs):
+        by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
+        row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
+    row["launches"] = [o.get("launches", o.get("error")) for o in outs]
+    return row
+
+
+def worst_error(row):
+    """A duty row's worst tenant over the whole window: by the kernels it finished where
+    they were counted, else by NVML."""
+    return row.get("counted_error_points", row["nvml_error_points"])[0]
+
+
 def duty_check(shim, tmp):
     """The side-by-side pairs and a four-tenant row on hardware; see the module's docstring."""
     sizes = spin_calibration()
@@ -672,15 +692,8 @@ def duty_check(shim, tmp):
         n, ms = sizes[blocks]
         tenants = [(under_shim(shim, Path(tmp) / f"vgpu-duty-{len(rows)}", f"t{i}", VGPU_SM_LIMIT=f"{t}%"),
                     blocks, n, mode, 0.0) for i, t in enumerate(targets)]
-        diag = {}
-        start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS, diag=diag)
-        row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets), "nvml_samples": diag}
-        if mode == "sync" and all("done" in o for o in outs):
-            by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
-            row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
-        row["launches"] = [o.get("launches", o.get("error")) for o in outs]
-        rows[label] = row
-    worst = max(r.get("counted_error_points", r["nvml_error_points"])[0] for r in rows.values())
+        rows[label] = duty_row(tenants, targets, mode, ms)
+    worst = max(worst_error(r) for r in rows.values())
     return {"ok": worst <= 1.0, "kernel_ms": {str(b): round(ms, 2) for b, (_, ms) in sizes.items()},
             "worst_error_points": worst, "rows": rows}
 
@@ -737,16 +750,10 @@ def duty_containers_check(shim, tmp):
                         continue
                     host_pids.update({f"t{i}": p.host_pid for p in (u.procs if u else ()) if p.host_pid})
                 time.sleep(0.1)
-        diag = {}
-        start, nvml, outs = run_spins(tenants, 10.5, DUTY_WINDOWS, also=note_host_pids, diag=diag, namespaced=True)
-    row = {"nvml": nvml[0], "nvml_error_points": errors(nvml, targets), "nvml_samples": diag,
-           "agent_wrote_host_pids": host_pids, "agent_stderr": agent["stderr"]}
-    if all("done" in o for o in outs):
-        by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
-        row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
-    row["launches"] = [o.get("launches", o.get("error")) for o in outs]
-    worst = row.get("counted_error_points", row["nvml_error_points"])[0]
-    return {"ok": worst <= 1.0 and len(host_pids) == len(targets), "worst_error_points": worst, **row}
+        row = duty_row(tenants, targets, "sync", ms, also=note_host_pids, namespaced=True)
+    worst = worst_error(row)
+    return {"ok": worst <= 1.0 and len(host_pids) == len(targets), "worst_error_points": worst,
+            "agent_wrote_host_pids": host_pids, "agent_stderr": agent["stderr"], **row}
 
 
 def woken_check(shim, tmp):

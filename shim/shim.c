@@ -569,8 +569,8 @@ static uint64_t own_pid_ns(void)
 /* Who this process is (a time it was running at, and its pid namespace: a slot's and a
  * standalone quota's owner fields), read once per process: the time stays one it ran at,
  * and the namespace does not change for a process (setns and unshare move only the
- * children it makes after).  A child reads its own: atfork_child forgets
- * the parent's, and a child made without fork's handlers (a raw clone) has another pid --
+ * children it makes after).  A child reads its own: atfork_child forgets the parent's,
+ * and a child made without fork's handlers (a raw clone) has another pid --
  * unless that pid was the reader's, its ancestor that has since exited, so the handler
  * is the rule and the pid the fallback.  A standalone slice's maker read both twice, a
  * reap the namespace once per slot. */
@@ -599,9 +599,9 @@ static struct identity own_identity(void)
  * process is gone, its pid is a later process's (one that started after the time the slot
  * records), or it is a zombie with no other thread left: do_exit releases the files
  * before exit_notify makes the zombie, and a thread group's table goes with its last
- * thread (kernel/exit.c).  A
- * process still there keeps its charge (exiting; or alive without the file, as after an
- * exec of a program without the shim: its charge stays until it exits).  Our own slot
+ * thread (kernel/exit.c).  A process still there keeps its charge (exiting; or alive
+ * without the file, as after an exec of a program without the shim: its charge stays
+ * until it exits).  Our own slot
  * from before an exec is ours to drain.  Only a process of our own pid namespace can be
  * looked up: any other's slot is drained at once, as before. */
 enum owner {
