@@ -9,20 +9,37 @@
 #ifndef VGPU_ABI_RESOLVE_H
 #define VGPU_ABI_RESOLVE_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cuda_abi.h"
 #include "cuda_entry_points.h"
 
+/* The names are kept in one block of text, each entry holding its name's offset there: a
+ * table of 673 pointers took one relocation each at load, which wrote 10.7 KB of the
+ * library's pages in every process it is loaded into (the shim's and simgpu's, issue 31);
+ * offsets are constants, so the table stays in the read-only pages as built. */
+#define VGPU_ABI_NAME_FIELD(name, ver, pt) char name##_##ver##_##pt[sizeof #name];
+struct vgpu_abi_names {
+    VGPU_CUDA_ENTRY_POINTS(VGPU_ABI_NAME_FIELD)
+};
+#define VGPU_ABI_NAME_TEXT(name, ver, pt) #name,
+static const struct vgpu_abi_names vgpu_abi_names = {VGPU_CUDA_ENTRY_POINTS(VGPU_ABI_NAME_TEXT)};
+
 struct vgpu_abi {
-    const char *name;
+    uint32_t name;   /* offset in vgpu_abi_names: vgpu_abi_name() */
     int version;
     int per_thread;
 };
 
-#define VGPU_AS_ABI(name, ver, pt) {#name, ver, pt},
+#define VGPU_AS_ABI(name, ver, pt) {offsetof(struct vgpu_abi_names, name##_##ver##_##pt), ver, pt},
 static const struct vgpu_abi vgpu_known_abis[] = {VGPU_CUDA_ENTRY_POINTS(VGPU_AS_ABI)};
+
+static inline const char *vgpu_abi_name(const struct vgpu_abi *e)
+{
+    return (const char *)&vgpu_abi_names + e->name;
+}
 
 /* Fills *out and returns CU_GET_PROC_ADDRESS_SUCCESS, or says why there is none. */
 static inline CUdriverProcAddressQueryResult vgpu_resolve_abi(const char *symbol, int cudaVersion,
@@ -33,7 +50,7 @@ static inline CUdriverProcAddressQueryResult vgpu_resolve_abi(const char *symbol
     int seen = 0;
     for (size_t i = 0; i < sizeof vgpu_known_abis / sizeof vgpu_known_abis[0]; i++) {
         const struct vgpu_abi *e = &vgpu_known_abis[i];
-        if (strcmp(e->name, symbol))
+        if (strcmp(vgpu_abi_name(e), symbol))
             continue;
         seen = 1;
         if (e->version > cudaVersion || (e->per_thread && !want_pt))

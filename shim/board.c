@@ -69,7 +69,7 @@ static int board_open(void)
         return fd;
     pthread_mutex_lock(&S.lock);
     if (board_fd == -2) {
-        fd = S.board_path[0] ? open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK) : -1;
+        fd = S.board_path ? open(S.board_path, O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK) : -1;
         if (fd < 0 && errno == ENOENT) {   /* no controller made one (standalone containers) */
             static struct vgpu_board empty;   /* zeroed: every section free */
             empty.magic = VGPU_BOARD_MAGIC;

@@ -111,7 +111,7 @@ struct shim_state {
     struct vgpu_usage *usage;
     int usage_fd;
     int slot;                   /* this process's slot in the usage file; -1: none (yet) */
-    char usage_path[4096];
+    char *usage_path;           /* set by configure, kept */
     struct entry *table;
     uint64_t next_reap_ns;
     uint64_t next_claim_ns;     /* no slot: when to try again */
@@ -119,7 +119,7 @@ struct shim_state {
     int nvml_ready;
     uint64_t context_overhead;  /* VGPU_CONTEXT_OVERHEAD, when set: no measuring */
     int context_overhead_set;
-    char board_path[4096];      /* <dir>/.sm-board: the share board (board.c) */
+    char *board_path;           /* <dir>/.sm-board: the share board (board.c); set by configure */
     uint64_t slice_key;         /* the slice's name, hashed: its entries on the board */
 };
 extern HIDDEN struct shim_state S;

@@ -42,6 +42,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -189,9 +190,11 @@ static const char *limit_values[2][2][VGPU_MAX_DEVICES + 1];
 
 /* The limit variables, found in one pass over the environment: a getenv for each name
  * (2 kinds, 2 spellings, 17 names each) cost 136k instructions at every start (callgrind).
- * A variable's first occurrence counts, empty or not, as getenv finds it. */
-static void find_limit_vars(void)
+ * A variable's first occurrence counts, empty or not, as getenv finds it.  Returns whether
+ * one counted holds a value (limit_value skips empty ones). */
+static int find_limit_vars(void)
 {
+    int any = 0;
     extern char **environ;
     memset(limit_values, 0, sizeof limit_values);
     for (char **e = environ; e && *e; e++) {
@@ -214,10 +217,13 @@ static void find_limit_vars(void)
                     if (dev >= VGPU_MAX_DEVICES)
                         continue;
                 }
-                if (*p == '=' && !limit_values[k][h][dev])
+                if (*p == '=' && !limit_values[k][h][dev]) {
                     limit_values[k][h][dev] = p + 1;
+                    any |= p[1] != 0;
+                }
             }
     }
+    return any;
 }
 
 /* The value for device i: per-device variable first, then the all-devices one; ours
@@ -255,6 +261,8 @@ static const char *limit_var_name(enum limit_kind kind, int dev, struct limit_va
  * it covers (an all-devices variable covers 16: ~17k instructions at start-up). */
 static int quota_from_env(struct vgpu_quota *q, const char *name)
 {
+    if (!find_limit_vars())
+        return 0;   /* (a slice vgpu-ctl made: nothing to fill) */
     memset(q, 0, sizeof *q);
     q->magic = VGPU_QUOTA_MAGIC;
     q->abi_version = VGPU_ABI_VERSION;
@@ -262,8 +270,6 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
     q->generation = 2;
     q->device_count = VGPU_MAX_DEVICES;
     snprintf(q->name, sizeof q->name, "%s", name);
-    int any = 0;
-    find_limit_vars();
     const char *last_mem = NULL, *last_sm = NULL;   /* the values parsed last */
     uint64_t mem = 0;
     uint32_t sm = 0;
@@ -273,7 +279,6 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
         qd->sm_max = qd->sm_request = qd->sm_limit = 10000;
         struct limit_value lv = limit_value(LIMIT_MEMORY, d);
         if (lv.value) {
-            any = 1;
             if (lv.value != last_mem) {   /* (a pointer into one variable's text) */
                 const char *value = lv.value;
                 int bad = parse_size(value, lv.hami, &mem);
@@ -294,7 +299,6 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
         }
         lv = limit_value(LIMIT_SM, d);
         if (lv.value) {
-            any = 1;
             if (lv.value != last_sm) {
                 if (parse_share(lv.value, lv.hami, &sm)) {
                     deny("%s=%s is not a share of the GPU (use 1..100, e.g. 50%%)", limit_var_name(LIMIT_SM, d, lv),
@@ -306,7 +310,7 @@ static int quota_from_env(struct vgpu_quota *q, const char *name)
             qd->sm_max = qd->sm_request = qd->sm_limit = sm;
         }
     }
-    return any;
+    return 1;
 }
 
 /* === configuration: files === */
@@ -1000,10 +1004,8 @@ static void standalone_join(const char *dir, const char *cdir, const char *qpath
         devices = visible_devices();   /* (removed since the look above: rare) */
     if (devices)
         q->device_count = devices;
-    char board[4200];
-    snprintf(board, sizeof board, "%s/.sm-board", dir);
     q->flags |= VGPU_QUOTA_TEMPORARY | VGPU_QUOTA_STANDALONE | (made_dir ? VGPU_QUOTA_MADE_DIR : 0) |
-                (access(board, F_OK) ? VGPU_QUOTA_MADE_BOARD : 0);
+                (access(S.board_path, F_OK) ? VGPU_QUOTA_MADE_BOARD : 0);
     q->owner_pid = (uint64_t)getpid();
     struct identity me = own_identity();
     q->owner_start = me.start_ticks;
@@ -1167,6 +1169,21 @@ static void join_slice(const char *name, const char *qpath, const struct vgpu_qu
     INFO("container %s: quota %s, usage %s, slot %d", name, qpath, S.usage_path, S.slot);
 }
 
+/* "<dir>/<leaf>", allocated; NULL when memory is short.  Sized to the path, where buffers
+ * of PATH_MAX (two in the state, two on the stack) each had a page of their own written at
+ * every start: a page fault each, ~1 us here (issue 31). */
+static char *path_in(const char *dir, const char *leaf)
+{
+    size_t a = strlen(dir), b = strlen(leaf);
+    char *p = malloc(a + b + 2);
+    if (p) {
+        memcpy(p, dir, a);
+        p[a] = '/';
+        memcpy(p + a + 1, leaf, b + 1);
+    }
+    return p;
+}
+
 static void configure(void)
 {
     const char *lvl = getenv("VGPU_LOG");
@@ -1210,7 +1227,7 @@ static void configure(void)
         return deny("%s=%s is not a valid name (letters, digits, '-', '_', '.')", name_var, name);
 
     const char *dir = slice_from_file ? VGPU_SLICE_DIR : getenv("VGPU_DIR");
-    char tmpdir[64], cdir[4096], qpath[4096];
+    char tmpdir[64];
     if (!dir || !*dir) {
         dir = "/run/vgpu";
         if (from_env && access(dir, W_OK)) {   /* standalone without root: a private dir */
@@ -1218,20 +1235,28 @@ static void configure(void)
             dir = tmpdir;
         }
     }
-    if ((size_t)snprintf(cdir, sizeof cdir, "%s/%s", dir, name) >= sizeof cdir - 16)
-        return deny("VGPU_DIR=%s is too long", dir);
-    snprintf(qpath, sizeof qpath, "%.4080s/quota", cdir);
-    snprintf(S.board_path, sizeof S.board_path, "%.4080s/.sm-board", dir);
+    if (strlen(dir) + 1 + strlen(name) >= PATH_MAX - 16)
+        return deny("VGPU_DIR is too long (%zu characters): its slice's files would pass PATH_MAX (%d)", strlen(dir),
+                    PATH_MAX);
+    char *cdir = path_in(dir, name), *qpath = cdir ? path_in(cdir, "quota") : NULL;
+    S.usage_path = cdir ? path_in(cdir, "usage") : NULL;
+    S.board_path = path_in(dir, ".sm-board");
+    if (!qpath || !S.usage_path || !S.board_path) {
+        free(cdir);
+        free(qpath);
+        return deny("out of memory at start-up");
+    }
     S.slice_key = 14695981039346656037ull;   /* FNV-1a */
     for (const char *c = name; *c; c++)
         S.slice_key = (S.slice_key ^ (unsigned char)*c) * 1099511628211ull;
     S.slice_key |= 1;   /* never 0, a free entry */
-    snprintf(S.usage_path, sizeof S.usage_path, "%.4080s/usage", cdir);
     if (from_env)
         standalone_join(dir, cdir, qpath, &env_quota);
     join_slice(name, qpath, from_env ? &env_quota : NULL);
     if (from_env)
         standalone_joined(dir, name, qpath);
+    free(cdir);
+    free(qpath);
 }
 
 void init_slow(void)

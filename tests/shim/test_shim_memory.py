@@ -323,6 +323,25 @@ def test_allocation_beyond_the_cap_is_refused_and_the_process_keeps_working(node
     assert node.referee().used == 2 * GiB
 
 
+def test_a_long_slice_directory_is_used_whole_and_one_past_path_max_fails_closed(tmp_path, spawn):
+    """The slice's paths are sized to VGPU_DIR, not to fixed buffers: a directory 3,000
+    characters deep holds a working slice, and one no path under it could be opened in
+    (over PATH_MAX) is refused at start, the variable named: never a silent no-cap."""
+    node = Node(tmp_path)
+    while len(str(node.dir)) < 3000:
+        node.dir = node.dir / ("d" * 200)
+    node.dir.mkdir(parents=True)
+    a = spawn(node.env(limit="1Gi"))
+    assert a.call("alloc", 768 * MiB) == [SUCCESS, 0]
+    assert a.call("alloc", 512 * MiB) == [OUT_OF_MEMORY, None]
+    assert node.usage().procs == {a.pid: 768 * MiB}
+
+    node.dir = Path(str(node.dir) * 2)
+    b = spawn(node.env(limit="1Gi"), stderr_path=tmp_path / "err")
+    assert b.call("alloc", MiB) == [OUT_OF_MEMORY, None]
+    assert f"VGPU_DIR is too long ({len(str(node.dir))} characters)" in (tmp_path / "err").read_text()
+
+
 def test_cap_is_exact_to_the_byte_of_what_the_device_holds(node, spawn):
     """The cap counts footprints (csrc/footprint.h: 2 MiB pages from 1 MiB on, 512-byte
     rounding below), exactly: the referee holds what the usage file says."""
