@@ -48,10 +48,20 @@ static inline CUdriverProcAddressQueryResult vgpu_resolve_abi(const char *symbol
     int want_pt = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
     const struct vgpu_abi *best = NULL;
     int seen = 0;
-    for (size_t i = 0; i < sizeof vgpu_known_abis / sizeof vgpu_known_abis[0]; i++) {
+    /* The table is sorted by name as strcmp orders (tools/gen_entry_points.py): the
+     * symbol's first entry by bisection, its other ABIs right after it.  A scan of all 673
+     * cost ~2 us a call, and a runtime asks for hundreds at start-up (in simgpu and again
+     * in the shim). */
+    size_t n = sizeof vgpu_known_abis / sizeof vgpu_known_abis[0], lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (strcmp(vgpu_abi_name(&vgpu_known_abis[mid]), symbol) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; i < n && !strcmp(vgpu_abi_name(&vgpu_known_abis[i]), symbol); i++) {
         const struct vgpu_abi *e = &vgpu_known_abis[i];
-        if (strcmp(vgpu_abi_name(e), symbol))
-            continue;
         seen = 1;
         if (e->version > cudaVersion || (e->per_thread && !want_pt))
             continue;

@@ -3,7 +3,8 @@
  * Every CUDA driver entry point and ABI version known to cuGetProcAddress:
  *   VGPU_ENTRY_POINT(base name, version that introduced this ABI, per-thread variant)
  * Resolving (name, cudaVersion, flags) means picking the highest version <= cudaVersion,
- * preferring the per-thread variant when flags ask for it. */
+ * preferring the per-thread variant when flags ask for it.  Sorted by name as strcmp
+ * orders (abi_resolve.h bisects it). */
 #define VGPU_CUDA_ENTRY_POINTS(X) \
     X(cuArray3DCreate, 2000, 0) \
     X(cuArray3DCreate, 3020, 0) \

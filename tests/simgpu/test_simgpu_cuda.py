@@ -1745,6 +1745,14 @@ def test_cuda13_runtime_requests_get_the_export_of_their_abi_or_a_not_supported_
     assert got["cuMemAlloc", 3020, 0] == "cuMemAlloc_v2"
 
 
+def test_the_abi_table_is_in_strcmp_order_as_its_bisection_needs():
+    """abi_resolve.h finds a symbol's first entry by bisection: an entry out of order would
+    make names after it unknown to cuGetProcAddress (in simgpu and in the shim)."""
+    names = [m[1].encode() for m in re.finditer(r"X\((\w+), \d+, [01]\)", ENTRY_POINTS_H.read_text())]
+    assert len(names) > 600
+    assert names == sorted(names)   # bytes compare as strcmp does
+
+
 def test_every_known_abi_resolves_to_its_own_export_or_to_the_stub(resolve):
     abis, exports = known_abis(), set(exported_entry_points())
     requests = sorted({(name, version, PER_THREAD if pt else 0)
