@@ -162,6 +162,12 @@ def started_by(start, ticks) -> bool:
     return start is not None and bool(ticks) and start <= ticks
 
 
+def may_have_started_by(start, ticks) -> bool:
+    """started_by, where a record of 0 (none kept: a shared slot's, an older shim's) may
+    name any process."""
+    return not ticks or started_by(start, ticks)
+
+
 def same_process(pid, ticks) -> bool:
     """Is `pid` still the process a record made at `ticks` names (started_by)?"""
     return started_by(start_ticks(pid), ticks)

@@ -24,3 +24,9 @@ def test_a_record_names_the_process_at_its_pid_that_started_no_later():
     # no such process, no record
     assert not procfs.same_process(child.pid, later) and procfs.owner(child.pid, later) == procfs.GONE
     assert not procfs.started_by(start, 0) and not procfs.started_by(None, later)
+
+
+def test_a_record_of_none_may_name_any_process_where_a_caller_accepts_it():
+    assert procfs.may_have_started_by(5000, 0) and procfs.may_have_started_by(None, 0)
+    assert procfs.may_have_started_by(5000, 5000) and procfs.may_have_started_by(5000, 5042)
+    assert not procfs.may_have_started_by(5000, 4999) and not procfs.may_have_started_by(None, 5000)

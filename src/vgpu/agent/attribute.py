@@ -53,7 +53,7 @@ class Attributing:
             start = None
         # a zombie's own slot only if the slot names it (started_by; a shared slot records no start)
         found = [(n, sl) for n, sl in found
-                 if sl.shared or start is None or not sl.start_ticks or procfs.started_by(start, sl.start_ticks)]
+                 if sl.shared or start is None or procfs.may_have_started_by(start, sl.start_ticks)]
         names = sorted({n for n, _ in found})
         if not names:
             return None
@@ -75,7 +75,7 @@ class Attributing:
         # (a shared slot records no start: its exporter is another process only when it is
         # of another slice)
         earlier = [(n, sl) for n, sl in naming
-                   if (n != a.slice if sl.shared else sl.start_ticks and not procfs.started_by(t.start, sl.start_ticks))]
+                   if (n != a.slice if sl.shared else not procfs.may_have_started_by(t.start, sl.start_ticks))]
         if not earlier:
             return None
         names = sorted({n for n, _ in earlier})

@@ -550,7 +550,7 @@ class Observer(DriverLook, Attributing, Evidence):
                     row.comm = row.comm or hs[0].comm
                 elif t is not None and t.visible and a.method == "usage-file":
                     sl = slot_of.get((a.slice, t.pid_ns, t.inner)) or slot_of.get((a.slice, 0, t.inner))
-                    if sl is not None and (not sl.start_ticks or procfs.started_by(t.start, sl.start_ticks)):
+                    if sl is not None and procfs.may_have_started_by(t.start, sl.start_ticks):
                         if sl.pid_ns != my_pid_ns and sl.host_pid != pid and sl.start_ticks:
                             self._note_host_pid(a.slice, sl, pid)
                         keep = True
