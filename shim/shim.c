@@ -402,13 +402,17 @@ static struct vgpu_usage *map_usage(const char *path)
             flock(fd, LOCK_EX);
             if ((ok = fstat(fd, &st) == 0) && st.st_size == 0) {
                 struct vgpu_usage *u = calloc(1, sizeof *u);
-                if ((ok = u != NULL)) {
-                    u->magic = VGPU_USAGE_MAGIC;
-                    u->abi_version = VGPU_ABI_VERSION;
-                    u->size = sizeof *u;
-                    ok = pwrite(fd, u, sizeof *u, 0) == (ssize_t)sizeof *u;
-                    free(u);
+                if (!u) {
+                    flock(fd, LOCK_UN);
+                    close(fd);
+                    deny("out of memory at start-up");
+                    return NULL;
                 }
+                u->magic = VGPU_USAGE_MAGIC;
+                u->abi_version = VGPU_ABI_VERSION;
+                u->size = sizeof *u;
+                ok = pwrite(fd, u, sizeof *u, 0) == (ssize_t)sizeof *u;
+                free(u);
             }
             flock(fd, LOCK_UN);
         }

@@ -342,6 +342,28 @@ def test_a_long_slice_directory_is_used_whole_and_one_past_path_max_fails_closed
     assert f"VGPU_DIR is too long ({len(str(node.dir))} characters)" in (tmp_path / "err").read_text()
 
 
+@pytest.mark.parametrize("failing", ["malloc,calloc,realloc", "calloc"])
+def test_a_shim_out_of_memory_at_start_refuses_allocations_and_the_program_runs_on(tmp_path, spawn, c_program,
+                                                                                  failing):
+    """The allocations the shim itself makes fail (tests/programs/no_heap_for_shim.c,
+    preloaded before it): all of them, so it cannot build its slice's paths, or only calloc,
+    so it cannot write a new usage file's header.  Either way it refuses device memory (fail
+    closed) with one line saying why, and the program keeps running: its calls answer,
+    nothing is charged and the device holds nothing for it."""
+    node = Node(tmp_path)
+    env = node.env(limit="1Gi", NO_HEAP_FOR_SHIM=failing)
+    env["LD_PRELOAD"] = f"{c_program('no_heap_for_shim', ('-shared', '-fPIC'))} {env['LD_PRELOAD']}"
+    a = spawn(env, stderr_path=tmp_path / "err")
+    assert a.call("alloc", MiB) == [OUT_OF_MEMORY, None]
+    assert a.call("alloc", MiB) == [OUT_OF_MEMORY, None]
+    assert a.call("info")[0] == SUCCESS
+    assert node.referee().used == 0
+    rc, err = a.finish()
+    assert rc == 0
+    assert [line for line in err.splitlines() if "vgpu[" in line] == [
+        f"vgpu[{a.pid}]: error: out of memory at start-up; refusing GPU memory allocations (fail closed)"]
+
+
 def test_cap_is_exact_to_the_byte_of_what_the_device_holds(node, spawn):
     """The cap counts footprints (csrc/footprint.h: 2 MiB pages from 1 MiB on, 512-byte
     rounding below), exactly: the referee holds what the usage file says."""
