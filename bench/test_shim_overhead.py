@@ -6,6 +6,7 @@ little; the added nanoseconds and the ratio are the figures.  Run: `make bench`.
 """
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -92,14 +93,19 @@ def test_one_process_start_up(tmp_path, bench_program, benchmark):
     runs = {k: [] for k in envs}
     for i in range(40):
         for name in (list(envs) if i % 2 else list(envs)[::-1]):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
             out = subprocess.run([str(exe)], env=envs[name], capture_output=True, text=True, check=True).stdout
-            runs[name].append(dict(kv.split("=") for kv in out.split()))
-    med = {k: {m: statistics.median(float(r[m]) for r in v) / 1000 for m in v[0]} for k, v in runs.items()}
-    print("\none process                main() to first allocation   added    cuInit   added")
+            # the whole process's page faults, exec to exit (each about 1 us here)
+            faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
+            runs[name].append({**{k: float(v) / 1000 for k, v in (kv.split("=") for kv in out.split())},
+                               "faults": faults})
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    print("\none process                main() to first allocation   added    cuInit   added   page faults added")
     for name, m in med.items():
         base = med[_without_for(name, med)]
         print(f"{name:26} {m['first_alloc_ns']:20.0f} us {m['first_alloc_ns'] - base['first_alloc_ns']:6.0f} us "
-              f"{m['init_ns']:6.0f} us {m['init_ns'] - base['init_ns']:5.0f} us")
+              f"{m['init_ns']:6.0f} us {m['init_ns'] - base['init_ns']:5.0f} us {m['faults']:7.0f} "
+              f"{m['faults'] - base['faults']:5.0f}")
         benchmark.extra_info[f"{name} first_alloc_us"] = m["first_alloc_ns"]
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
 

@@ -110,7 +110,9 @@ static uint64_t overhead_bytes[VGPU_MAX_DEVICES];
  * under its pid is what the driver still keeps for it. */
 #define ROWS_MAX (VGPU_MAX_PROCS * 4)
 static pthread_mutex_t rows_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct { uint64_t read_ns; int dev, n; nvmlProcessInfo_t rows[ROWS_MAX]; } last_rows = {.dev = -1};
+/* The rows, 6 KiB, are allocated when first read: in the shim's .bss they came between
+ * variables every process touches at start-up, and cost it a page fault of their own. */
+static struct { uint64_t read_ns; int has, dev, n; nvmlProcessInfo_t *rows; } last_rows;
 
 static int nvml_rows(int dev, nvmlProcessInfo_t *infos, unsigned int room, uint64_t not_before)
 {
@@ -118,18 +120,23 @@ static int nvml_rows(int dev, nvmlProcessInfo_t *infos, unsigned int room, uint6
     pthread_mutex_lock(&rows_lock);
     uint64_t now = now_ns();
     int n = -1;
-    if (last_rows.dev != dev || last_rows.read_ns < not_before) {
+    if (!last_rows.rows && !(last_rows.rows = malloc(ROWS_MAX * sizeof *last_rows.rows))) {
+        pthread_mutex_unlock(&rows_lock);
+        return -1;   /* as when NVML cannot say */
+    }
+    if (!last_rows.has || last_rows.dev != dev || last_rows.read_ns < not_before) {
         nvmlDevice_t h;
         unsigned int got = ROWS_MAX;
-        last_rows.dev = -1;
+        last_rows.has = 0;
         if (up && !nvml_handle(dev, &h) && real_nvmlDeviceGetComputeRunningProcesses_v3 &&
             real_nvmlDeviceGetComputeRunningProcesses_v3(h, &got, last_rows.rows) == NVML_SUCCESS) {
+            last_rows.has = 1;
             last_rows.dev = dev;
             last_rows.n = (int)got;
             last_rows.read_ns = now;   /* (read before the call: the list is at least this new) */
         }
     }
-    if (last_rows.dev == dev) {
+    if (last_rows.has && last_rows.dev == dev) {
         n = last_rows.n < (int)room ? last_rows.n : (int)room;
         memcpy(infos, last_rows.rows, (size_t)n * sizeof *infos);
     }
@@ -171,7 +178,7 @@ int shared_kept_by_driver(int i)
     if (exporter <= 0 || ns != ROOT_PID_NS_INODE)
         return 0;
     uint32_t used = LOAD(&S.usage->slots_used);
-    static nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];   /* (S.lock) */
+    nvmlProcessInfo_t infos[VGPU_MAX_PROCS * 4];
     for (int d = 0; d < VGPU_MAX_DEVICES; d++) {
         uint64_t charge = LOAD(&S.usage->charge[d][i]);
         if (!charge)

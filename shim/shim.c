@@ -938,7 +938,7 @@ static int slice_file(char name[VGPU_NAME_MAX])
  * joiner's slot and leaves it. */
 
 static int standalone_node_fd = -1;      /* the node directory, locked while configure joins */
-static char standalone_dir[4096];        /* set once this process is in a standalone slice */
+static char *standalone_dir;             /* set once this process is in a standalone slice */
 static char standalone_name[VGPU_NAME_MAX];
 static dev_t standalone_quota_dev;       /* the quota file it joined (not one made again since) */
 static ino_t standalone_quota_ino;
@@ -1023,7 +1023,7 @@ static void standalone_joined(const char *dir, const char *name, const char *qpa
 {
     struct stat st;
     if (S.mode == MODE_ENFORCE && (LOAD(&S.quota->flags) & VGPU_QUOTA_STANDALONE) && stat(qpath, &st) == 0) {
-        snprintf(standalone_dir, sizeof standalone_dir, "%s", dir);
+        standalone_dir = strdup(dir);   /* (out of memory: the slice stays, as if a process were left) */
         snprintf(standalone_name, sizeof standalone_name, "%s", name);
         standalone_quota_dev = st.st_dev;
         standalone_quota_ino = st.st_ino;
@@ -1142,7 +1142,7 @@ static enum others remove_if_last(int fd, uint32_t flags)
 
 __attribute__((destructor)) static void standalone_remove_at_exit(void)
 {
-    if (!standalone_dir[0] || S.usage_fd < 0)
+    if (!standalone_dir || S.usage_fd < 0)
         return;
     uint32_t flags = LOAD(&S.quota->flags);
     int fd = open(standalone_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
