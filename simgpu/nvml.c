@@ -467,7 +467,14 @@ static uint64_t wall_us(void)
  * utilization sample period is 1/6 s to 1 s by product.  Each process has a phase of its
  * own (a V100's single answer has held busy processes' samples seconds apart, as published
  * in the KubernetesNotes repository's gpu/nvml-python notes).  A sample is its process's
- * share of the period before its timestamp. */
+ * share of the period before its timestamp, and the answer for a process is the average of
+ * its samples newer than lastSeenTimeStamp, stamped with the latest: nvml.h
+ * (nvmlDeviceGetProcessesUtilizationInfo: 0 reads "utilization based on all the samples
+ * maintained by the driver's internal sample buffer", a timestamp of a previous query
+ * "utilization since the previous query"), as clients saw it (nvitop pull request 85: an
+ * older lastSeenTimeStamp returns the average rather than the instant value; ksysguard6
+ * pull request 18: all samples give a rolling average).  The buffer is taken to hold the
+ * last second, as without P. */
 static uint64_t sample_period_us(void)
 {
     static _Atomic long long period = -1;
@@ -516,15 +523,18 @@ static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long 
         if (pid <= 0)
             continue;
         uint64_t a = from, b = now, stamp = now_us;
-        if (period_us) {   /* its latest sample: the period before it, if newer than the caller's */
-            uint64_t phase = (uint64_t)pid * 7919u % period_us;
-            if (now_us < phase + period_us)
+        if (period_us) {   /* its samples newer than the caller's, whole within the buffer's second */
+            uint64_t phase = (uint64_t)pid * 7919u % period_us, from_us = now_us - (now - from) / 1000;
+            uint64_t after = from_us + period_us - 1;   /* a sample's stamp must pass it, and lastSeenTimeStamp */
+            after = lastSeenTimeStamp > after ? lastSeenTimeStamp : after;
+            if (now_us < phase + period_us || after < phase)
                 continue;
-            stamp = (now_us - phase) / period_us * period_us + phase;
-            if (stamp <= lastSeenTimeStamp || (now_us - stamp + period_us) * 1000 > now)
+            stamp = (now_us - phase) / period_us * period_us + phase;                       /* the latest */
+            uint64_t first = (after - phase) / period_us * period_us + phase + period_us;   /* the oldest */
+            if (first > stamp || (now_us - first + period_us) * 1000 > now)
                 continue;
             b = now - (now_us - stamp) * 1000;
-            a = b - period_us * 1000;
+            a = b - (stamp - first + period_us) * 1000;
         }
         uint64_t busy = simgpu_busy_ns(d, pid, a, b);
         if (busy)

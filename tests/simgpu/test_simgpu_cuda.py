@@ -1328,6 +1328,43 @@ print(json.dumps([gpu, samples]))
     assert 40 <= samples[0][1] <= 60
 
 
+def test_a_sampling_driver_answers_the_average_of_a_processs_samples_since_the_callers_time(sim_env):
+    """SIMGPU_PROCESS_SAMPLE_MS=100: a sample of each process every 100 ms, and a process's
+    answer the average of its samples newer than lastSeenTimeStamp, stamped with the latest
+    (nvml.h, nvmlDeviceGetProcessesUtilizationInfo: a timestamp of a previous query reads
+    "utilization since the previous query").  Busy for 0.5 s, then idle: over the last
+    second its samples average about half, though the latest is idle; since 150 ms ago, and
+    after the latest stamp, there is no busy sample to answer with."""
+    env = {**sim_env, "SIMGPU_PROCESS_SAMPLE_MS": "100"}
+    now, whole, recent, again = cuda("""
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+context()
+fn = kernel("sim_10000us")
+time.sleep(0.25)
+for i in range(50):                   # 0.5 s of 10 ms kernels, back to back
+    launch(fn)
+ok(cu.cuCtxSynchronize())
+time.sleep(0.2)
+now = int(time.time() * 1e6)
+
+def since(t):
+    try:
+        return [[s.pid, s.smUtil, s.timeStamp] for s in n.nvmlDeviceGetProcessUtilization(h, t)]
+    except n.NVMLError_NotFound:
+        return None
+
+whole = since(now - 1000000)
+print(json.dumps([now, whole, since(now - 150000), whole and since(whole[0][2])]))
+""", env)
+    [[pid, util, stamp]] = whole
+    assert pid > 0
+    assert 30 <= util <= 70, util
+    assert now - 100000 < stamp <= now + 100000   # its latest sample's time
+    assert recent is None and again is None
+
+
 @pytest.mark.timing     # simulated kernel time, measured by the wall clock
 def test_captured_graph_takes_the_sum_of_its_kernels(sim_env):
     r = cuda("""
