@@ -570,10 +570,9 @@ def nvml_windows(pids, start, windows, diag=None):
     [[share of pid, ...] per window].  A process NVML does not list in an interval was idle.
     With `diag` (a dict), also what the samples are like over the first window, per pid:
     how many NVML returns per call, how old their timestamps are, how often a pid has none,
-    and the shim's own reading (shim/compute.c measured_span: every 0.5 s, the samples since
-    the latest one it used, or since 0.5 s ago; a pid without one is skipped, as the shim
-    does): its mean and the spans it covered (latest sample's time less the time passed) --
-    to tell, on a GPU, how often the driver samples each process and over what it averages."""
+    and the shim's own reading (shim/compute.c own_utilization: every 0.5 s, the samples
+    since 0.5 s ago; here a pid without one counts 0, where the shim skips the window) --
+    to tell, on a GPU, how often the driver samples each process."""
     import pynvml
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -590,7 +589,6 @@ def nvml_windows(pids, start, windows, diag=None):
     end = start + max(b for _, b in windows)
     first = windows[0]
     intervals, shim_reads, last, polls = [], [], time.time(), 0
-    shim_seen = {}   # pid -> the latest sample time the shim's reading used
     counts, lags = {pid: [] for pid in pids}, {pid: [] for pid in pids}
     while last < end:
         time.sleep(0.25)
@@ -603,17 +601,9 @@ def nvml_windows(pids, start, windows, diag=None):
                 counts[pid].append(len(got.get(pid, ())))
                 lags[pid] += [1000 * (answered - ts) for _, ts in got.get(pid, ())]
             polls += 1
-            if polls % 2 == 0:   # as the shim reads it, each pid a container of its own
-                reading = {}
-                for pid in pids:
-                    since = shim_seen.get(pid, 0)
-                    since = since if now - 2.0 < since < now else now - 0.5
-                    got_pid = read(since).get(pid)
-                    if got_pid:
-                        stamp = max(ts for _, ts in got_pid)
-                        reading[pid] = (sum(u for u, _ in got_pid), 1000 * (stamp - since))
-                        shim_seen[pid] = stamp
-                shim_reads.append(reading)
+            if polls % 2 == 0:   # as the shim reads it
+                shim = read(now - 0.5)
+                shim_reads.append({pid: sum(u for u, _ in v) for pid, v in shim.items()})
         last = now
     if diag is not None and polls:
         diag.update({
@@ -624,10 +614,8 @@ def nvml_windows(pids, start, windows, diag=None):
             "as_the_shim_reads": {
                 "reads": len(shim_reads),
                 "reads_without_a_sample": [sum(p not in r for r in shim_reads) for p in pids],
-                "mean_percent": [round(statistics.mean(r[p][0] for r in shim_reads if p in r), 1)
-                                 if any(p in r for r in shim_reads) else None for p in pids],
-                "span_ms_median": [round(statistics.median(r[p][1] for r in shim_reads if p in r))
-                                   if any(p in r for r in shim_reads) else None for p in pids]}})
+                "mean_percent": [round(statistics.mean(r.get(p, 0) for r in shim_reads), 1) if shim_reads else None
+                                 for p in pids]}})
     return [[round(sum(u.get(pid, 0) * max(0.0, min(b, t1) - max(a, t0)) for t0, t1, u in intervals) / (b - a), 1)
              for pid in pids] for a, b in windows]
 

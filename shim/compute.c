@@ -22,8 +22,7 @@
  *             graph launches likewise per executable graph;
  *   correction: every SM_CHECK_NS one of its processes sets a cost scale to the ratio
  *             of the GPU time NVML measured for the container to the estimates of
- *             what it launched over the span NVML's samples cover, both summed over
- *             the last few seconds (event timings
+ *             what it launched, both summed over the last few seconds (event timings
  *             also count time spent waiting behind other tenants' kernels; NVML does
  *             not).
  * Unpaced (sm.max = 100%, and in burst mode sm.request = 100% too) a launch costs a
@@ -46,18 +45,6 @@
 struct estimate { uint64_t key, ns, sampled_at; uint32_t launches; uint16_t sampling, learned; };
 static struct estimate estimates[1u << ESTIMATE_BITS];   /* per process; races only blur an average */
 static uint64_t typical_ns;                    /* for launches not measured yet */
-
-/* The container's estimate counter (sm_raw_ns) as this process saw it, at wall-clock times
- * (NVML's), a point at most every RAW_POINT_US while it launches: the correction sets what
- * NVML measured over the span its samples cover against what was launched over that span. */
-#define RAW_POINTS 256
-#define RAW_POINT_US 10000ull
-static struct raw_history {
-    pthread_mutex_t lock;
-    uint32_t next;
-    struct { uint64_t us, raw; } at[RAW_POINTS];
-} raw_history[VGPU_MAX_DEVICES] = {[0 ... VGPU_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
-static uint64_t nvml_seen_us[VGPU_MAX_DEVICES];   /* the latest NVML sample of the container's the correction used */
 
 /* busy: 0 free, 1 being started, 2 in flight, 3 being read.  A slot keeps its two events
  * (created once per context: creating events is not cheap on a real driver). */
@@ -93,10 +80,6 @@ void compute_atfork_child(void)   /* the samples' events are the parent's; NVML 
     in_flight = 0;
     first_paced_ns = 0;
     memset(lanes, 0, sizeof lanes);
-    /* the history stays (the container's counter, as the parent saw it), its locks are new
-     * (another thread may have held one at the fork) */
-    for (int d = 0; d < VGPU_MAX_DEVICES; d++)
-        raw_history[d].lock = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     backlog_due = 0;
 }
 
@@ -539,13 +522,13 @@ static uint64_t wall_us(void)
     return (uint64_t)ts.tv_sec * 1000000ull + (uint64_t)ts.tv_nsec / 1000u;
 }
 
-/* What NVML saw the container's processes use on `dev` since `since_us` (wall clock): the
- * sum of their per-process SM and memory utilization (percent of the device), and in
- * *stamp_us the latest of their samples' times.  Returns how many samples of theirs NVML
- * had (0: none of them ran, or none was sampled since); -1 when NVML cannot say. */
-static int own_utilization(int dev, uint64_t since_us, uint64_t *sm_pct, uint64_t *mem_pct, uint64_t *stamp_us)
+/* What NVML saw the container's processes use on `dev` over the last `window_ns`: the
+ * sum of their per-process SM and memory utilization (percent of the device).  Returns
+ * how many samples of theirs NVML had (0: none of them ran, or none was sampled in the
+ * window); -1 when NVML cannot say. */
+static int own_utilization(int dev, uint64_t window_ns, uint64_t *sm_pct, uint64_t *mem_pct)
 {
-    *sm_pct = *mem_pct = *stamp_us = 0;
+    *sm_pct = *mem_pct = 0;
     if (nvml_start() || !real_nvmlDeviceGetProcessUtilization || !real_nvmlDeviceGetHandleByIndex_v2)
         return -1;
     nvmlDevice_t h;
@@ -553,7 +536,7 @@ static int own_utilization(int dev, uint64_t since_us, uint64_t *sm_pct, uint64_
     unsigned int n = VGPU_MAX_PROCS * 2;
     if (nvml_handle(dev, &h))
         return -1;
-    nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, since_us);
+    nvmlReturn_t r = real_nvmlDeviceGetProcessUtilization(h, smp, &n, wall_us() - window_ns / 1000);
     if (r == NVML_ERROR_NOT_FOUND)
         return 0;   /* no process ran a kernel in the window, or none was sampled in it */
     if (r != NVML_SUCCESS)
@@ -577,76 +560,25 @@ static int own_utilization(int dev, uint64_t since_us, uint64_t *sm_pct, uint64_
             if (nvml_pid[p] && nvml_pid[p] == smp[i].pid) {
                 *sm_pct += smp[i].smUtil;
                 *mem_pct += smp[i].memUtil;
-                if (smp[i].timeStamp > *stamp_us)
-                    *stamp_us = smp[i].timeStamp;
                 own++;
             }
     return own;
 }
 
-/* A point of the estimate counter's history, now (wall clock), unless one is that recent. */
-static void note_raw(int dev, const struct vgpu_usage_device *u, uint64_t now_us)
+/* GPU time NVML saw the container's processes use on `dev` over the last `window_ns`;
+ * NOT_MEASURED when NVML cannot say -- or has no sample of theirs in the window.  It is
+ * only asked after the container launched work in the window, and a driver samples each
+ * process at its own pace (1/6 s to 1 s by product, nvidia-smi(1)): no sample in a window
+ * shorter than that is no news, not idleness.  Read as idle, every other half-second
+ * window of a 1 s pace halved the cost scale's measure: a 30/70% pair ran 50/50 (simgpu's
+ * SIMGPU_PROCESS_SAMPLE_MS=1000). */
+#define NOT_MEASURED UINT64_MAX
+static uint64_t measured_ns(int dev, uint64_t window_ns)
 {
-    struct raw_history *h = &raw_history[dev];
-    pthread_mutex_lock(&h->lock);
-    uint32_t last = (h->next + RAW_POINTS - 1) % RAW_POINTS;
-    if (h->at[last].us + RAW_POINT_US <= now_us) {
-        h->at[h->next].us = now_us;
-        h->at[h->next].raw = LOAD(&u->sm_raw_ns);
-        h->next = (h->next + 1) % RAW_POINTS;
-    }
-    pthread_mutex_unlock(&h->lock);
-}
-
-/* The estimate counter at wall-clock time t_us, between the two points around it (linear),
- * the newest being (now_us, now_raw); -1 when the history does not reach back that far. */
-static int raw_at(int dev, uint64_t t_us, uint64_t now_us, uint64_t now_raw, uint64_t *raw)
-{
-    struct raw_history *h = &raw_history[dev];
-    uint64_t b = now_us, rb = now_raw;
-    int found = -1;
-    pthread_mutex_lock(&h->lock);
-    for (uint32_t k = 1; k <= RAW_POINTS; k++) {   /* newest first */
-        uint32_t i = (h->next + RAW_POINTS - k) % RAW_POINTS;
-        uint64_t a = h->at[i].us, ra = h->at[i].raw;
-        if (!a || a > b || ra > rb)
-            break;   /* an empty point, or one from before a fork */
-        if (t_us >= a) {
-            *raw = b > a ? ra + (uint64_t)((double)(rb - ra) * (double)(t_us - a) / (double)(b - a)) : rb;
-            found = 0;
-            break;
-        }
-        b = a;
-        rb = ra;
-    }
-    pthread_mutex_unlock(&h->lock);
-    return found;
-}
-
-/* GPU time NVML saw the container's processes use on `dev`, and the estimates launched,
- * over the same span: from the latest of their samples the correction used before (or
- * `window_ns` ago) to the latest now.  A driver keeps a sample of each process every 1/6 s
- * to 1 s, by product (nvidia-smi(1)), and answers with the average of a process's samples
- * newer than the time it is given (nvml.h): a span that ends at a sample, not at the
- * call.  -1 when NVML cannot say -- or has no sample of theirs since: no sample in a
- * window shorter than the driver's period is no news, not idleness (read as idle, every
- * other half-second window of a 1 s period halved the cost scale's measure: a 30/70% pair
- * ran 50/50; simgpu's SIMGPU_PROCESS_SAMPLE_MS=1000). */
-static int measured_span(int dev, uint64_t window_ns, uint64_t *actual_ns, uint64_t *raw_ns)
-{
-    uint64_t now_us = wall_us(), since = LOAD(&nvml_seen_us[dev]), sm, mem, stamp, from, to;
-    if (!since || since > now_us || now_us - since > 4 * SM_CHECK_NS / 1000)
-        since = now_us - window_ns / 1000;   /* none yet, or too old to join up with */
-    uint64_t now_raw = LOAD(&S.usage->devices[dev].sm_raw_ns);
-    if (own_utilization(dev, since, &sm, &mem, &stamp) <= 0 || stamp <= since)
-        return -1;
-    stamp = stamp < now_us ? stamp : now_us;   /* (a sample is never newer than the call) */
-    if (raw_at(dev, since, now_us, now_raw, &from) || raw_at(dev, stamp, now_us, now_raw, &to) || to < from)
-        return -1;
-    STORE(&nvml_seen_us[dev], stamp);
-    *actual_ns = sm * (stamp - since) * 10;   /* percent of the span, in ns */
-    *raw_ns = to - from;
-    return 0;
+    uint64_t sm, mem;
+    if (own_utilization(dev, window_ns, &sm, &mem) <= 0)
+        return NOT_MEASURED;
+    return sm * window_ns / 100;
 }
 
 /* Every SM_CHECK_NS, one process of the container (whoever moves sm_check_ns first)
@@ -676,12 +608,12 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
     if (!last || window > 4 * SM_CHECK_NS || raw < window / 100 || last < mine + 2 * SM_CHECK_NS)
         return;   /* first period, a long pause, too little launched to judge, or the process's
                    * first second (its first kernels queue and wait to be measured) */
-    uint64_t actual, spanned;
-    if (measured_span(dev, window, &actual, &spanned))
+    uint64_t actual = measured_ns(dev, window);
+    if (actual == NOT_MEASURED)
         return;
     uint64_t m = LOAD(&u->sm_measured_sum), r = LOAD(&u->sm_raw_sum);
     m = m - m / 8 + actual;
-    r = r - r / 8 + spanned;
+    r = r - r / 8 + raw;
     STORE(&u->sm_measured_sum, m);
     STORE(&u->sm_raw_sum, r);
     uint64_t old = LOAD(&u->sm_correction), corr = (uint64_t)((double)CORR_ONE * m / r);
@@ -692,8 +624,8 @@ static void maybe_correct(int dev, struct vgpu_usage_device *u, uint64_t now)
     if (corr > CORR_ONE * 16)
         corr = CORR_ONE * 16;
     STORE(&u->sm_correction, corr);
-    DEBUG("device %d: measured %.1f ms, estimated %.1f ms: cost scale %.3f", dev, actual / 1e6, spanned / 1e6,
-          (double)corr / CORR_ONE);
+    DEBUG("device %d: measured %.1f%%, estimated %.1f%%: cost scale %.3f", dev, 100.0 * actual / window,
+          100.0 * raw / window, (double)corr / CORR_ONE);
 }
 
 static __attribute__((noinline, cold)) void lane_refresh(int dev, struct vgpu_usage_device *u, uint64_t now)
@@ -702,7 +634,6 @@ static __attribute__((noinline, cold)) void lane_refresh(int dev, struct vgpu_us
     uint32_t gen = __atomic_load_n(&sm_gen_seen, __ATOMIC_SEQ_CST);
     if (UNLIKELY(!LOAD(&first_paced_ns)))   /* (lanes start expired, and again in a forked child) */
         STORE(&first_paced_ns, now);
-    note_raw(dev, u, wall_us());
     if (now - LOAD(&u->sm_check_ns) >= SM_CHECK_NS)
         maybe_correct(dev, u, now);
     int b = board_entry(dev);
@@ -979,8 +910,7 @@ SHIM_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvml
         utilization->gpu = utilization->memory = 0;   /* a device the slice was not given */
         return r;
     }
-    uint64_t stamp;
-    if (own_utilization(dev, wall_us() - UTIL_WINDOW_NS / 1000, &sm, &mem, &stamp) >= 0) {
+    if (own_utilization(dev, UTIL_WINDOW_NS, &sm, &mem) >= 0) {
         gpu = sm_max >= SM_FULL ? sm : sm * SM_FULL / sm_max;
         utilization->memory = (unsigned int)(mem > 100 ? 100 : mem);
     } else if (sm_max < SM_FULL) {

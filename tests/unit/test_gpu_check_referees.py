@@ -32,8 +32,7 @@ def test_errors_are_the_worst_tenant_over_the_whole_and_over_one_second_windows(
 def test_nvml_windows_weighs_each_window_by_its_own_time(tmp_path, c_program):
     """A tenant that keeps simgpu busy (2 ms kernels back to back, no shim) from 1 s to 3.2 s:
     over [0.5, 1.5] s half busy, over [1.5, 2.5] s all, over [0.5, 2.5] s three quarters; a
-    sample in every poll once it runs, and the shim's own reading every 0.5 s of the span since
-    the latest sample it used."""
+    sample in every poll once it runs, and the shim's own 0.5 s reading of the time it covers."""
     duty = c_program("duty")
     env = make_sim_env(tmp_path / "node")
     subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
@@ -52,11 +51,8 @@ def test_nvml_windows_weighs_each_window_by_its_own_time(tmp_path, c_program):
     diag = got["diag"]
     assert diag["samples_per_call_max"] == [1] and diag["polls_without_a_sample"][0] <= diag["polls"] // 4 + 1
     assert diag["sample_age_ms_median"][0] >= 0   # (simgpu stamps a sample with the time of the call)
-    # every 0.5 s inside [0.5, 2.5] s, each read from the latest sample the one before used:
-    # before 1 s none (skipped, as the shim skips it), the first after it half idle, the rest busy
-    shim = diag["as_the_shim_reads"]
-    assert 1 <= shim["reads_without_a_sample"][0] <= 2 and 70 <= shim["mean_percent"][0] <= 95, diag
-    assert 400 <= shim["span_ms_median"][0] <= 600, diag
+    # its reads look back 0.5 s from inside [0.5, 2.5] s, so cover about [0.25, 2.25] s: 62.5%
+    assert 50 <= diag["as_the_shim_reads"]["mean_percent"][0] <= 75, diag
 
 
 # run_together's protocol (a JSON line once set up, the start time on stdin), then 2 ms
