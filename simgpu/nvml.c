@@ -524,9 +524,9 @@ static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long 
             continue;
         uint64_t a = from, b = now, stamp = now_us;
         if (period_us) {   /* its samples newer than the caller's, whole within the buffer's second */
-            uint64_t phase = (uint64_t)pid * 7919u % period_us, from_us = now_us - (now - from) / 1000;
-            uint64_t after = from_us + period_us - 1;   /* a sample's stamp must pass it, and lastSeenTimeStamp */
-            after = lastSeenTimeStamp > after ? lastSeenTimeStamp : after;
+            uint64_t phase = (uint64_t)pid * 7919u % period_us;
+            uint64_t after = now_us - SEC_US + period_us - 1;   /* a sample's stamp must pass it (its period in */
+            after = lastSeenTimeStamp > after ? lastSeenTimeStamp : after;   /* the buffer), and lastSeen's */
             if (now_us < phase + period_us || after < phase)
                 continue;
             stamp = (now_us - phase) / period_us * period_us + phase;                       /* the latest */
