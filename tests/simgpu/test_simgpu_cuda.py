@@ -1332,9 +1332,10 @@ def test_a_sampling_driver_answers_the_average_of_a_processs_samples_since_the_c
     """SIMGPU_PROCESS_SAMPLE_MS=100: a sample of each process every 100 ms, and a process's
     answer the average of its samples newer than lastSeenTimeStamp, stamped with the latest
     (nvml.h, nvmlDeviceGetProcessesUtilizationInfo: a timestamp of a previous query reads
-    "utilization since the previous query").  Busy for 0.5 s, then idle: over the last
-    second its samples average about half, though the latest is idle; since 150 ms ago, and
-    after the latest stamp, there is no busy sample to answer with."""
+    "utilization since the previous query").  Busy for 0.5 s, then idle for 0.2 s: over the
+    last second its samples average about half, though the latest is idle; since 50 ms ago
+    (one sample, of the 100 ms before it: idle), and after the latest stamp, there is no
+    busy sample to answer with."""
     env = {**sim_env, "SIMGPU_PROCESS_SAMPLE_MS": "100"}
     now, whole, recent, again = cuda("""
 import pynvml as n
@@ -1356,7 +1357,7 @@ def since(t):
         return None
 
 whole = since(now - 1000000)
-print(json.dumps([now, whole, since(now - 150000), whole and since(whole[0][2])]))
+print(json.dumps([now, whole, since(now - 50000), whole and since(whole[0][2])]))
 """, env)
     [[pid, util, stamp]] = whole
     assert pid > 0
