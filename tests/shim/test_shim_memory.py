@@ -849,7 +849,11 @@ if os.fork():
     say({"a": a})
     os._exit(0)
 os.read(0, 3)                      # B: A is gone; a child C with A's pid
+deadline = time.monotonic() + 20
 for _ in range(50):
+    # another process (the suite runs in parallel) may hold A's pid for a while: wait it out
+    while os.path.exists(f"/proc/{a}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     with open("/proc/sys/kernel/ns_last_pid", "w") as f:
         f.write(str(a - 1))
     c = os.fork()
