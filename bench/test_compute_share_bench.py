@@ -135,9 +135,10 @@ SAMPLE_PERIODS_MS = (167, 500, 1000)
 def test_pairs_where_the_driver_samples_each_process(duty, tmp_path, benchmark):
     """The 1-block pair of test_side_by_side_pairs where the tenants' NVML answers as a
     driver that keeps one utilization sample per process every P ms, each covering the P ms
-    before it (simgpu's SIMGPU_PROCESS_SAMPLE_MS): the correction's measure is then what
-    NVML's samples say, not the exact timeline the other benches give it.  The referee
-    still reads the exact timeline."""
+    before it, and answers with the average of a process's samples since the time asked
+    (simgpu's SIMGPU_PROCESS_SAMPLE_MS): the correction's measure is then what NVML's
+    samples say, not the exact timeline the other benches give it.  The referee still reads
+    the exact timeline."""
     shims = shims_to_compare()
     windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
     rows = []
@@ -148,8 +149,8 @@ def test_pairs_where_the_driver_samples_each_process(duty, tmp_path, benchmark):
                              SIMGPU_PROCESS_SAMPLE_MS=str(period))
                 whole = max(abs(g - t) for g, t in zip(got[0], PAIR))
                 worst = max(abs(g - t) for w in got[1:] for g, t in zip(w, PAIR))
-                rows.append((name, f"a sample every {period} ms, {'a sync after each' if mode == 'sync' else 'back to back'}",
-                             got[0], whole, worst))
+                how = "a sync after each" if mode == "sync" else "back to back"
+                rows.append((name, f"a sample every {period} ms, {how}", got[0], whole, worst))
     print(f"\n{PAIR[0]}/{PAIR[1]}% pairs of 20 ms kernels (1 block) where NVML samples each process: shares over "
           "6 s after 4 s, error (points), worst 1 s window's error")
     for name, label, got, whole, worst in rows:
