@@ -104,28 +104,36 @@ PAIR_CASES = [   # (what, kernel us, grid): 20 ms kernels either way (a wave is 
 ]
 
 
+def _pairs(duty, tmp_path, benchmark, title, cases):
+    """Run the 30/70% pair for each (label, kernel us, blocks, mode, environment) case with
+    each shim to compare, and print each one's shares over 6 s after 4 s, error and worst
+    1 s window's error (points)."""
+    shims = shims_to_compare()
+    windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
+    rows = []
+    for label, us, blocks, mode, extra in cases:
+        for name, shim in shims.items():
+            got = shares(duty, tmp_path, [(PAIR[0], us), (PAIR[1], us)], 10.5, windows, (mode, blocks), shim, **extra)
+            whole = max(abs(g - t) for g, t in zip(got[0], PAIR))
+            worst = max(abs(g - t) for w in got[1:] for g, t in zip(w, PAIR))
+            rows.append((name, f"{label}, {'a sync after each' if mode == 'sync' else 'back to back'}", got[0], whole,
+                         worst))
+    print(f"\n{PAIR[0]}/{PAIR[1]}% pairs of 20 ms kernels{title}: shares over 6 s after 4 s, error (points), "
+          "worst 1 s window's error")
+    width = max(len(label) for _, label, *_ in rows)
+    for name, label, got, whole, worst in rows:
+        print(f"{name:10} {label:{width}} {got[0]:5.1f} / {got[1]:5.1f}   {whole:4.1f}   {worst:4.1f}")
+        benchmark.extra_info[f"{name}: {label}"] = {"shares": got, "error": whole, "worst_1s": worst}
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 def test_side_by_side_pairs(duty, tmp_path, benchmark):
     """30/70% tenants of 20 ms kernels, launched back to back and with a cuStreamSynchronize
     after each (a training step that reads its loss), grids of 1 and 7200 blocks: each
     tenant's error over 6 s after 4 s, and the worst of the six 1 s windows in it, in
     points.  With BENCH_BASELINE_SHIM set, another build of the shim in the same rounds."""
-    shims = shims_to_compare()
-    windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
-    rows = []
-    for what, us, blocks in PAIR_CASES:
-        for mode in ("kernel", "sync"):
-            for name, shim in shims.items():
-                got = shares(duty, tmp_path, [(PAIR[0], us), (PAIR[1], us)], 10.5, windows, (mode, blocks), shim)
-                whole = max(abs(g - t) for g, t in zip(got[0], PAIR))
-                worst = max(abs(g - t) for w in got[1:] for g, t in zip(w, PAIR))
-                rows.append((name, f"{what}, {'a sync after each' if mode == 'sync' else 'back to back'}",
-                             got[0], whole, worst))
-    print(f"\n{PAIR[0]}/{PAIR[1]}% pairs of 20 ms kernels: shares over 6 s after 4 s, error (points), "
-          "worst 1 s window's error")
-    for name, label, got, whole, worst in rows:
-        print(f"{name:10} {label:58} {got[0]:5.1f} / {got[1]:5.1f}   {whole:4.1f}   {worst:4.1f}")
-        benchmark.extra_info[f"{name}: {label}"] = {"shares": got, "error": whole, "worst_1s": worst}
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    _pairs(duty, tmp_path, benchmark, "",
+           [(what, us, blocks, mode, {}) for what, us, blocks in PAIR_CASES for mode in ("kernel", "sync")])
 
 
 # nvidia-smi(1): a device's utilization sample period is 1/6 s to 1 s, by product
@@ -139,24 +147,9 @@ def test_pairs_where_the_driver_samples_each_process(duty, tmp_path, benchmark):
     (simgpu's SIMGPU_PROCESS_SAMPLE_MS): the correction's measure is then what NVML's
     samples say, not the exact timeline the other benches give it.  The referee still reads
     the exact timeline."""
-    shims = shims_to_compare()
-    windows = [[4.0, 10.0]] + [[4.0 + i, 5.0 + i] for i in range(6)]
-    rows = []
-    for period in SAMPLE_PERIODS_MS:
-        for mode in ("kernel", "sync"):
-            for name, shim in shims.items():
-                got = shares(duty, tmp_path, [(PAIR[0], 20000), (PAIR[1], 20000)], 10.5, windows, (mode, 1), shim,
-                             SIMGPU_PROCESS_SAMPLE_MS=str(period))
-                whole = max(abs(g - t) for g, t in zip(got[0], PAIR))
-                worst = max(abs(g - t) for w in got[1:] for g, t in zip(w, PAIR))
-                how = "a sync after each" if mode == "sync" else "back to back"
-                rows.append((name, f"a sample every {period} ms, {how}", got[0], whole, worst))
-    print(f"\n{PAIR[0]}/{PAIR[1]}% pairs of 20 ms kernels (1 block) where NVML samples each process: shares over "
-          "6 s after 4 s, error (points), worst 1 s window's error")
-    for name, label, got, whole, worst in rows:
-        print(f"{name:10} {label:45} {got[0]:5.1f} / {got[1]:5.1f}   {whole:4.1f}   {worst:4.1f}")
-        benchmark.extra_info[f"{name}: {label}"] = {"shares": got, "error": whole, "worst_1s": worst}
-    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    _pairs(duty, tmp_path, benchmark, " (1 block) where NVML samples each process",
+           [(f"a sample every {period} ms", 20000, 1, mode, {"SIMGPU_PROCESS_SAMPLE_MS": str(period)})
+            for period in SAMPLE_PERIODS_MS for mode in ("kernel", "sync")])
 
 
 def _launch_ns(exe, env):
