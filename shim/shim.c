@@ -1171,6 +1171,15 @@ static void join_slice(const char *name, const char *qpath, const struct vgpu_qu
     INFO("container %s: quota %s, usage %s, slot %d", name, qpath, S.usage_path, S.slot);
 }
 
+/* 64-bit FNV-1a of a string: the slice's key on the share board, the hooked names' set. */
+static uint64_t fnv1a(const char *s)
+{
+    uint64_t h = 14695981039346656037ull;
+    while (*s)
+        h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}
+
 /* "<dir>/<leaf>", allocated; NULL when memory is short.  Sized to the path, where buffers
  * of PATH_MAX (two in the state, two on the stack) each had a page of their own written at
  * every start: a page fault each, ~1 us here (issue 31). */
@@ -1248,10 +1257,7 @@ static void configure(void)
         free(qpath);
         return deny("out of memory at start-up");
     }
-    S.slice_key = 14695981039346656037ull;   /* FNV-1a */
-    for (const char *c = name; *c; c++)
-        S.slice_key = (S.slice_key ^ (unsigned char)*c) * 1099511628211ull;
-    S.slice_key |= 1;   /* never 0, a free entry */
+    S.slice_key = fnv1a(name) | 1;   /* never 0, a free entry (vgpu/board.py slice_key: the same) */
     if (from_env)
         standalone_join(dir, cdir, qpath, &env_quota);
     join_slice(name, qpath, from_env ? &env_quota : NULL);
@@ -1356,10 +1362,7 @@ static pthread_once_t hooked_bases_once = PTHREAD_ONCE_INIT;
 
 static unsigned name_hash(const char *s)
 {
-    uint32_t h = 2166136261u;   /* FNV-1a, its top 9 bits */
-    while (*s)
-        h = (h ^ (unsigned char)*s++) * 16777619u;
-    return h >> 23;
+    return (unsigned)(fnv1a(s) >> 55);   /* its top 9 bits: a bit of the set */
 }
 
 static void hash_hooked_bases(void)
