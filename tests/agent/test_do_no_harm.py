@@ -18,6 +18,7 @@ import subprocess
 import pytest
 
 from tests.agent.test_node_agent import GiB, MiB, Node, agents, spawn  # noqa: F401 (agents, spawn: fixtures)
+from tests.helpers.pid_namespaces import IN_OWN_PID_NAMESPACE, children, needs_pid_namespaces
 from tests.helpers.simnode import write_usage_counters
 from tests.helpers.wait import wait_until
 
@@ -123,8 +124,7 @@ def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_con
     in every container) whose pid there is a neighbour's host pid found the neighbour's
     512 MiB under getpid() and was charged it as its context's overhead (512 MiB more, which
     fit its 1 GiB cap, then refused).  The shim measures the overhead only in the root pid namespace."""
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
+    needs_pid_namespaces()
     node_ = Node(tmp_path)
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "1Gi")
@@ -132,7 +132,7 @@ def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_con
     assert neighbour.call(alloc=512 * MiB) == 0
     # the tenant's pid in its namespace is the neighbour's host pid (the namespace's next pid
     # set through ns_last_pid; simgpu's NVML lists the host pid, read from the host's /proc)
-    ns = ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+    ns = [*IN_OWN_PID_NAMESPACE, "sh", "-c",
           f'echo {neighbour.host_pid - 1} > /proc/sys/kernel/ns_last_pid && "$@"', "sh"]
     tenant = spawn(node_.shim_env("a"), prefix=ns)
     assert tenant.pid == neighbour.host_pid != tenant.host_pid
@@ -145,8 +145,7 @@ def test_in_a_pid_namespace_a_neighbour_under_the_same_pid_is_not_charged_as_con
 def measured_node(tmp_path):
     """A node whose contexts cost simgpu's A10 figure (256 MiB), with slice `before` made
     before `vgpu-ctl measure-context` ran and `after` made after it, 1 GiB each."""
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
+    needs_pid_namespaces()
     node_ = Node(tmp_path)
     node_.dir.mkdir()
     node_.env["SIMGPU_CONTEXT_OVERHEAD"] = "profile"
@@ -154,9 +153,6 @@ def measured_node(tmp_path):
     assert json.loads(node_.ctl("measure-context", "--json").stdout) == {"0": 256 * MiB}
     node_.ctl("create", "after", "--memory", "1Gi")
     return node_
-
-
-IN_A_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
 def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the_runtime_s_variable(
@@ -172,7 +168,7 @@ def test_in_a_pid_namespace_the_node_s_measured_context_cost_is_charged_from_the
     assert variables["VGPU_CONTEXT_OVERHEAD"] == str(256 * MiB)
     assert f"VGPU_CONTEXT_OVERHEAD={256 * MiB}" in made["docker"]
     tenant = spawn({**measured_node.shim_env("before"), "VGPU_CONTEXT_OVERHEAD": str(512 * MiB)},
-                   prefix=IN_A_PID_NAMESPACE)
+                   prefix=IN_OWN_PID_NAMESPACE)
     assert tenant.pid != tenant.host_pid
     assert tenant.call(alloc=512 * MiB) == 0
     assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
@@ -188,7 +184,7 @@ def test_a_slice_carries_the_measurement_in_its_quota_and_needs_no_variable(meas
     could, without starting NVML).  768 MiB fit and no more, and the device holds the cap
     (without the figure the tenant got 1 GiB on top of its context: 1.25 GiB on the device)."""
     assert "VGPU_CONTEXT_OVERHEAD" not in measured_node.shim_env(made)
-    tenant = spawn(measured_node.shim_env(made), prefix=IN_A_PID_NAMESPACE)
+    tenant = spawn(measured_node.shim_env(made), prefix=IN_OWN_PID_NAMESPACE)
     assert tenant.call(alloc=768 * MiB) == 0
     assert tenant.call(alloc=64 * MiB) == 2           # CUDA_ERROR_OUT_OF_MEMORY
     assert measured_node.usage(made).devices[0]["memory_current"] == GiB
@@ -208,11 +204,6 @@ def test_a_measurement_file_that_is_not_one_stops_env_with_a_hint(tmp_path):
         assert node_.ctl("env", "a").returncode == 0    # a shell here measures for itself
 
 
-def _children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(x) for x in f.read().split()]
-
-
 @pytest.mark.parametrize("reaper", ["in the container", "on the host"])
 def test_a_container_process_s_slot_stays_charged_while_the_driver_holds_its_memory(tmp_path, spawn, agents, reaper):
     """In a container (a pid namespace of its own) the shim cannot ask NVML about a slot's
@@ -223,14 +214,13 @@ def test_a_container_process_s_slot_stays_charged_while_the_driver_holds_its_mem
     the slot while NVML lists memory under that pid: another process of the slice, in the
     container or on the host, is refused 768 MiB of its 1 GiB (before: drained, admitted,
     1.25 GiB on the device, the referee's figure), then gets it once the child is gone."""
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
+    needs_pid_namespaces()
     node_ = Node(tmp_path)
     node_.dir.mkdir()
     node_.ctl("create", "a", "--memory", "1Gi")
     agents(node_, "--interval", "100ms")
     # pid 1 of the namespace is a shell that outlives the tenant (its end would end them all)
-    holder = spawn(node_.shim_env("a"), prefix=["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+    holder = spawn(node_.shim_env("a"), prefix=[*IN_OWN_PID_NAMESPACE, "sh", "-c",
                                                 '"$@"; exec sleep 3600', "sh"])
     assert holder.pid != holder.host_pid
     assert holder.call(alloc=512 * MiB) == 0
@@ -241,7 +231,7 @@ def test_a_container_process_s_slot_stays_charged_while_the_driver_holds_its_mem
     holder.proc.stdin.flush()
     assert wait_until(lambda: not os.path.exists(f"/proc/{holder.host_pid}"), 10)   # exited, waited for by sh
     if reaper == "in the container":
-        (shell,) = _children(holder.proc.pid)
+        (shell,) = children(holder.proc.pid)
         other = spawn(node_.shim_env("a"), prefix=["nsenter", f"--target={shell}", "--pid", "--"])
         assert other.pid != other.host_pid
     else:

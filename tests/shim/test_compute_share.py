@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests.helpers.pid_namespaces import IN_OWN_PID_NAMESPACE, needs_pid_namespaces, started_by
 from tests.helpers.simnode import make_sim_env, run_python
 from vgpu.cli import main
 from vgpu._region import ffi, lib
@@ -110,24 +111,14 @@ def test_shares_hold_where_the_driver_samples_each_process(tmp_path, c_program, 
 
 
 def in_own_pid_namespace(exe, args, env):
-    """A tenant in a pid namespace of its own, as in a container (the host's /proc kept, so
-    simgpu's NVML lists its host pid, as a driver does): (unshare's Popen, the host pid)."""
-    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", str(exe), *map(str, args)], env=env,
+    """A tenant in a pid namespace of its own, as in a container: (unshare's Popen, the host pid)."""
+    outer = subprocess.Popen([*IN_OWN_PID_NAMESPACE, str(exe), *map(str, args)], env=env,
                              stdout=subprocess.DEVNULL)
-    children = f"/proc/{outer.pid}/task/{outer.pid}/children"
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        pids = open(children).read().split() if os.path.exists(children) else []
-        if pids:
-            return outer, int(pids[0])
-        time.sleep(0.01)
-    outer.kill()
-    raise AssertionError("the namespaced tenant did not start")
-
-
-def needs_pid_namespaces():
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
+    try:
+        return outer, started_by(outer.pid)
+    except AssertionError:
+        outer.kill()
+        raise
 
 
 def test_tenants_in_pid_namespaces_of_their_own_get_their_shares(tmp_path, c_program):
