@@ -30,13 +30,17 @@ Checks:
                     over 6 s after 4 s and the worst 1 s window, by NVML and, with a sync after
                     each kernel, by the kernels each finished (count x the kernel's solo time);
                     with both, `nvml_samples`: what NVML's per-process samples are like (per
-                    call, their age, missing ones) and the shim's own 0.5 s reading of them
+                    call, their age, missing ones) and the shim's own 0.5 s reading of them;
+                    and `shim`, per tenant, what its shim logged at debug: its kernels'
+                    samples (events, which include time behind a neighbour) and each
+                    correction (NVML's measure, the estimates', the cost scale set)
   duty_containers   duty's first pair, each tenant in a pid namespace of its own (as in a
                     container: unshare --pid, needs root) and the node agent running: the
                     correction finds the tenants in NVML by the host pids the agent writes;
                     also whether it wrote them (needs the vgpu package and its dependencies)
   woken             a 70% slice wakes next to one bursting to 100% (guaranteed 30%): its share
-                    over its first second, counted as above; needs the vgpu package's cffi part
+                    over its first second, counted as above, and each one's `shim` as in
+                    duty; needs the vgpu package's cffi part
   mem_get_info      torch.cuda.mem_get_info() reports the cap as total
   oom_and_recover   allocating past the cap raises torch.OutOfMemoryError; after freeing,
                     the same allocation succeeds (the process keeps working)
@@ -63,6 +67,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -519,6 +524,34 @@ def namespaced_pid(outer, timeout=10.0):
     raise RuntimeError(f"unshare ({outer}) started no process")
 
 
+# The duty tenants' shims log at debug, and shim_trace reads what they say of the compute
+# share (shim/compute.c): each kernel sample their events gave, each 0.5 s correction of
+# the cost scale by NVML.  So a run on a GPU shows which input of the correction was off.
+TRACED = {"VGPU_LOG": "debug"}
+SAMPLE_LINE = re.compile(r"debug: kernel [0-9a-f]+: sampled ([0-9.]+) ms, estimate ([0-9.]+) ms$")
+CORRECTION_LINE = re.compile(r"debug: device \d+: measured ([0-9.]+)%, estimated ([0-9.]+)%: cost scale ([0-9.]+)$")
+
+
+def shim_trace(stderr):
+    """A tenant's stderr at VGPU_LOG=debug, summed up: how many kernel samples, their ms
+    (min, quartiles; a sample includes time spent behind a neighbour's context), the
+    estimate they led to last, and every correction in turn ([NVML's measure %, the
+    estimates' %, the cost scale set]); None where the shim said none of it."""
+    sampled, estimate, corrections = [], None, []
+    for line in stderr.splitlines():
+        if m := SAMPLE_LINE.search(line):
+            sampled.append(float(m[1]))
+            estimate = float(m[2])
+        elif m := CORRECTION_LINE.search(line):
+            corrections.append([float(m[1]), float(m[2]), float(m[3])])
+    if not sampled and not corrections:
+        return None
+    spread = [min(sampled), *(statistics.quantiles(sampled, n=4, method="inclusive") if len(sampled) > 1 else sampled * 3)] \
+        if sampled else None
+    return {"samples": len(sampled), "sample_ms_min_q1_median_q3": spread and [round(x, 3) for x in spread],
+            "estimate_ms_last": estimate, "corrections": corrections}
+
+
 def run_together(tenants, seconds, windows, also=None, diag=None, namespaced=False):
     """tenants: [(argv, env)] of programs that print a JSON line once set up, then read a start
     time (epoch seconds) on stdin and run `seconds` from it, ending with a JSON line.  Started
@@ -555,6 +588,8 @@ def run_together(tenants, seconds, windows, also=None, diag=None, namespaced=Fal
             out, _ = p.communicate(timeout=seconds + 60)
             lines = [line for line in out.splitlines() if line.startswith("{")]
             outs.append(json.loads(lines[-1]) if lines else {"error": stderr_of(i)})
+            errs[i].seek(0)
+            outs[-1]["shim"] = shim_trace(errs[i].read())
         return start, nvml, outs
     finally:
         for p in procs:
@@ -672,6 +707,7 @@ def duty_row(tenants, targets, mode, ms, also=None, namespaced=False):
         by_count = [list(w) for w in zip(*(counted(o["done"], start, ms / 1000, DUTY_WINDOWS) for o in outs))]
         row.update(counted=by_count[0], counted_error_points=errors(by_count, targets))
     row["launches"] = [o.get("launches", o.get("error")) for o in outs]
+    row["shim"] = [o["shim"] for o in outs]
     return row
 
 
@@ -690,7 +726,7 @@ def duty_check(shim, tmp):
     rows = {}
     for label, targets, blocks, mode in cases:
         n, ms = sizes[blocks]
-        tenants = [(under_shim(shim, Path(tmp) / f"vgpu-duty-{len(rows)}", f"t{i}", VGPU_SM_LIMIT=f"{t}%"),
+        tenants = [(under_shim(shim, Path(tmp) / f"vgpu-duty-{len(rows)}", f"t{i}", VGPU_SM_LIMIT=f"{t}%", **TRACED),
                     blocks, n, mode, 0.0) for i, t in enumerate(targets)]
         rows[label] = duty_row(tenants, targets, mode, ms)
     worst = max(worst_error(r) for r in rows.values())
@@ -737,7 +773,7 @@ def duty_containers_check(shim, tmp):
     vdir.mkdir()
     targets = (30, 70)
     with node_agent(vdir) as agent:
-        tenants = [(under_shim(shim, vdir, f"t{i}", VGPU_SM_LIMIT=f"{t}%"), 1, n, "sync", 0.0)
+        tenants = [(under_shim(shim, vdir, f"t{i}", VGPU_SM_LIMIT=f"{t}%", **TRACED), 1, n, "sync", 0.0)
                    for i, t in enumerate(targets)]
         host_pids = {}
 
@@ -773,11 +809,13 @@ def woken_check(shim, tmp):
         vdir = Path(tmp) / f"vgpu-woken-{r}"
         slices.create(vdir, "t0", {0: slices.device_quota(sm=10000, sm_request=3000)}, overcommit=True)
         slices.create(vdir, "t1", {0: slices.device_quota(sm=7000)}, overcommit=True)
-        start, nvml, outs = run_spins([(under_shim(shim, vdir, "t0"), 1, n, "kernel", 0.0),
-                                       (under_shim(shim, vdir, "t1"), 1, n, "sync", wake)], wake + 2.5, windows)
+        start, nvml, outs = run_spins([(under_shim(shim, vdir, "t0", **TRACED), 1, n, "kernel", 0.0),
+                                       (under_shim(shim, vdir, "t1", **TRACED), 1, n, "sync", wake)], wake + 2.5,
+                                      windows)
         first = counted(outs[1].get("done", []), start, ms / 1000, windows[1:])[0]
         rounds.append({"burster_alone_nvml": nvml[0][0], "woken_first_second_counted": first,
-                       "woken_first_second_nvml": nvml[1][1], "burster_then_nvml": nvml[1][0]})
+                       "woken_first_second_nvml": nvml[1][1], "burster_then_nvml": nvml[1][0],
+                       "shim": [o["shim"] for o in outs]})
     return {"ok": all(abs(r["woken_first_second_counted"] - 70) <= 1 for r in rounds), "rounds": rounds}
 
 

@@ -5,9 +5,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers.paths import ROOT
+from tests.helpers.pid_namespaces import needs_pid_namespaces
 from tests.helpers.simnode import make_sim_env, run_python
 from vgpu.paths import SHIM
 
@@ -55,15 +54,19 @@ def test_nvml_windows_weighs_each_window_by_its_own_time(tmp_path, c_program):
     assert 50 <= diag["as_the_shim_reads"]["mean_percent"][0] <= 75, diag
 
 
-# run_together's protocol (a JSON line once set up, the start time on stdin), then 2 ms
-# kernels back to back for 2 s: the duty program, exec'd in the same process
+# run_together's protocol (a JSON line once set up, the start time on stdin), then the duty
+# program (by default 2 ms kernels back to back for 2 s), exec'd in the same process
 RUN_TOGETHER_TENANT = """
 import json, os, sys, time
 print(json.dumps({{"ready": True}}), flush=True)
 t0 = float(sys.stdin.readline())
 time.sleep(max(0.0, t0 - time.time()))
-os.execv({duty!r}, [{duty!r}, "2000", "2.0"])
+os.execv({duty!r}, [{duty!r}, *{args!r}])
 """
+
+
+def run_together_tenant(duty, args=("2000", "2.0")):
+    return RUN_TOGETHER_TENANT.format(duty=str(duty), args=list(args))
 
 
 def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_into_its_slot(tmp_path, c_program):
@@ -72,8 +75,7 @@ def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_i
     agent watching the slices.  NVML is read for the process unshare started (2 ms kernels
     back to back: the window all busy; unshare's own pid would read 0), and the agent writes
     the host pid NVML lists it by into its slot."""
-    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
-        pytest.skip("needs root and pid namespaces")
+    needs_pid_namespaces()
     duty = c_program("duty")
     env = make_sim_env(tmp_path / "node")
     subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
@@ -85,7 +87,7 @@ def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_i
         sys.path.insert(0, {str(ROOT / "bench")!r})
         import gpu_check
         from vgpu import slices
-        TENANT = {RUN_TOGETHER_TENANT.format(duty=str(duty))!r}
+        TENANT = {run_together_tenant(duty)!r}
         written = []
 
         def note(start, windows):
@@ -105,3 +107,32 @@ def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_i
     got = json.loads(out.splitlines()[-1])
     assert got["nvml"][0][0] >= 90, got
     assert got["written"], got
+
+
+def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_path, c_program):
+    """What duty and woken record of each tenant's shim (shim_trace of its stderr at TRACED's
+    level), on simgpu: one tenant of run_together at 50%, 2 ms kernels with a sync after
+    each for 3.5 s.  Its kernels' samples are read (simgpu's kernel takes the 2 ms it is
+    named for, and alone nothing waits behind a neighbour), and its corrections, one per
+    0.5 s from the first 1.5 s on, each NVML's measure beside the estimates': alone and
+    estimated right, both near its 50% and the cost scale near 1."""
+    duty = c_program("duty")
+    env = make_sim_env(tmp_path / "node")
+    subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
+    tenant = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_SLICE": "t0",
+              "VGPU_SM_LIMIT": "50%"}
+    out = run_python(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import gpu_check
+        env = {{**{tenant!r}, **gpu_check.TRACED}}
+        _, _, [out] = gpu_check.run_together([([sys.executable, "-c", {run_together_tenant(duty, ("2000", "3.5", "sync"))!r}],
+                                               env)], 3.5, [[0.5, 3.5]])
+        print(json.dumps(out["shim"]))
+    """, env, timeout=120).stdout
+    trace = json.loads(out.splitlines()[-1])
+    assert trace["samples"] >= 1 and 1.9 <= trace["estimate_ms_last"] <= 2.5, trace
+    assert 1.9 <= trace["sample_ms_min_q1_median_q3"][0] <= 2.5, trace
+    assert len(trace["corrections"]) >= 2, trace
+    for measured, estimated, scale in trace["corrections"]:
+        assert 35 <= measured <= 60 and abs(measured - estimated) <= 10 and 0.7 <= scale <= 1.4, trace
