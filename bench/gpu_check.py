@@ -546,10 +546,12 @@ def shim_trace(stderr):
             corrections.append([float(m[1]), float(m[2]), float(m[3])])
     if not sampled and not corrections:
         return None
-    spread = [min(sampled), *(statistics.quantiles(sampled, n=4, method="inclusive") if len(sampled) > 1 else sampled * 3)] \
-        if sampled else None
-    return {"samples": len(sampled), "sample_ms_min_q1_median_q3": spread and [round(x, 3) for x in spread],
-            "estimate_ms_last": estimate, "corrections": corrections}
+    spread = None
+    if sampled:
+        quartiles = statistics.quantiles(sampled, n=4, method="inclusive") if len(sampled) > 1 else sampled * 3
+        spread = [round(x, 3) for x in (min(sampled), *quartiles)]
+    return {"samples": len(sampled), "sample_ms_min_q1_median_q3": spread, "estimate_ms_last": estimate,
+            "corrections": corrections}
 
 
 def run_together(tenants, seconds, windows, also=None, diag=None, namespaced=False):

@@ -121,13 +121,13 @@ def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_
     subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
     tenant = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_SLICE": "t0",
               "VGPU_SM_LIMIT": "50%"}
+    code = run_together_tenant(duty, ("2000", "3.5", "sync"))
     out = run_python(f"""
         import json, sys
         sys.path.insert(0, {str(ROOT / "bench")!r})
         import gpu_check
         env = {{**{tenant!r}, **gpu_check.TRACED}}
-        _, _, [out] = gpu_check.run_together([([sys.executable, "-c", {run_together_tenant(duty, ("2000", "3.5", "sync"))!r}],
-                                               env)], 3.5, [[0.5, 3.5]])
+        _, _, [out] = gpu_check.run_together([([sys.executable, "-c", {code!r}], env)], 3.5, [[0.5, 3.5]])
         print(json.dumps(out["shim"]))
     """, env, timeout=120).stdout
     trace = json.loads(out.splitlines()[-1])
