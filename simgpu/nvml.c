@@ -523,14 +523,17 @@ static nvmlReturn_t utilization_samples(nvmlDevice_t device, unsigned long long 
         if (pid <= 0)
             continue;
         uint64_t a = from, b = now, stamp = now_us;
-        if (period_us) {   /* its samples newer than the caller's, whole within the buffer's second */
+        if (period_us) {
+            /* Its samples newer than the caller's: each counts whole, so a sample's stamp
+             * must pass `after`, both lastSeenTimeStamp and the point from which its whole
+             * period lies in the buffer's second.  `stamp` is the latest, `first` the oldest. */
             uint64_t phase = (uint64_t)pid * 7919u % period_us;
-            uint64_t after = now_us - SEC_US + period_us - 1;   /* a sample's stamp must pass it (its period in */
-            after = lastSeenTimeStamp > after ? lastSeenTimeStamp : after;   /* the buffer), and lastSeen's */
+            uint64_t after = now_us - SEC_US + period_us - 1;
+            after = lastSeenTimeStamp > after ? lastSeenTimeStamp : after;
             if (now_us < phase + period_us || after < phase)
                 continue;
-            stamp = (now_us - phase) / period_us * period_us + phase;                       /* the latest */
-            uint64_t first = (after - phase) / period_us * period_us + phase + period_us;   /* the oldest */
+            stamp = (now_us - phase) / period_us * period_us + phase;
+            uint64_t first = (after - phase) / period_us * period_us + phase + period_us;
             if (first > stamp || (now_us - first + period_us) * 1000 > now)
                 continue;
             b = now - (now_us - stamp) * 1000;

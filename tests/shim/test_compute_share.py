@@ -99,10 +99,10 @@ def test_two_tenants_that_wait_for_each_kernel_still_get_their_shares(tmp_path, 
 def test_shares_hold_where_the_driver_samples_each_process(tmp_path, c_program, mode, period_ms):
     """A real driver keeps a per-process utilization sample every 1/6 s to 1 s, by product,
     here the two ends (simgpu's SIMGPU_PROCESS_SAMPLE_MS; the referee still reads the exact
-    timeline).  The
-    shim's correction looks every 0.5 s: a window without a sample of its processes is no
-    news.  Read as idle, it halved the correction's measure: the 30/70% pair ran 50/50
-    with a sync after each of its 20 ms kernels, 38/62 with them back to back."""
+    timeline).  The shim's correction looks every 0.5 s: a window without a sample of its
+    processes is no news.  Read as idle, it halved the correction's measure: the 30/70%
+    pair ran 50/50 with a sync after each of its 20 ms kernels, 38/62 with them back to
+    back."""
     a, b = (tenant_env(tmp_path, name, share, SIMGPU_PROCESS_SAMPLE_MS=period_ms) for name, share in
             (("a", "30%"), ("b", "70%")))
     [[got_a, got_b]] = run_tenants(tmp_path, c_program, [(a, 20000, mode), (b, 20000, mode)], 10.5,
