@@ -34,6 +34,10 @@ Checks:
                     and `shim`, per tenant, what its shim logged at debug: its kernels'
                     samples (events, which include time behind a neighbour) and each
                     correction (NVML's measure, the estimates', the cost scale set)
+  duty_no_agent     duty's pairs with a sync after each kernel, each tenant in a pid namespace
+                    of its own (root) and no node agent, as containers are while it is down:
+                    the correction cannot find them in NVML, so the shares are the estimates'
+                    alone (beside duty: what the correction does); `corrections`: should be 0
   duty_containers   duty's first pair, each tenant in a pid namespace of its own (as in a
                     container: unshare --pid, needs root) and the node agent running: the
                     correction finds the tenants in NVML by the host pids the agent writes;
@@ -758,13 +762,39 @@ def node_agent(vdir):
             ended["stderr"] = log.read().strip()[-600:]
 
 
+def pid_namespaces():
+    """Whether this process may start one in a pid namespace of its own (root)."""
+    return subprocess.run([*IN_OWN_PID_NAMESPACE, "true"], capture_output=True).returncode == 0
+
+
+def duty_no_agent_check(shim, tmp):
+    """duty's pairs with a sync after each kernel (30/70%, 1 and 7200 blocks), each tenant in a
+    pid namespace of its own and no node agent running: as containers are while the agent is
+    down.  NVML lists processes by host pid, which only the agent writes into a slot, so the
+    correction finds none of the tenants' and never sets a cost scale: their shares are the
+    estimates' alone.  Beside duty's same rows, what the correction does on this GPU (the
+    shim has no switch that turns it off).  `corrections`: how many the tenants' shims made,
+    0 unless the check did not measure what it says."""
+    if not pid_namespaces():
+        return {"skipped": "needs pid namespaces (unshare --pid: root)"}
+    sizes, targets, rows = spin_calibration(), (30, 70), {}
+    for blocks, what in ((1, "1 block"), (7200, "7200 blocks")):
+        n, ms = sizes[blocks]
+        vdir = Path(tmp) / f"vgpu-no-agent-{blocks}"
+        tenants = [(under_shim(shim, vdir, f"t{i}", VGPU_SM_LIMIT=f"{t}%", **TRACED), blocks, n, "sync", 0.0)
+                   for i, t in enumerate(targets)]
+        rows[f"30/70%, {what}, a sync after each"] = duty_row(tenants, targets, "sync", ms, namespaced=True)
+    return {"worst_error_points": max(worst_error(r) for r in rows.values()),
+            "corrections": sum(len(t["corrections"]) for r in rows.values() for t in r["shim"] if t), "rows": rows}
+
+
 def duty_containers_check(shim, tmp):
     """duty's first pair (30/70%, 1 block, a sync after each 20 ms kernel) with each tenant in
     a pid namespace of its own, as in a container, and the node agent (`vgpu-ctl agent`)
     watching their slices: the shim's correction reads NVML by the host pid the agent writes
     into each slot.  Also: the host pids the agent wrote (none: the correction never
     measured, and the estimates stood alone)."""
-    if subprocess.run([*IN_OWN_PID_NAMESPACE, "true"], capture_output=True).returncode:
+    if not pid_namespaces():
         return {"skipped": "needs pid namespaces (unshare --pid: root)"}
     vgpu, why = vgpu_package()
     if not vgpu:
@@ -879,6 +909,7 @@ def main():
         plan = [("start_up", lambda: start_up_check(shim, tmp)), ("start_up_32", lambda: start_up_32_check(shim, tmp)),
                 ("expandable", memory), ("nvml_meaning", nvml_meaning_check),
                 ("duty", lambda: duty_check(shim, tmp)),
+                ("duty_no_agent", lambda: duty_no_agent_check(shim, tmp)),
                 ("duty_containers", lambda: duty_containers_check(shim, tmp)),
                 ("woken", lambda: woken_check(shim, tmp)),
                 ("launch_overhead", launch_overhead), ("shares", shares), ("graph_replay", graph_replay),

@@ -136,3 +136,33 @@ def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_
     assert len(trace["corrections"]) >= 2, trace
     for measured, estimated, scale in trace["corrections"]:
         assert 35 <= measured <= 60 and abs(measured - estimated) <= 10 and 0.7 <= scale <= 1.4, trace
+
+
+def test_without_the_agent_a_namespaced_tenant_s_shim_samples_its_kernels_and_never_corrects(tmp_path, c_program):
+    """What duty_no_agent rests on, on simgpu: the trace test's tenant (50%, 2 ms kernels with
+    a sync after each, 3.5 s) in a pid namespace of its own, as run_spins starts it there,
+    and no node agent.  Its shim still samples its kernels, but finds none of its processes
+    in NVML (which lists the host pid only the agent writes into a slot): no correction,
+    so the share is the estimates' alone.  NVML, read from outside for the host pid, sees
+    it run all the same."""
+    needs_pid_namespaces()
+    duty = c_program("duty")
+    env = make_sim_env(tmp_path / "node")
+    subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
+    tenant = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_SLICE": "t0",
+              "VGPU_SM_LIMIT": "50%"}
+    code = run_together_tenant(duty, ("2000", "3.5", "sync"))
+    out = run_python(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import gpu_check
+        env = {{**{tenant!r}, **gpu_check.TRACED}}
+        _, nvml, [out] = gpu_check.run_together([([*gpu_check.IN_OWN_PID_NAMESPACE, sys.executable, "-c", {code!r}],
+                                                  env)], 3.5, [[1.0, 3.5]], namespaced=True)
+        print(json.dumps({{"nvml": nvml, "trace": out["shim"]}}))
+    """, env, timeout=120).stdout
+    got = json.loads(out.splitlines()[-1])
+    trace = got["trace"]
+    assert trace["samples"] >= 1 and 1.9 <= trace["estimate_ms_last"] <= 2.5, got
+    assert trace["corrections"] == [], got
+    assert 35 <= got["nvml"][0][0] <= 65, got
