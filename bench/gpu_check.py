@@ -507,6 +507,11 @@ def spin_calibration():
 IN_OWN_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child"]
 
 
+def can_unshare_pid():
+    """Whether this process may start one in a pid namespace of its own (root)."""
+    return subprocess.run([*IN_OWN_PID_NAMESPACE, "true"], capture_output=True).returncode == 0
+
+
 def run_spins(tenants, seconds, windows, also=None, diag=None, namespaced=False):
     """tenants: [(env, blocks, n, mode, delay s)] of SPIN, started together (run_together);
     namespaced: each in a pid namespace of its own."""
@@ -762,11 +767,6 @@ def node_agent(vdir):
             ended["stderr"] = log.read().strip()[-600:]
 
 
-def pid_namespaces():
-    """Whether this process may start one in a pid namespace of its own (root)."""
-    return subprocess.run([*IN_OWN_PID_NAMESPACE, "true"], capture_output=True).returncode == 0
-
-
 def duty_no_agent_check(shim, tmp):
     """duty's pairs with a sync after each kernel (30/70%, 1 and 7200 blocks), each tenant in a
     pid namespace of its own and no node agent running: as containers are while the agent is
@@ -775,7 +775,7 @@ def duty_no_agent_check(shim, tmp):
     estimates' alone.  Beside duty's same rows, what the correction does on this GPU (the
     shim has no switch that turns it off).  `corrections`: how many the tenants' shims made,
     0 unless the check did not measure what it says."""
-    if not pid_namespaces():
+    if not can_unshare_pid():
         return {"skipped": "needs pid namespaces (unshare --pid: root)"}
     sizes, targets, rows = spin_calibration(), (30, 70), {}
     for blocks, what in ((1, "1 block"), (7200, "7200 blocks")):
@@ -794,7 +794,7 @@ def duty_containers_check(shim, tmp):
     watching their slices: the shim's correction reads NVML by the host pid the agent writes
     into each slot.  Also: the host pids the agent wrote (none: the correction never
     measured, and the estimates stood alone)."""
-    if not pid_namespaces():
+    if not can_unshare_pid():
         return {"skipped": "needs pid namespaces (unshare --pid: root)"}
     vgpu, why = vgpu_package()
     if not vgpu:
