@@ -3,7 +3,8 @@
     python bench/gpu_check.py [--quick] [--only=CHECK,...] [--out=FILE]
 
 (--out: the summary so far is rewritten to FILE after each check, so a run cut short still
-leaves what it measured.)
+leaves what it measured; `python3 bench/gpu_results.py FILE` prints its compute-share rows
+as docs/real-gpu.md shows them.)
 
 Builds the shim (system C compiler), then runs each check in a child process under it
 and prints one JSON summary.  Needs an NVIDIA GPU with its driver, PyTorch with CUDA,
