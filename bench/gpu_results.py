@@ -9,8 +9,10 @@ tenant's share over the whole window by the kernels it finished (count x the ker
 time) and by NVML's per-process utilization, each set's sum, and how much more NVML gave
 the tenants than their finished kernels account for ("NVML - kernels": GPU time the
 driver spent on them that did no work counted at the solo rate, such as switching between
-their contexts, or kernels that ran slower beside a neighbour's).  Where the tenants'
-shims were traced (`shim`), also each one's last cost scale.  Standard library only, like
+their contexts, or kernels that ran slower beside a neighbour's), and each tenant's part of
+the work their kernels did (where the guarantees add up to 100%, how the GPU's work was
+divided, whatever that loss).  Where the tenants' shims were traced (`shim`), also each
+one's last cost scale.  Standard library only, like
 gpu_check: it reads what a lent GPU machine wrote.
 """
 import json
@@ -56,8 +58,11 @@ def report(path):
         for label, row in rows_of(check or {}).items():
             line = f"  {name}: {label}: NVML {shares(row['nvml'])}"
             if row.get("counted"):
-                line = (f"  {name}: {label}: kernels {shares(row['counted'])}, NVML {shares(row['nvml'])}, "
-                        f"NVML - kernels {sum(row['nvml']) - sum(row['counted']):.1f}")
+                done = row["counted"]
+                line = (f"  {name}: {label}: kernels {shares(done)}, NVML {shares(row['nvml'])}, "
+                        f"NVML - kernels {sum(row['nvml']) - sum(done):.1f}")
+                if sum(done) > 0:
+                    line += f", of the work done {' / '.join(f'{100 * c / sum(done):.1f}' for c in done)}"
             scales = last_scales(row)
             if scales:
                 line += f"; cost scales {' / '.join(scales)}"

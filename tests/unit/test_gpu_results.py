@@ -41,10 +41,10 @@ def test_each_row_shows_both_referees_their_sums_and_what_nvml_gave_beyond_the_k
         "  nvml_meaning: 1 block, back to back, alone: kernels 99.3, NVML 99.0, device 99",
         "  duty: 30/70%, 1 block, back to back: NVML 40.1 / 56.3 = 96.4; cost scales - / -",
         "  duty: 30/70%, 1 block, a sync after each: kernels 26.9 / 68.3 = 95.2, NVML 27.0 / 71.9 = 98.9, "
-        "NVML - kernels 3.7; cost scales 0.93 / 1.20",
+        "NVML - kernels 3.7, of the work done 28.3 / 71.7; cost scales 0.93 / 1.20",
         "  duty_no_agent: did not run: needs pid namespaces (unshare --pid: root)",
         "  duty_containers: 30/70%, 1 block, a sync after each: kernels 28.5 / 69.0 = 97.5, NVML 29.0 / 70.0 = 99.0, "
-        "NVML - kernels 1.5; cost scales - / -",
+        "NVML - kernels 1.5, of the work done 29.2 / 70.8; cost scales - / -",
     ]
 
 
@@ -59,3 +59,11 @@ def test_what_is_not_a_summary_is_one_error_line_and_no_traceback(tmp_path):
     got = results(tmp_path / "absent.json")
     assert got.returncode == 1 and "No such file" in got.stderr
     assert results().returncode == 2
+
+
+def test_a_row_whose_kernels_did_no_work_has_no_division_of_it(tmp_path):
+    path = tmp_path / "idle.json"
+    path.write_text(json.dumps({"checks": {"duty": {"rows": {"30/70%": {"nvml": [0.0, 0.0], "counted": [0.0, 0.0]}}}}}))
+    got = results(path)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines()[1] == "  duty: 30/70%: kernels 0.0 / 0.0 = 0.0, NVML 0.0 / 0.0 = 0.0, NVML - kernels 0.0"
