@@ -4,16 +4,15 @@
 
 First nvml_meaning's rows, one tenant alone (its kernels' count, NVML's per-process and
 device utilization: what a GPU does with no neighbour).  Then for each duty-like check
-(duty, duty_no_agent, duty_containers), a line per row: each
-tenant's share over the whole window by the kernels it finished (count x the kernel's solo
-time) and by NVML's per-process utilization, each set's sum, and how much more NVML gave
-the tenants than their finished kernels account for ("NVML - kernels": GPU time the
-driver spent on them that did no work counted at the solo rate, such as switching between
-their contexts, or kernels that ran slower beside a neighbour's), and each tenant's part of
-the work their kernels did (where the guarantees add up to 100%, how the GPU's work was
-divided, whatever that loss).  Where the tenants' shims were traced (`shim`), also each
-one's last cost scale.  Standard library only, like
-gpu_check: it reads what a lent GPU machine wrote.
+(duty, duty_no_agent, duty_containers), a line per row: each tenant's share over the whole
+window by the kernels it finished (count x the kernel's solo time) and by NVML's
+per-process utilization, each set's sum, and how much more NVML gave the tenants than
+their finished kernels account for ("NVML - kernels": GPU time the driver spent on them
+that did no work counted at the solo rate, such as switching between their contexts, or
+kernels that ran slower beside a neighbour's); and each tenant's part of the work their
+kernels did (where the guarantees add up to 100%: how the work was divided, apart from that
+loss).  Where the tenants' shims were traced (`shim`), also each one's last cost scale.
+Standard library only, like gpu_check: it reads what a lent GPU machine wrote.
 """
 import json
 import sys
