@@ -109,13 +109,11 @@ def test_a_namespaced_tenant_is_read_by_its_host_pid_and_the_agent_writes_that_i
     assert got["written"], got
 
 
-def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_path, c_program):
-    """What duty and woken record of each tenant's shim (shim_trace of its stderr at TRACED's
-    level), on simgpu: one tenant of run_together at 50%, 2 ms kernels with a sync after
-    each for 3.5 s.  Its kernels' samples are read (simgpu's kernel takes the 2 ms it is
-    named for, and alone nothing waits behind a neighbour), and its corrections, one per
-    0.5 s from the first 1.5 s on, each NVML's measure beside the estimates': alone and
-    estimated right, both near its 50% and the cost scale near 1."""
+def traced_tenant(tmp_path, c_program, namespaced=False):
+    """One run_together tenant under the shim at 50% on simgpu, its shim at TRACED's level:
+    2 ms kernels with a sync after each for 3.5 s, in a pid namespace of its own where
+    `namespaced` (as run_spins starts it there; no node agent either way).  Returns NVML's
+    share of it over [1.0, 3.5] s, read from outside, and its shim_trace."""
     duty = c_program("duty")
     env = make_sim_env(tmp_path / "node")
     subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
@@ -127,10 +125,21 @@ def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_
         sys.path.insert(0, {str(ROOT / "bench")!r})
         import gpu_check
         env = {{**{tenant!r}, **gpu_check.TRACED}}
-        _, _, [out] = gpu_check.run_together([([sys.executable, "-c", {code!r}], env)], 3.5, [[0.5, 3.5]])
-        print(json.dumps(out["shim"]))
+        prefix = gpu_check.IN_OWN_PID_NAMESPACE if {namespaced!r} else []
+        _, nvml, [out] = gpu_check.run_together([([*prefix, sys.executable, "-c", {code!r}], env)], 3.5,
+                                                [[1.0, 3.5]], namespaced={namespaced!r})
+        print(json.dumps([nvml[0][0], out["shim"]]))
     """, env, timeout=120).stdout
-    trace = json.loads(out.splitlines()[-1])
+    return json.loads(out.splitlines()[-1])
+
+
+def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_path, c_program):
+    """What duty and woken record of each tenant's shim (shim_trace of its stderr at TRACED's
+    level), on simgpu, for traced_tenant's tenant.  Its kernels' samples are read (simgpu's
+    kernel takes the 2 ms it is named for, and alone nothing waits behind a neighbour), and
+    its corrections, one per 0.5 s from the first 1.5 s on, each NVML's measure beside the
+    estimates': alone and estimated right, both near its 50% and the cost scale near 1."""
+    _, trace = traced_tenant(tmp_path, c_program)
     assert trace["samples"] >= 1 and 1.9 <= trace["estimate_ms_last"] <= 2.5, trace
     assert 1.9 <= trace["sample_ms_min_q1_median_q3"][0] <= 2.5, trace
     assert len(trace["corrections"]) >= 2, trace
@@ -139,30 +148,13 @@ def test_a_tenant_s_shim_trace_reads_its_kernel_samples_and_each_correction(tmp_
 
 
 def test_without_the_agent_a_namespaced_tenant_s_shim_samples_its_kernels_and_never_corrects(tmp_path, c_program):
-    """What duty_no_agent rests on, on simgpu: the trace test's tenant (50%, 2 ms kernels with
-    a sync after each, 3.5 s) in a pid namespace of its own, as run_spins starts it there,
-    and no node agent.  Its shim still samples its kernels, but finds none of its processes
-    in NVML (which lists the host pid only the agent writes into a slot): no correction,
-    so the share is the estimates' alone.  NVML, read from outside for the host pid, sees
-    it run all the same."""
+    """What duty_no_agent rests on, on simgpu: traced_tenant's tenant in a pid namespace of its
+    own, and no node agent.  Its shim still samples its kernels, but finds none of its
+    processes in NVML (which lists the host pid only the agent writes into a slot): no
+    correction, so the share is the estimates' alone.  NVML, read from outside for the host
+    pid, sees it run all the same."""
     needs_pid_namespaces()
-    duty = c_program("duty")
-    env = make_sim_env(tmp_path / "node")
-    subprocess.run([str(duty), "2000", "0.1"], env=env, check=True)   # the node made first
-    tenant = {**env, "LD_PRELOAD": str(SHIM), "VGPU_DIR": str(tmp_path / "vgpu"), "VGPU_SLICE": "t0",
-              "VGPU_SM_LIMIT": "50%"}
-    code = run_together_tenant(duty, ("2000", "3.5", "sync"))
-    out = run_python(f"""
-        import json, sys
-        sys.path.insert(0, {str(ROOT / "bench")!r})
-        import gpu_check
-        env = {{**{tenant!r}, **gpu_check.TRACED}}
-        _, nvml, [out] = gpu_check.run_together([([*gpu_check.IN_OWN_PID_NAMESPACE, sys.executable, "-c", {code!r}],
-                                                  env)], 3.5, [[1.0, 3.5]], namespaced=True)
-        print(json.dumps({{"nvml": nvml, "trace": out["shim"]}}))
-    """, env, timeout=120).stdout
-    got = json.loads(out.splitlines()[-1])
-    trace = got["trace"]
-    assert trace["samples"] >= 1 and 1.9 <= trace["estimate_ms_last"] <= 2.5, got
-    assert trace["corrections"] == [], got
-    assert 35 <= got["nvml"][0][0] <= 65, got
+    nvml, trace = traced_tenant(tmp_path, c_program, namespaced=True)
+    assert trace["samples"] >= 1 and 1.9 <= trace["estimate_ms_last"] <= 2.5, trace
+    assert trace["corrections"] == [], trace
+    assert 35 <= nvml <= 65, (nvml, trace)
